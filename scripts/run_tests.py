@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Run tfhybrid's test suites and print one closing summary line.
+
+Suites: ``unit`` (one process), ``parallel`` under ``horovodrun -np 2`` and
+``-np 4 --gloo`` (every rank runs the same pytest session), ``integration``.
+Each rank writes a JUnit XML file under ``test-results/``; the summary counts
+rank 0's results per parallel run and fails if any rank failed.
+
+Usage: python scripts/run_tests.py [--only unit|parallel|integration] [-k EXPR]
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+RESULTS = ROOT / "test-results"
+TIMEOUT = {"unit": 900, "parallel": 1500, "integration": 1200}
+
+
+def pytest_cmd(paths, xml, extra):
+    return [sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider",
+            f"--junitxml={xml}", *extra]
+
+
+def suites(only, extra):
+    out = []
+    if only in (None, "unit"):
+        out.append(("unit", None, pytest_cmd(["tests/unit"], RESULTS / "unit.xml", extra)))
+    if only in (None, "parallel"):
+        for np_ in (2, 4):
+            xml = RESULTS / f"parallel-np{np_}-rank{{rank}}.xml"
+            # Each rank expands its own file name from HOROVOD_RANK (see conftest).
+            cmd = [str(BIN / "horovodrun"), "-np", str(np_), "--gloo",
+                   *pytest_cmd(["tests/parallel"], xml, extra)]
+            out.append((f"parallel-np{np_}", np_, cmd))
+    if only in (None, "integration") and list((ROOT / "tests/integration").glob("test_*.py")):
+        out.append(("integration", None, pytest_cmd(["tests/integration"], RESULTS / "integration.xml", extra)))
+    return out
+
+
+def counts(xml_files):
+    passed = failed = skipped = 0
+    for f in xml_files:
+        if not f.exists():
+            continue
+        for suite in ET.parse(f).getroot().iter("testsuite"):
+            t, fl, er, sk = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+            passed += t - fl - er - sk
+            failed += fl + er
+            skipped += sk
+    return passed, failed, skipped
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["unit", "parallel", "integration"])
+    ap.add_argument("-k", help="pytest -k expression")
+    args = ap.parse_args()
+    extra = ["-k", args.k] if args.k else []
+    RESULTS.mkdir(exist_ok=True)
+    for f in RESULTS.glob("*.xml"):
+        f.unlink()
+    env = dict(os.environ, TF_NUM_INTRAOP_THREADS=os.environ.get("TF_NUM_INTRAOP_THREADS", "1"),
+               TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+               HOROVOD_STALL_CHECK_TIME_SECONDS="60", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="240")
+    total = [0, 0, 0]
+    bad = []
+    for name, np_, cmd in suites(args.only, extra):
+        print(f"\n=== {name}: {' '.join(cmd[:4])} ... ===", flush=True)
+        start = time.time()
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=TIMEOUT[name.split("-")[0]]).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        files = sorted(RESULTS.glob(f"{name}*.xml")) if np_ is None else \
+            [RESULTS / f"{name}-rank{r}.xml" for r in range(np_)]
+        p, f, s = counts(files[:1] if np_ else files)
+        rank_failures = sum(counts([x])[1] for x in files)
+        print(f"=== {name}: {p} passed, {f} failed, {s} skipped on rank 0 "
+              f"(failures on any rank: {rank_failures}; exit {rc}; {time.time() - start:.0f}s) ===",
+              flush=True)
+        if rc not in (0,) or rank_failures or p == 0:
+            bad.append(name)
+        total = [a + b for a, b in zip(total, (p, max(f, rank_failures), s))]
+    print(f"\nsuites failing: {', '.join(bad) if bad else 'none'}")
+    print(f"{total[0]} passed, {total[1]} failed, {total[2]} skipped")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Shared fixtures for tests run under ``horovodrun -np N`` (every rank runs
+the same pytest session, as Horovod's own CI does)."""
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf  # noqa: E402
+
+import tfhybrid  # noqa: E402
+from tfhybrid.comm import backend  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(
+    int(os.environ.get("TF_NUM_INTRAOP_THREADS", 1)))
+tf.config.threading.set_inter_op_parallelism_threads(
+    int(os.environ.get("TF_NUM_INTEROP_THREADS", 2)))
+
+
+def world_size():
+    return backend.launched_size()
+
+
+def model_parallel_values():
+    """Model-group sizes that divide the world: 1, 2, 4."""
+    return [m for m in (1, 2, 4) if world_size() % m == 0]
+
+
+@pytest.fixture
+def grid_of():
+    """``grid_of(mp)`` (re)initialises tfhybrid with ``model_parallel=mp``."""
+    def make(mp):
+        if world_size() % mp:
+            pytest.skip(f"model_parallel={mp} does not divide world size {world_size()}")
+        tfhybrid.shutdown()
+        return tfhybrid.init(model_parallel=mp)
+    yield make
+    tfhybrid.shutdown()
+
+
+def rng(*key):
+    """A numpy Generator every rank can recreate from the same key."""
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def randn(shape, *key):
+    return rng(*key).standard_normal(shape).astype(np.float32)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "parallel: needs horovodrun")
+
+
+def pytest_sessionstart(session):
+    """Per-rank JUnit file: expand ``{rank}`` in --junitxml."""
+    xml = getattr(session.config.option, "xmlpath", None)
+    if xml and "{rank}" in xml:
+        rank = os.environ.get("HOROVOD_RANK", "0")
+        path = xml.replace("{rank}", rank)
+        session.config.option.xmlpath = path
+        plugin = session.config._store.get(__import__("_pytest.junitxml", fromlist=["xml_key"]).xml_key, None)
+        if plugin is not None:
+            plugin.logfile = os.path.normpath(os.path.abspath(path))

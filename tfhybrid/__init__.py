@@ -1,0 +1,20 @@
+"""tfhybrid: hybrid data/model/spatial parallelism for unmodified Keras 3 models.
+
+Typical use, launched with ``horovodrun -np N python train.py``::
+
+    import keras, tfhybrid
+    tfhybrid.init(model_parallel=2)
+    model = tfhybrid.transform(make_model(), strategy="df")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)),
+                  loss="sparse_categorical_crossentropy")
+    model.fit(tfhybrid.data.shard(dataset), callbacks=tfhybrid.callbacks.standard(),
+              verbose=tfhybrid.is_root())
+"""
+from tfhybrid.config import Config
+from tfhybrid.grid import Group, ProcessGrid
+from tfhybrid.runtime import grid, init, is_initialized, is_root, shutdown
+
+__version__ = "0.1.0"
+
+__all__ = ["init", "shutdown", "grid", "is_root", "is_initialized", "Config", "Group",
+           "ProcessGrid", "__version__"]

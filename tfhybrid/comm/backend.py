@@ -1,0 +1,188 @@
+"""The only module of tfhybrid that imports Horovod.
+
+It owns Horovod's initialisation, the registry of process sets (one per
+group of ranks, registered identically on every rank), deterministic
+collective names, and thin wrappers around ``horovod.tensorflow``'s raw ops
+(without Horovod's data-parallel gradients: callers define their own).
+
+When Horovod is not installed or the job was not started by ``horovodrun``,
+the world is a single process and every collective is the identity, so the
+rest of the package runs and tests in one process.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+
+import tensorflow as tf
+
+_LOCK = threading.Lock()
+_STATE = {"hvd": None, "mpi_ops": None, "initialized": False, "sets": {}}
+
+_LAUNCH_ENV_SIZE = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def launched_size() -> int:
+    """World size announced by the launcher's environment (1 if none)."""
+    for key in _LAUNCH_ENV_SIZE:
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return 1
+
+
+def _import_horovod():
+    try:
+        import horovod.tensorflow as hvd  # noqa: WPS433 (the one allowed import)
+        from horovod.tensorflow import mpi_ops
+    except ImportError as err:
+        if launched_size() > 1:
+            raise RuntimeError(
+                "This job was launched on several processes but horovod.tensorflow "
+                f"cannot be imported ({err}). Install the project environment with "
+                "`make env` (it builds horovod 0.28.1 with Gloo).") from err
+        return None, None
+    return hvd, mpi_ops
+
+
+def init():
+    """Initialise Horovod once (dynamic process sets). Returns (size, rank, local_rank)."""
+    with _LOCK:
+        if not _STATE["initialized"]:
+            hvd, mpi_ops = _import_horovod()
+            if hvd is not None:
+                hvd.init(process_sets="dynamic")
+            _STATE.update(hvd=hvd, mpi_ops=mpi_ops, initialized=True)
+    return size(), rank(), local_rank()
+
+
+def is_initialized() -> bool:
+    return _STATE["initialized"]
+
+
+def _hvd():
+    if not _STATE["initialized"]:
+        raise RuntimeError("tfhybrid is not initialised: call tfhybrid.init() first "
+                           "(on every rank, before building the model).")
+    return _STATE["hvd"]
+
+
+def size() -> int:
+    hvd = _hvd()
+    return hvd.size() if hvd is not None else 1
+
+
+def rank() -> int:
+    hvd = _hvd()
+    return hvd.rank() if hvd is not None else 0
+
+
+def local_rank() -> int:
+    hvd = _hvd()
+    return hvd.local_rank() if hvd is not None else 0
+
+
+def local_size() -> int:
+    hvd = _hvd()
+    return hvd.local_size() if hvd is not None else 1
+
+
+def register_groups(groups):
+    """Register a Horovod process set for each tuple of ranks (collective).
+
+    Every rank must call this with the same list in the same order. Groups of
+    one rank and the whole world need no process set; groups already
+    registered are skipped, so the call is idempotent.
+    """
+    hvd = _hvd()
+    world = tuple(range(size()))
+    for ranks in groups:
+        ranks = tuple(int(r) for r in ranks)
+        if len(ranks) <= 1 or ranks == world or ranks in _STATE["sets"]:
+            continue
+        _STATE["sets"][ranks] = hvd.add_process_set(list(ranks))
+
+
+def process_set(ranks):
+    """The Horovod process set of ``ranks`` (global set for the whole world)."""
+    hvd = _hvd()
+    ranks = tuple(ranks)
+    if ranks == tuple(range(size())):
+        return hvd.global_process_set
+    try:
+        return _STATE["sets"][ranks]
+    except KeyError:
+        raise ValueError(
+            f"No Horovod process set is registered for ranks {list(ranks)}. Groups "
+            "are registered collectively: call tfhybrid.comm.register_groups("
+            f"[{list(ranks)}, ...]) on every rank first.") from None
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9_.]")
+_EAGER_COUNT = {}
+
+
+def collective_name(base: str) -> str:
+    """A name every rank derives identically for one collective.
+
+    Inside a ``tf.function`` the name is made unique in the graph (tracing is
+    identical on every rank, so the names match); eagerly, collectives run one
+    at a time, so the base name is reused.
+    """
+    base = _SAFE.sub("_", base)
+    if tf.executing_eagerly():
+        return "tfh." + base
+    return tf.compat.v1.get_default_graph().unique_name("tfh." + base, mark_as_used=True)
+
+
+# -- raw collectives along axis 0 (no gradients registered by us) ----------
+
+def allgather(x, ranks, name):
+    return _STATE["mpi_ops"].allgather(x, name=collective_name(name), ignore_name_scope=True,
+                                       process_set=process_set(ranks))
+
+
+def allreduce(x, ranks, name, average=False, prescale=1.0, postscale=1.0):
+    m = _STATE["mpi_ops"]
+    return m._allreduce(x, name=collective_name(name), op=m.Average if average else m.Sum,
+                        prescale_factor=prescale, postscale_factor=postscale,
+                        ignore_name_scope=True, process_set=process_set(ranks))
+
+
+def grouped_allreduce(tensors, ranks, name, average=False, prescale=1.0, postscale=1.0):
+    m = _STATE["mpi_ops"]
+    return m._grouped_allreduce(list(tensors), name=collective_name(name),
+                                op=m.Average if average else m.Sum,
+                                prescale_factor=prescale, postscale_factor=postscale,
+                                ignore_name_scope=True, process_set=process_set(ranks))
+
+
+def reducescatter(x, ranks, name):
+    m = _STATE["mpi_ops"]
+    return m._reducescatter(x, name=collective_name(name), op=m.Sum, ignore_name_scope=True,
+                            process_set=process_set(ranks))
+
+
+def alltoall(x, splits, ranks, name):
+    m = _STATE["mpi_ops"]
+    out, _ = m.alltoall(x, splits=tf.constant(splits, tf.int32), name=collective_name(name),
+                        ignore_name_scope=True, process_set=process_set(ranks))
+    return out
+
+
+def broadcast(x, root, ranks, name):
+    return _STATE["mpi_ops"].broadcast(x, root, name=collective_name(name),
+                                       ignore_name_scope=True, process_set=process_set(ranks))
+
+
+def barrier(ranks=None):
+    hvd = _hvd()
+    if hvd is None:
+        return
+    hvd.barrier(process_set=process_set(ranks) if ranks else hvd.global_process_set)
+
+
+def join():
+    """Horovod join (for uneven final batches); returns the last rank to join."""
+    hvd = _hvd()
+    return hvd.join() if hvd is not None else 0

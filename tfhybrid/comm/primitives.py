@@ -1,0 +1,236 @@
+"""The collective algebra: differentiable layout changes over a group of ranks.
+
+A tensor held by a group of K ranks is R (replicated), S(a) (split along
+axis a, rank i holds block i) or P (partial: the true tensor is the sum over
+ranks). Each primitive below is a ``tf.custom_gradient`` around one Horovod
+collective on the group's process set, with the backward of DESIGN.md's
+table (Horovod's registered gradients assume data parallelism and are not
+used):
+
+=================  =====================================  ==============================
+primitive          forward                                backward
+=================  =====================================  ==============================
+split(a)           R -> S(a): own block                   allgather along a
+gather(a)          S(a) -> R: allgather along a           own block (consumers are R)
+shard(a)           S(a) -> R: allgather along a           reduce-scatter sum (grad is P)
+reduce             P -> R: allreduce sum                  identity
+copy               R -> R: identity                       allreduce sum (grad is P)
+halo(a, lo, hi)    S(a) -> S(a) + neighbours' rows        halo grads sent back and added
+batch_gather       S(batch) -> R: allgather batch         reduce-scatter sum along batch
+batch_scatter      R -> S(batch): own rows                allgather along batch
+=================  =====================================  ==============================
+
+Every primitive takes ``group`` ("model", "data", "world" or a
+:class:`tfhybrid.grid.Group`) and an optional ``name`` from which the
+Horovod collective names are derived deterministically. On a group of one
+rank each primitive is the identity.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfhybrid import runtime
+from tfhybrid.comm import backend
+from tfhybrid.grid import Group
+
+
+def resolve_group(group) -> Group:
+    """A :class:`Group` from a group name or a Group."""
+    if isinstance(group, Group):
+        return group
+    if isinstance(group, str):
+        return runtime.current_grid().group(group)
+    raise TypeError(f"Received an invalid `group`: {group!r}; expected 'model', 'data', "
+                    "'world' or a tfhybrid.grid.Group.")
+
+
+# -- axis helpers ------------------------------------------------------------
+
+def _axis(x, axis):
+    rank = x.shape.rank
+    if not -rank <= axis < rank:
+        raise ValueError(f"Received axis={axis} for a tensor of rank {rank} (shape {x.shape}).")
+    return axis % rank
+
+
+def _perm_to_front(rank, axis):
+    return [axis] + [i for i in range(rank) if i != axis]
+
+
+def _inverse(perm):
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return inv
+
+
+def _along(fn, x, axis):
+    """Apply an axis-0 collective ``fn`` along ``axis``."""
+    if axis == 0:
+        return fn(x)
+    perm = _perm_to_front(x.shape.rank, axis)
+    return tf.transpose(fn(tf.transpose(x, perm)), _inverse(perm))
+
+
+def _check_divisible(x, axis, k, what, g):
+    n = x.shape[axis]
+    if n is not None and n % k:
+        lower, upper = n - n % k, n - n % k + k
+        raise ValueError(
+            f"{what}: axis {axis} of a tensor of shape {x.shape} has size {n}, which does "
+            f"not split evenly over the {g.name} group of {k} ranks; use a size divisible "
+            f"by {k} (e.g. {lower or upper} or {upper}).")
+
+
+def _block(x, axis, index, k):
+    """Block ``index`` of ``k`` equal blocks along ``axis`` (static or dynamic size)."""
+    n = x.shape[axis]
+    if n is not None:
+        b = n // k
+        begin = [0] * x.shape.rank
+        begin[axis] = index * b
+        size = [-1] * x.shape.rank
+        size[axis] = b
+        return tf.slice(x, begin, size)
+    b = tf.shape(x)[axis] // k
+    begin = tf.one_hot(axis, x.shape.rank, on_value=index * b, off_value=0, dtype=tf.int32)
+    size = tf.one_hot(axis, x.shape.rank, on_value=b, off_value=-1, dtype=tf.int32)
+    return tf.slice(x, begin, size)
+
+
+def _allgather(x, axis, g, name):
+    return _along(lambda t: backend.allgather(t, g.ranks, name), x, axis)
+
+
+def _reduce_scatter(x, axis, g, name):
+    return _along(lambda t: backend.reducescatter(t, g.ranks, name), x, axis)
+
+
+def _name(name, prim, g):
+    return f"{name or prim}.{g.name}"
+
+
+# -- the primitives -------------------------------------------------------------
+
+def split(x, axis=0, group="model", name=None):
+    """R -> S(axis): keep this rank's block; backward all-gathers the gradient.
+
+    Args:
+        x: Replicated tensor.
+        axis: Axis to split.
+        group: Group name or Group.
+        name: Base of the collective names.
+
+    Returns:
+        Block ``group.index`` of ``group.size`` equal blocks along ``axis``.
+
+    Raises:
+        ValueError: if the axis does not split evenly.
+
+    Example:
+        >>> y = tfhybrid.comm.split(x, axis=-1, group="model")
+    """
+    x = tf.convert_to_tensor(x)
+    g, axis = resolve_group(group), _axis(x, axis)
+    if g.size == 1:
+        return tf.identity(x)
+    _check_divisible(x, axis, g.size, "split", g)
+    nm = _name(name, "split", g)
+
+    @tf.custom_gradient
+    def _split(t):
+        def grad(dy):
+            return _allgather(dy, axis, g, nm + ".bwd")
+        return _block(t, axis, g.index, g.size), grad
+
+    return _split(x)
+
+
+def gather(x, axis=0, group="model", name=None):
+    """S(axis) -> R: all-gather; backward keeps this rank's block of the gradient.
+
+    Use when the consumers of the gathered tensor compute replicated values,
+    so its gradient is the same on every rank (R).
+    """
+    x = tf.convert_to_tensor(x)
+    g, axis = resolve_group(group), _axis(x, axis)
+    if g.size == 1:
+        return tf.identity(x)
+    nm = _name(name, "gather", g)
+
+    @tf.custom_gradient
+    def _gather(t):
+        def grad(dy):
+            return _block(dy, axis, g.index, g.size)
+        return _allgather(t, axis, g, nm), grad
+
+    return _gather(x)
+
+
+def shard(x, axis=0, group="model", name=None):
+    """S(axis) -> R: all-gather; backward reduce-scatters (sums) the gradient.
+
+    Use when the consumers are partitioned, so each rank's gradient of the
+    gathered tensor is partial (P) and the true gradient is their sum.
+    """
+    x = tf.convert_to_tensor(x)
+    g, axis = resolve_group(group), _axis(x, axis)
+    if g.size == 1:
+        return tf.identity(x)
+    nm = _name(name, "shard", g)
+
+    @tf.custom_gradient
+    def _shard(t):
+        def grad(dy):
+            return _reduce_scatter(dy, axis, g, nm + ".bwd")
+        return _allgather(t, axis, g, nm), grad
+
+    return _shard(x)
+
+
+def reduce(x, group="model", name=None):
+    """P -> R: all-reduce (sum); backward is the identity."""
+    x = tf.convert_to_tensor(x)
+    g = resolve_group(group)
+    if g.size == 1:
+        return tf.identity(x)
+    nm = _name(name, "reduce", g)
+
+    @tf.custom_gradient
+    def _reduce(t):
+        def grad(dy):
+            return tf.identity(dy)
+        return backend.allreduce(t, g.ranks, nm), grad
+
+    return _reduce(x)
+
+
+def copy(x, group="model", name=None):
+    """R -> R: identity; backward all-reduces (sums) the partial gradient."""
+    x = tf.convert_to_tensor(x)
+    g = resolve_group(group)
+    if g.size == 1:
+        return tf.identity(x)
+    nm = _name(name, "copy", g)
+
+    @tf.custom_gradient
+    def _copy(t):
+        def grad(dy):
+            return backend.allreduce(dy, g.ranks, nm + ".bwd")
+        return tf.identity(t), grad
+
+    return _copy(x)
+
+
+def batch_gather(x, group="model", name=None):
+    """S(batch) -> R: all-gather the group's local batches (SplitBrain Lm).
+
+    Backward reduce-scatters (sums) the gradient along the batch axis.
+    Every rank of the group must hold the same number of rows.
+    """
+    return shard(x, axis=0, group=group, name=name or "batch_gather")
+
+
+def batch_scatter(x, group="model", name=None):
+    """R -> S(batch): keep this rank's rows; backward all-gathers along batch."""
+    return split(x, axis=0, group=group, name=name or "batch_scatter")

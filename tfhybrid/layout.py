@@ -1,0 +1,67 @@
+"""Variable layouts: how each weight is held across the grid and how its
+gradient must be reduced (pure Python; no TensorFlow or Horovod needed).
+
+Every trainable variable of a tfhybrid model carries a :class:`VariableLayout`.
+The :class:`tfhybrid.DistributedOptimizer` reads it to reduce the gradient
+over the right process set so that, after reduction, the gradient equals the
+single-process gradient of the mean loss over the global batch:
+
+=============  ===========================================  =================================
+kind           what each rank holds / computes              reduction of the local gradient
+=============  ===========================================  =================================
+replicated     the full weight; its local gradient is the   average over the world
+               gradient of this rank's loss
+partial        the full weight; the true gradient of a      sum over ``group``, average over
+               model group is the sum of its ranks'         the rest (= world average x
+               local gradients (e.g. spatial layers)        group size)
+sharded        a block of the weight; the gradient of the   average over the data group
+               block is complete within the model group
+=============  ===========================================  =================================
+
+``grad_scale`` multiplies the reduced gradient (e.g. 1/K where a model group
+sums K ranks' losses, as in SplitBrain's ModuloLayer).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+KINDS = ("replicated", "partial", "sharded")
+_ATTR = "_tfhybrid_layout"
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableLayout:
+    """Layout of one variable.
+
+    Attributes:
+        kind: "replicated", "partial" or "sharded".
+        group: The model-axis group the variable is partial/sharded over
+            ("model" or a sub-axis name); ignored for "replicated".
+        axis: The sharded axis of the full weight (sharded only).
+        grad_scale: Factor applied after the reduction.
+    """
+
+    kind: str = "replicated"
+    group: str = "model"
+    axis: int | None = None
+    grad_scale: float = 1.0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Received an invalid layout kind: {self.kind!r}; expected one of {KINDS}.")
+
+
+REPLICATED = VariableLayout()
+
+
+def set_layout(variable, layout: VariableLayout):
+    """Attach ``layout`` to a (Keras or tf) variable and return the variable."""
+    if not isinstance(layout, VariableLayout):
+        raise TypeError(f"Received an invalid layout: {layout!r}; expected VariableLayout.")
+    setattr(variable, _ATTR, layout)
+    return variable
+
+
+def layout_of(variable) -> VariableLayout:
+    """The layout attached to ``variable`` (replicated when none is)."""
+    return getattr(variable, _ATTR, REPLICATED)

@@ -1,0 +1,119 @@
+"""``tfhybrid.transform``: rewrite an unmodified Keras model for a strategy.
+
+Reads the model's graph (:mod:`.graph`), plans layouts and boundaries
+(:mod:`.planner`), builds the parallel model (:mod:`.rewrite`) and records
+on it what :func:`tfhybrid.gather`, :func:`tfhybrid.describe` and
+:func:`tfhybrid.data.shard` need.
+"""
+from __future__ import annotations
+
+import json
+
+import keras
+
+from tfhybrid import runtime
+from tfhybrid.transform.graph import as_functional, describe_graph
+from tfhybrid.transform.options import make_options
+from tfhybrid.transform.planner import make_plan
+from tfhybrid.transform.rewrite import rewrite
+
+INFO_ATTR = "_tfhybrid_transform"
+BATCH_SPLIT_ATTR = "_tfhybrid_batch_split"
+
+
+class TransformInfo:
+    """What a transformed model remembers about its origin (not tracked by Keras).
+
+    Attributes:
+        plan: The :class:`~tfhybrid.transform.planner.Plan` it was built from.
+        graph: The original model's :class:`~tfhybrid.transform.graph.GraphSpec`.
+        source: JSON of the original model's Keras serialization (architecture only).
+        grid: The :class:`tfhybrid.grid.ProcessGrid` it was built for.
+    """
+
+    def __init__(self, plan, graph, source, grid):
+        self.plan, self.graph, self.source, self.grid = plan, graph, source, grid
+
+
+def transform(model, strategy="d", **options):
+    """The hybrid-parallel counterpart of an unmodified Keras model.
+
+    Call on every rank after :func:`tfhybrid.init`. The returned model holds
+    this rank's part of ``model``'s current weights (copied, or sliced for
+    partitioned layers) and computes the same function; ``model`` itself is
+    not modified.
+
+    Args:
+        model: A built Sequential or Functional Keras 3 model.
+        strategy: ``"d"`` (data parallel over all ranks), ``"f"``/``"c"``
+            (filter/channel parallelism of every Dense/Conv2D over all ranks:
+            init with ``model_parallel=world``), ``"s"`` (spatial split of the
+            leading convolutions over all ranks), ``"df"``/``"ds"`` (data
+            groups x filter/spatial groups), ``"gmp"`` (SplitBrain: convs data
+            parallel over all ranks, FC layers with high CCR partitioned in
+            groups of ``mp``) or ``"auto"`` (the oracle's choice).
+        **options: ``mp``, ``ccr_threshold`` (gmp); ``spatial``,
+            ``spatial_layers`` (s/ds); ``layers`` (per-layer overrides
+            ``{"fc1": "f", "fc2": "c", "conv1": "replicate"}``); ``fallback``
+            (``"error"`` or ``"replicate"``). See
+            :class:`~tfhybrid.transform.options.TransformOptions`.
+
+    Returns:
+        A Functional Keras model. Compile it with
+        ``tfhybrid.DistributedOptimizer`` and feed it
+        ``tfhybrid.data.shard(batches, model=transformed)``.
+
+    Raises:
+        ValueError: subclassed/unbuilt models, unknown strategy or options,
+            options that do not apply to the strategy, a grid the strategy
+            cannot use, or a layer that cannot be partitioned (the message
+            names the layer, the strategy and the fix).
+
+    Example:
+        >>> tfhybrid.init(model_parallel=2)                # horovodrun -np 4
+        >>> pmodel = tfhybrid.transform(model, "df")
+        >>> pmodel = tfhybrid.transform(model, "gmp", ccr_threshold=100)
+        >>> tfhybrid.describe(pmodel)
+    """
+    opts = make_options(strategy, **options)
+    grid = runtime.current_grid()
+    functional = as_functional(model)
+    graph = describe_graph(functional)
+    if opts.strategy == "auto":
+        opts = _oracle_options(model, graph, grid, options)
+    plan = make_plan(graph, opts, grid)
+    new = rewrite(functional, plan, grid)
+    source = json.dumps(keras.saving.serialize_keras_object(model))
+    object.__setattr__(new, INFO_ATTR, TransformInfo(plan, graph, source, grid))
+    object.__setattr__(new, BATCH_SPLIT_ATTR, plan.batch_split)
+    return new
+
+
+def _oracle_options(model, graph, grid, options):
+    """The strategy the oracle ranks best for this grid (``strategy="auto"``)."""
+    try:
+        from tfhybrid import oracle
+    except ImportError:
+        oracle = None
+    choose = getattr(oracle, "choose", None) or getattr(oracle, "best", None)
+    if choose is None:
+        raise ValueError(
+            "strategy='auto' asks tfhybrid.oracle for the best strategy, but the oracle "
+            "is unavailable in this installation; pass an explicit strategy "
+            "('d', 'f', 'c', 's', 'df', 'ds' or 'gmp').")
+    choice = choose(model, grid=grid)
+    name = getattr(choice, "strategy", choice)
+    return make_options(str(name), **options)
+
+
+def info_of(model) -> TransformInfo:
+    """The :class:`TransformInfo` of a transformed model.
+
+    Raises:
+        ValueError: if ``model`` was not returned by :func:`transform`.
+    """
+    info = getattr(model, INFO_ATTR, None)
+    if info is None:
+        raise ValueError(f"Received model {getattr(model, 'name', model)!r}, which was not "
+                         "returned by tfhybrid.transform; pass the transformed model.")
+    return info

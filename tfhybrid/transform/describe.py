@@ -1,0 +1,191 @@
+"""``tfhybrid.describe``: what a transformed model does on this rank.
+
+Per layer: the kind it was rebuilt as, its local weight shapes, the
+collectives one training step issues for it (forward, backward and the
+optimizer's gradient reduction) with their payload bytes, and its per-rank
+parameter bytes. Collective sizes are analytic (from the layer shapes, the
+plan's layouts and the batch size), counting each collective's payload once
+per rank (what this rank contributes or receives, not link traffic).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Tuple
+
+import numpy as np
+
+from tfhybrid.layout import layout_of
+from tfhybrid.transform.api import info_of
+
+_F32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    """One line of :func:`describe`.
+
+    Attributes:
+        name, cls, kind: Layer name, original class, rebuilt kind.
+        weight_shapes: Local (this rank's) weight shapes.
+        collectives: (phase, op, group, bytes) per collective per step.
+        param_bytes: Bytes of this rank's trainable weights.
+    """
+
+    name: str
+    cls: str
+    kind: str
+    weight_shapes: Tuple[tuple, ...]
+    collectives: Tuple[Tuple[str, str, str, int], ...]
+    param_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Description:
+    """Result of :func:`describe`: rows, totals and the printed table."""
+
+    strategy: str
+    rows: Tuple[LayerRow, ...]
+    param_bytes: int
+    comm_bytes: int
+    text: str
+
+    def __str__(self):
+        return self.text
+
+
+def describe(model, batch_size=None, print_fn=print) -> Description:
+    """Print and return the per-layer parallel layout of a transformed model.
+
+    Args:
+        model: A model returned by :func:`tfhybrid.transform`.
+        batch_size: Global batch size used for activation collectives
+            (default: one example per model group).
+        print_fn: Called with the table (``None`` to print nothing).
+
+    Returns:
+        A :class:`Description` (``.param_bytes`` is this rank's parameter
+        bytes, ``.rows`` the per-layer details).
+
+    Raises:
+        ValueError: if ``model`` was not returned by tfhybrid.transform.
+
+    Example:
+        >>> d = tfhybrid.describe(pmodel, batch_size=64)
+        >>> d.param_bytes          # this rank's trainable parameter bytes
+    """
+    info = info_of(model)
+    plan, grid = info.plan, info.grid
+    rows_per_rank = _rows(batch_size, plan, grid)
+    out = []
+    for np_ in plan.nodes:
+        node = info.graph.node(np_.name)
+        layer = model.get_layer(np_.name)
+        comms = _activation_comms(np_, node, rows_per_rank, plan.context)
+        comms += _gradient_comms(layer, grid)
+        shapes = tuple(tuple(int(d) for d in w.shape) for w in layer.weights)
+        pbytes = int(sum(_bytes(w) for w in layer.trainable_weights))
+        out.append(LayerRow(np_.name, np_.cls, _kind_label(np_), shapes, tuple(comms), pbytes))
+    total = sum(r.param_bytes for r in out)
+    comm = sum(c[3] for r in out for c in r.collectives)
+    text = _table(plan, grid, out, total, comm, batch_size)
+    if print_fn is not None:
+        print_fn(text)
+    return Description(plan.strategy, tuple(out), total, comm, text)
+
+
+def _rows(batch_size, plan, grid):
+    """Rows one rank holds outside a model-parallel region."""
+    if batch_size is None:
+        return 1
+    parts = grid.size if plan.batch_split == "world" else grid.data_size
+    return max(1, batch_size // parts)
+
+
+def _bytes(w):
+    return int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize
+
+
+def _kind_label(np_):
+    extra = ""
+    if np_.kind == "filter" and np_.params.get("output_layout") == "split":
+        extra = " (split out)"
+    if np_.kind == "channel" and np_.params.get("input_layout") == "split":
+        extra = " (split in)"
+    return np_.kind + extra
+
+
+def _elems(shape):
+    return int(np.prod([d for d in shape[1:] if d is not None]))
+
+
+def _activation_comms(np_, node, rows, ctx):
+    k = ctx.model_size
+    group_rows = rows * (k if (np_.inputs and np_.inputs[0].grouped) else 1)
+    x = group_rows * _elems(node.in_shapes[0]) * _F32 if node.in_shapes else 0
+    y = group_rows * _elems(node.out_shape) * _F32
+    out = [(*c, rows * _elems(node.in_shapes[i]) * _F32 * (k if c[1] == "allgather" else 1))
+           for i, conv in enumerate(np_.conversions) if conv
+           for c in _BOUNDARY_COMMS.get(conv, ())]
+    if k == 1:
+        return []
+    if np_.kind == "filter":
+        if np_.params.get("output_layout") != "split":
+            out.append(("fwd", "allgather", "model", y))
+        out.append(("bwd", "allreduce", "model", x))
+    elif np_.kind == "channel":
+        out.append(("fwd", "allreduce", "model", y))
+        if np_.params.get("input_layout") != "split":
+            out.append(("bwd", "allgather", "model", x))
+    elif np_.kind == "spatial" and np_.cls == "Conv2D":
+        halo = _halo_bytes(node, group_rows, ctx)
+        out += [("fwd", "halo", "model", halo), ("bwd", "halo", "model", halo)]
+    elif np_.kind == "syncbn":
+        c = node.out_shape[-1] * _F32
+        out += [("fwd", "allreduce", "+".join(np_.params["bn_groups"]), 3 * c),
+                ("bwd", "allreduce", "+".join(np_.params["bn_groups"]), 3 * c)]
+    return out
+
+
+_BOUNDARY_COMMS = {
+    "modulo": (("fwd", "allgather", "model"), ("bwd", "reducescatter", "model")),
+    "unmodulo": (("bwd", "allgather", "model"),),
+    "space_scatter": (("bwd", "allgather", "model"),),
+    "space_gather": (("fwd", "allgather", "model"),),
+}
+
+
+def _halo_bytes(node, rows, ctx):
+    kh, kw = node.attr("kernel_size", (1, 1))
+    dh, dw = node.attr("dilation_rate", (1, 1))
+    h, w, c = node.in_shapes[0][1:4]
+    ph, pw = ctx.spatial
+    halo_h = (kh - 1) * dh * (w // pw) if ph > 1 else 0
+    halo_w = (kw - 1) * dw * (h // ph) if pw > 1 else 0
+    return rows * (halo_h + halo_w) * c * _F32
+
+
+def _gradient_comms(layer, grid) -> List[tuple]:
+    groups = {"replicated": "world", "partial": "world", "sharded": "data"}
+    size = {"world": grid.size, "data": grid.data_size}
+    out = []
+    for w in layer.trainable_weights:
+        group = groups[layout_of(w).kind]
+        if size[group] > 1:
+            out.append(("grad", "allreduce", group, _bytes(w)))
+    return out
+
+
+def _table(plan, grid, rows, total, comm, batch_size):
+    head = (f"tfhybrid.describe: strategy={plan.strategy!r} rank {grid.rank}/{grid.size} "
+            f"(data {grid.data_rank}/{grid.data_size}, model {grid.model_rank}/"
+            f"{grid.model_size}), batch split over {plan.batch_split}, "
+            f"global batch {batch_size or 'one example per model group'}")
+    lines = [head, f"{'layer':<24}{'kind':<20}{'local weights':<34}{'param bytes':>12}  "
+             "collectives per step (phase op group bytes)"]
+    for r in rows:
+        shapes = " ".join("x".join(map(str, s)) or "()" for s in r.weight_shapes) or "-"
+        comms = ", ".join(f"{p} {op}[{g}] {b}" for p, op, g, b in r.collectives) or "-"
+        lines.append(f"{r.name[:23]:<24}{r.kind:<20}{shapes[:33]:<34}{r.param_bytes:>12}  "
+                     f"{comms}")
+    lines.append(f"per-rank parameter bytes: {total}   collective bytes per step: {comm}")
+    return "\n".join(lines)

@@ -1,0 +1,52 @@
+"""``tfhybrid.gather``: a plain Keras model with the full weights of a
+transformed model (collective: every rank must call it).
+
+The original architecture is rebuilt from the serialization recorded by
+:func:`tfhybrid.transform`; each layer's full weights come from its
+parallel counterpart: filter/channel-parallel layers all-gather their
+slices (``to_layer``), spatial convolutions and SyncBatchNormalization
+already hold full weights, copies are read directly.
+"""
+from __future__ import annotations
+
+import json
+
+import keras
+
+from tfhybrid.transform.api import info_of
+
+_SLICED = ("filter", "channel")
+
+
+def gather(model):
+    """The original (untransformed) architecture with ``model``'s full weights.
+
+    Collective: call on every rank, in the same order; every rank receives
+    the same full model. It contains no tfhybrid layer, so
+    ``gather(model).save("x.keras")`` loads with plain ``keras``; to resume
+    on another world size, ``tfhybrid.transform(keras.saving.load_model(
+    "x.keras"), strategy)``.
+
+    Args:
+        model: A model returned by :func:`tfhybrid.transform`.
+
+    Returns:
+        A new, uncompiled Keras model (Sequential if the original was).
+
+    Raises:
+        ValueError: if ``model`` was not returned by tfhybrid.transform.
+
+    Example:
+        >>> tfhybrid.gather(pmodel).save("model.keras")   # on every rank
+    """
+    info = info_of(model)
+    full = keras.saving.deserialize_keras_object(json.loads(info.source))
+    for np in info.plan.nodes:
+        target = full.get_layer(np.name)
+        if not target.weights:
+            continue
+        layer = model.get_layer(np.name)
+        if np.kind in _SLICED:
+            layer = layer.to_layer()
+        target.set_weights(layer.get_weights())
+    return full

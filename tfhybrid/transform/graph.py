@@ -1,0 +1,190 @@
+"""A plain description of a Keras model's layer graph, for the planner.
+
+:func:`describe_graph` reads a Sequential or Functional Keras 3 model once and
+returns a :class:`GraphSpec`: its layer calls in topological order, each as a
+:class:`NodeSpec` holding only plain Python values (class name, shapes, the
+few config fields the rules need). The planner in :mod:`.rules` and
+:mod:`.planner` works on this description only, so planning is testable
+without Horovod and without building any parallel layer.
+
+Subclassed models (whose ``call`` is arbitrary Python) have no graph to
+read and are rejected with a ValueError.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import keras
+
+_ATTRS = ("units", "filters", "kernel_size", "strides", "padding", "dilation_rate", "groups",
+          "data_format", "activation", "use_bias", "pool_size", "rate", "seed", "axis")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSpec:
+    """One layer call of the model.
+
+    Attributes:
+        name: Layer name (unique in the model).
+        cls: Layer class name, e.g. ``"Dense"``.
+        inputs: Ids of the tensors the call consumes, in call order.
+        output: Id of the tensor it produces.
+        in_shapes: Shapes of the inputs (batch axis first, None when unknown).
+        out_shape: Shape of the output.
+        attrs: Selected config fields (units, filters, activation, ...).
+        n_params: Number of weights (trainable and not) of the layer.
+        param_bytes: Bytes of the layer's trainable weights.
+    """
+
+    name: str
+    cls: str
+    inputs: Tuple[int, ...]
+    output: int
+    in_shapes: Tuple[tuple, ...]
+    out_shape: tuple
+    attrs: Dict[str, object] = dataclasses.field(default_factory=dict)
+    n_params: int = 0
+    param_bytes: int = 0
+
+    def attr(self, key, default=None):
+        """A config field of the layer (``default`` when absent)."""
+        return self.attrs.get(key, default)
+
+    @property
+    def in_channels(self) -> Optional[int]:
+        """Size of the last axis of the first input."""
+        return self.in_shapes[0][-1] if self.in_shapes and self.in_shapes[0] else None
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSpec:
+    """A model's layer calls in topological order.
+
+    Attributes:
+        name: Model name.
+        nodes: The calls, producers before consumers.
+        inputs: Tensor ids of the model inputs.
+        outputs: Tensor ids of the model outputs.
+    """
+
+    name: str
+    nodes: Tuple[NodeSpec, ...]
+    inputs: Tuple[int, ...]
+    outputs: Tuple[int, ...]
+
+    def node(self, name: str) -> NodeSpec:
+        """The node of layer ``name``."""
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def consumers(self, tensor: int) -> Tuple[NodeSpec, ...]:
+        """Nodes that consume ``tensor``."""
+        return tuple(n for n in self.nodes if tensor in n.inputs)
+
+    def names(self) -> Tuple[str, ...]:
+        return tuple(n.name for n in self.nodes)
+
+
+def as_functional(model):
+    """``model`` as a Functional model sharing its layers (Sequential is rebuilt).
+
+    Raises:
+        ValueError: for subclassed models or unbuilt Sequential models.
+    """
+    if isinstance(model, keras.Sequential):
+        if not model.built or not model.inputs:
+            raise ValueError(
+                f"Received an unbuilt Sequential model {model.name!r}; give it an "
+                "`keras.Input(shape=...)` as first layer or call `model.build(input_shape)` "
+                "before tfhybrid.transform.")
+        x = inputs = keras.Input(batch_shape=model.inputs[0].shape, dtype=model.inputs[0].dtype,
+                                 name=model.inputs[0].name)
+        for layer in model.layers:
+            x = layer(x)
+        return keras.Model(inputs, x, name=model.name)
+    if not _is_functional(model):
+        raise ValueError(
+            f"Received a subclassed model {model.name!r} ({type(model).__name__}); "
+            "tfhybrid.transform reads the layer graph of Sequential and Functional models "
+            "only. Rewrite it with the functional API (keras.Input + layer calls + "
+            "keras.Model(inputs, outputs)), or build the parallel model by hand from "
+            "tfhybrid.layers.")
+    return model
+
+
+def _is_functional(model):
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional)
+
+
+def describe_graph(model) -> GraphSpec:
+    """The :class:`GraphSpec` of a Functional model (see :func:`as_functional`).
+
+    Example:
+        >>> spec = describe_graph(as_functional(model))
+        >>> [n.cls for n in spec.nodes][:2]
+        ['Conv2D', 'MaxPooling2D']
+    """
+    ids: Dict[int, int] = {}
+
+    def tid(t):
+        return ids.setdefault(id(t), len(ids))
+
+    inputs = tuple(tid(t) for t in model.inputs)
+    nodes, seen = [], set()
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            if not node.operation or node.is_input:
+                continue
+            nodes.append(_node_spec(node, tid, seen))
+    outputs = tuple(tid(t) for t in model.outputs)
+    return GraphSpec(model.name, tuple(nodes), inputs, outputs)
+
+
+def _node_spec(node, tid, seen):
+    layer = node.operation
+    if layer.name in seen:
+        raise ValueError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) is called more than once "
+            "(a shared layer); tfhybrid.transform needs one call per layer. Use a "
+            "separate layer per call.")
+    seen.add(layer.name)
+    if len(node.outputs) != 1:
+        raise ValueError(f"Layer {layer.name!r} ({type(layer).__name__}) returns "
+                         f"{len(node.outputs)} tensors; tfhybrid.transform supports layers "
+                         "with one output.")
+    config = layer.get_config() if hasattr(layer, "get_config") else {}
+    attrs = {k: _plain(config[k]) for k in _ATTRS if k in config}
+    weights = list(layer.weights)
+    return NodeSpec(
+        name=layer.name, cls=type(layer).__name__,
+        inputs=tuple(tid(t) for t in node.input_tensors), output=tid(node.outputs[0]),
+        in_shapes=tuple(tuple(t.shape) for t in node.input_tensors),
+        out_shape=tuple(node.outputs[0].shape), attrs=attrs,
+        n_params=int(sum(_size(w) for w in weights)),
+        param_bytes=int(sum(_size(w) * _itemsize(w) for w in layer.trainable_weights)))
+
+
+def _plain(value):
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, dict):  # e.g. a serialized activation
+        return value.get("config", {}).get("name", value.get("class_name"))
+    return value
+
+
+def _size(w):
+    n = 1
+    for d in w.shape:
+        n *= int(d)
+    return n
+
+
+def _itemsize(w):
+    import numpy as np
+
+    return np.dtype(w.dtype).itemsize

@@ -1,0 +1,135 @@
+"""Validated options of :func:`tfhybrid.transform` (pure Python).
+
+One frozen :class:`TransformOptions` holds every option with its default;
+:func:`make_options` builds it from the keyword arguments a user passed and
+rejects options that do not apply to the chosen strategy, so a typo or a
+misplaced option fails loudly instead of being ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple, Union
+
+STRATEGIES = ("d", "f", "c", "s", "df", "ds", "gmp", "auto")
+FALLBACKS = ("error", "replicate")
+LAYER_KINDS = ("f", "c", "s", "replicate")
+DEFAULT_CCR_THRESHOLD = 64.0
+
+# Options that only some strategies read.
+_APPLIES = {
+    "mp": ("gmp",),
+    "ccr_threshold": ("gmp",),
+    "spatial": ("s", "ds"),
+    "spatial_layers": ("s", "ds"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformOptions:
+    """Options of :func:`tfhybrid.transform`.
+
+    Attributes:
+        strategy: One of ``d f c s df ds gmp auto``.
+        mp: gmp's model-parallel group size (default: the grid's
+            ``model_parallel``).
+        ccr_threshold: gmp partitions a Dense layer when its
+            computation-to-communication ratio (FLOPs per byte moved, see
+            :func:`tfhybrid.transform.strategies.ccr`) is at least this.
+        spatial: s/ds split: ``"height"``, ``"width"`` or ``(ph, pw)``.
+        spatial_layers: s/ds: number of leading Conv2D layers to split
+            spatially (default: every Conv2D before the first layer that
+            cannot run on a spatial block).
+        layers: Per-layer overrides ``{"name": "f"|"c"|"s"|"replicate"}``.
+        fallback: ``"error"`` (default) raises for a layer the strategy
+            cannot partition; ``"replicate"`` keeps it replicated.
+    """
+
+    strategy: str
+    mp: Optional[int] = None
+    ccr_threshold: float = DEFAULT_CCR_THRESHOLD
+    spatial: Union[str, Tuple[int, int]] = "height"
+    spatial_layers: Optional[int] = None
+    layers: Dict[str, str] = dataclasses.field(default_factory=dict)
+    fallback: str = "error"
+
+
+def make_options(strategy, **options) -> TransformOptions:
+    """Validate ``strategy`` and keyword ``options`` into a :class:`TransformOptions`.
+
+    Raises:
+        ValueError: unknown strategy or option, an option that does not apply
+            to the strategy, or an invalid value.
+
+    Example:
+        >>> make_options("gmp", mp=2).mp
+        2
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"Received an unknown strategy: strategy={strategy!r}; expected one "
+                         f"of {STRATEGIES} (see DESIGN.md, 'The transformer').")
+    known = {f.name for f in dataclasses.fields(TransformOptions)} - {"strategy"}
+    for key in options:
+        if key not in known:
+            raise ValueError(f"Received an unknown option {key}={options[key]!r} for strategy "
+                             f"{strategy!r}; valid options are {sorted(known)}.")
+        allowed = _APPLIES.get(key)
+        if allowed and strategy not in allowed and strategy != "auto":
+            raise ValueError(
+                f"Option {key}={options[key]!r} does not apply to strategy {strategy!r}; "
+                f"it is read only by strategy {' / '.join(map(repr, allowed))}. Remove it "
+                f"or use strategy={allowed[0]!r}.")
+    opts = TransformOptions(strategy=strategy, **options)
+    _validate(opts)
+    return opts
+
+
+def _validate(o: TransformOptions):
+    if o.mp is not None and (isinstance(o.mp, bool) or not isinstance(o.mp, int) or o.mp < 1):
+        raise ValueError(f"Received an invalid value for `mp`, expected a positive integer. "
+                         f"Received: mp={o.mp!r}")
+    if isinstance(o.ccr_threshold, bool) or not isinstance(o.ccr_threshold, (int, float)) \
+            or o.ccr_threshold < 0:
+        raise ValueError(f"Received an invalid value for `ccr_threshold`, expected a "
+                         f"non-negative number. Received: ccr_threshold={o.ccr_threshold!r}")
+    if o.fallback not in FALLBACKS:
+        raise ValueError(f"Received an invalid value for `fallback`: fallback={o.fallback!r}; "
+                         f"expected one of {FALLBACKS}.")
+    if o.spatial_layers is not None and (isinstance(o.spatial_layers, bool) or not isinstance(
+            o.spatial_layers, int) or o.spatial_layers < 1):
+        raise ValueError(f"Received an invalid value for `spatial_layers`, expected a positive "
+                         f"integer. Received: spatial_layers={o.spatial_layers!r}")
+    if not isinstance(o.layers, dict):
+        raise ValueError(f"Received an invalid value for `layers`: {o.layers!r}; expected a "
+                         f"dict such as {{'fc1': 'f', 'fc2': 'c'}}.")
+    for name, kind in o.layers.items():
+        if kind not in LAYER_KINDS:
+            raise ValueError(f"Received an invalid override layers[{name!r}]={kind!r}; "
+                             f"expected one of {LAYER_KINDS}.")
+
+
+def spatial_grid(spatial, model_size: int, strategy: str) -> Tuple[int, int]:
+    """(ph, pw) for the ``spatial`` option over a model group of ``model_size``.
+
+    Raises:
+        ValueError: when the grid does not have ``model_size`` ranks.
+
+    Example:
+        >>> spatial_grid("height", 4, "s")
+        (4, 1)
+    """
+    if spatial == "height":
+        return (model_size, 1)
+    if spatial == "width":
+        return (1, model_size)
+    if isinstance(spatial, (tuple, list)) and len(spatial) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in spatial):
+        ph, pw = spatial
+        if ph * pw != model_size:
+            raise ValueError(
+                f"Received spatial={tuple(spatial)!r} ({ph * pw} ranks) for strategy "
+                f"{strategy!r} on model groups of {model_size} ranks; ph * pw must equal "
+                f"model_parallel, e.g. spatial=({model_size}, 1) or call "
+                f"tfhybrid.init(model_parallel={ph * pw}).")
+        return (ph, pw)
+    raise ValueError(f"Received an invalid value for `spatial`: spatial={spatial!r}; expected "
+                     "'height', 'width' or a pair (ph, pw).")

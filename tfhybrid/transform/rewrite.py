@@ -1,0 +1,185 @@
+"""Build the parallel Keras model of a :class:`~tfhybrid.transform.planner.Plan`.
+
+The original Functional graph is re-run node by node
+(``Functional._run_through_graph``, the walk ``keras.models.clone_model``
+uses) with two hooks: each layer is rebuilt by the builder of its planned
+kind (:data:`BUILDERS`: a copy with the original weights, a
+filter/channel-parallel layer holding this rank's slice, a spatial layer,
+a SyncBatchNormalization), and each call first passes its inputs through
+the planned boundary layers (:data:`BOUNDARIES`: ModuloLayer and its inverse,
+SpatialScatter/SpatialGather). The original model is not modified.
+"""
+from __future__ import annotations
+
+import zlib
+
+import keras
+
+from tfhybrid import layers as P
+from tfhybrid.layers.partitioned import PARTIAL_GRAD, REPLICATED
+
+GROUP = "model"
+
+
+def _split_arg(split):
+    """The spatial layers' ``split`` argument for a (ph, pw) grid."""
+    ph, pw = split
+    if pw == 1:
+        return "height"
+    if ph == 1:
+        return "width"
+    return (ph, pw)
+
+
+def _entry_partial(np) -> bool:
+    """True when a ModuloLayer feeds a partitioned layer that leaves its input gradient P."""
+    return np.kind in ("filter", "channel") and np.conversions[:1] == ("modulo",) and \
+        np.params.get("input_layout", REPLICATED) == REPLICATED
+
+
+# -- builders: original layer + NodePlan -> new layer ------------------------------
+
+def _copy(layer, np, grid):
+    config = layer.get_config()
+    if np.cls == "Dropout":
+        config["seed"] = _dropout_seed(layer, np, grid)
+    return type(layer).from_config(config)
+
+
+def _dropout_seed(layer, np, grid):
+    """Same seed on the ranks holding the same tensor (R), distinct otherwise."""
+    base = layer.seed if layer.seed is not None else zlib.crc32(layer.name.encode()) % 10007
+    member = grid.data_rank if np.inputs[0].kind == "replicated" else grid.rank
+    return int(base) + 7919 * member
+
+
+def _filter(layer, np, grid):
+    cls = P.FilterParallelDense if np.cls == "Dense" else P.FilterParallelConv2D
+    inp = PARTIAL_GRAD if _entry_partial(np) else REPLICATED
+    return cls.from_layer(layer, group=GROUP, input_layout=inp,
+                          output_layout=np.params["output_layout"])
+
+
+def _channel(layer, np, grid):
+    cls = P.ChannelParallelDense if np.cls == "Dense" else P.ChannelParallelConv2D
+    inp = np.params["input_layout"]
+    if _entry_partial(np):
+        inp = PARTIAL_GRAD
+    return cls.from_layer(layer, group=GROUP, input_layout=inp, output_layout=REPLICATED)
+
+
+_SPATIAL_POOLS = {"MaxPooling2D": "SpatialMaxPooling2D", "AveragePooling2D": "SpatialAveragePooling2D"}
+
+
+def _spatial(layer, np, grid):
+    split = _split_arg(np.params["split"])
+    if np.cls == "Conv2D":
+        return P.SpatialConv2D.from_layer(layer, split=split, group=GROUP)
+    config = {k: v for k, v in layer.get_config().items() if k != "data_format"}
+    return getattr(P, _SPATIAL_POOLS[np.cls])(split=split, group=GROUP, **config)
+
+
+def _syncbn(layer, np, grid):
+    groups = np.params["bn_groups"]
+    spatial = GROUP if np.inputs[0].kind == "space" else None
+    return P.SyncBatchNormalization.from_layer(layer, groups=groups, spatial_group=spatial)
+
+
+BUILDERS = {"replicate": _copy, "filter": _filter, "channel": _channel, "spatial": _spatial,
+            "syncbn": _syncbn}
+_COPIES_WEIGHTS_AFTER_CALL = ("replicate",)
+
+
+# -- boundaries: (conversion, consumer plan, ctx) -> layer -----------------------
+
+def _modulo(np, ctx, name):
+    out = PARTIAL_GRAD if np is not None and _entry_partial(np) else REPLICATED
+    return P.ModuloLayer("BK", group=GROUP, output_layout=out, name=name)
+
+
+def _unmodulo(np, ctx, name):
+    return P.ModuloInverseLayer(group=GROUP, input_layout=REPLICATED, name=name)
+
+
+def _space_scatter(np, ctx, name):
+    return P.SpatialScatter(split=_split_arg(ctx.spatial), group=GROUP, name=name)
+
+
+def _space_gather(np, ctx, name):
+    return P.SpatialGather(split=_split_arg(ctx.spatial), group=GROUP, name=name)
+
+
+BOUNDARIES = {"modulo": _modulo, "unmodulo": _unmodulo, "space_scatter": _space_scatter,
+              "space_gather": _space_gather}
+
+
+def _boundary(conversion, np, ctx, name):
+    if conversion not in BOUNDARIES:
+        raise ValueError(f"tfhybrid.transform: no boundary layer for conversion "
+                         f"{conversion!r} before {name!r} (internal planning error).")
+    return BOUNDARIES[conversion](np, ctx, name)
+
+
+# -- the walk -------------------------------------------------------------------------
+
+class _Rewriter:
+    """Holds the maps between original layers, new layers and node plans."""
+
+    def __init__(self, model, plan, grid):
+        self.model, self.plan, self.grid = model, plan, grid
+        self.by_name = {np.name: np for np in plan.nodes}
+        self.source = {}    # id(new layer) -> (original layer, NodePlan)
+
+    def clone(self, layer):
+        np = self.by_name[layer.name]
+        new = BUILDERS[np.kind](layer, np, self.grid)
+        self.source[id(new)] = (layer, np)
+        return new
+
+    def call(self, new, *args, **kwargs):
+        layer, np = self.source[id(new)]
+        counter = iter(range(len(np.conversions)))
+
+        def convert(x):
+            if not isinstance(x, keras.KerasTensor):
+                return x
+            i = next(counter)
+            conv = np.conversions[i]
+            return x if conv is None else _boundary(conv, np, self.plan.context,
+                                                    f"{np.name}_{conv}_{i}")(x)
+
+        args, kwargs = keras.tree.map_structure(convert, (args, kwargs))
+        out = new(*args, **kwargs)
+        if np.kind in _COPIES_WEIGHTS_AFTER_CALL and layer.weights:
+            new.set_weights(layer.get_weights())
+        return out
+
+    def build(self):
+        inputs = [keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name)
+                  for x in self.model.inputs]
+        outputs = self.model._run_through_graph(inputs, operation_fn=self.clone,
+                                                call_fn=self.call)
+        outputs = keras.tree.flatten(outputs)
+        final = []
+        for i, (y, conv) in enumerate(zip(outputs, self.plan.outputs)):
+            final.append(y if conv is None else
+                         _boundary(conv, None, self.plan.context, f"output{i}_{conv}")(y))
+        structure = self.model._outputs_struct
+        final = keras.tree.pack_sequence_as(structure, final)
+        inputs = inputs[0] if len(inputs) == 1 else inputs
+        return keras.Model(inputs, final, name=self.model.name)
+
+
+def rewrite(model, plan, grid):
+    """The parallel counterpart of Functional ``model`` under ``plan``.
+
+    Args:
+        model: A built Functional model (see ``graph.as_functional``).
+        plan: Its :class:`~tfhybrid.transform.planner.Plan`.
+        grid: This rank's :class:`tfhybrid.grid.ProcessGrid`.
+
+    Returns:
+        A new Functional model whose layers hold this rank's part of the
+        original weights.
+    """
+    return _Rewriter(model, plan, grid).build()

@@ -14,7 +14,11 @@ from tfhybrid.config import Config
 from tfhybrid.grid import Group, ProcessGrid
 from tfhybrid.runtime import grid, init, is_initialized, is_root, shutdown
 
+from tfhybrid import callbacks, data  # noqa: E402
+from tfhybrid.optimizer import DistributedOptimizer  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = ["init", "shutdown", "grid", "is_root", "is_initialized", "Config", "Group",
            "ProcessGrid", "__version__"]
+__all__ += ["DistributedOptimizer", "callbacks", "data"]

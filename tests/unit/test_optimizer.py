@@ -1,0 +1,198 @@
+"""DistributedOptimizer in one process: argument errors, bucket planning, the
+layout reduction rule on a synthetic grid, serialization, and training that
+equals the plain optimizer (a one-rank world needs no communication)."""
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid.grid import Group, ProcessGrid
+from tfhybrid.layout import VariableLayout, set_layout
+from tfhybrid.optimizer import (DistributedOptimizer, mark_prereduced, plan_buckets,
+                                reduction_of, replicate_fc_gradients)
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def sgd():
+    return keras.optimizers.SGD(0.1)
+
+
+# -- argument errors ----------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"bucket_bytes": 0}, ValueError, r"`bucket_bytes`: bucket_bytes=0; expected an integer >= 1"),
+    ({"bucket_bytes": -5}, ValueError, r"bucket_bytes=-5"),
+    ({"bucket_bytes": 1.5}, ValueError, r"bucket_bytes=1.5"),
+    ({"compression": "int8"}, ValueError, r"compression='int8'; expected one of \('none', 'fp16'\)"),
+    ({"op": "max"}, ValueError, r"op='max'; expected one of \('average', 'sum'\)"),
+    ({"backward_passes_per_step": 0}, ValueError, r"backward_passes_per_step=0"),
+    ({"replicate_fc_gradients": -1}, ValueError, r"replicate_fc_gradients=-1"),
+])
+def test_invalid_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DistributedOptimizer(sgd(), **kwargs)
+
+
+def test_invalid_optimizer_type():
+    with pytest.raises(TypeError, match=r"Received an invalid `optimizer`: 0.1 \(type float\)"):
+        DistributedOptimizer(0.1)
+    with pytest.raises(TypeError, match=r"class SGD as `optimizer`; pass an instance"):
+        DistributedOptimizer(keras.optimizers.SGD)
+    with pytest.raises(ValueError, match="wrap the plain Keras optimizer once"):
+        DistributedOptimizer(DistributedOptimizer(sgd()))
+
+
+def test_optimizer_by_name():
+    assert isinstance(DistributedOptimizer("adam").inner_optimizer, keras.optimizers.Adam)
+
+
+# -- planning -------------------------------------------------------------------
+
+def test_buckets_reverse_order_and_limit():
+    w = (0, 1)
+    items = [(w, 100), (w, 8), ((), 40), (w, 8), ((0, 2), 8), (w, 30)]
+    buckets = plan_buckets(items, 40)
+    assert [(b.ranks, b.indices, b.nbytes) for b in buckets] == [
+        ((0, 1), [5, 3], 38), ((0, 2), [4], 8), ((0, 1), [1], 8), ((0, 1), [0], 100)]
+    assert buckets[0].ring_bytes() == 38.0
+    assert len(plan_buckets(items, 10**9)) == 2          # one per process set
+
+
+def test_reduction_rule_on_synthetic_grid():
+    grid = ProcessGrid(size=8, rank=5, model_parallel=2)
+    v = keras.Variable(np.zeros(3, np.float32))
+    assert reduction_of(v, grid) == (r := reduction_of(v, grid)) and r.ranks == tuple(range(8))
+    assert r.factor == pytest.approx(1 / 8)
+    set_layout(v, VariableLayout(kind="sharded", grad_scale=0.5))
+    r = reduction_of(v, grid)
+    assert r.ranks == (1, 3, 5, 7) and r.factor == pytest.approx(0.5 / 4)
+    set_layout(v, VariableLayout(kind="partial"))
+    assert reduction_of(v, grid).factor == pytest.approx(2 / 8)
+    assert reduction_of(v, grid, op="sum").factor == pytest.approx(2 / 8 * 4)
+    set_layout(v, VariableLayout(kind="partial", group=Group("h", (4, 5), 1)))
+    assert reduction_of(v, grid).factor == pytest.approx(2 / 8)
+    set_layout(v, VariableLayout(kind="partial", group="h"))
+    with pytest.raises(ValueError, match=r"'partial' layout over group='h'"):
+        reduction_of(v, grid)
+    mark_prereduced(v)
+    assert reduction_of(v, grid).ranks == ()
+
+
+# -- single-process behaviour ---------------------------------------------------------
+
+def small_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
+                             keras.layers.Dense(2)])
+
+
+def data():
+    r = np.random.default_rng(0)
+    return r.standard_normal((12, 5)).astype(np.float32), r.standard_normal((12, 2)).astype(np.float32)
+
+
+@pytest.mark.parametrize("options", [{}, {"compression": "fp16"}, {"replicate_fc_gradients": 1}])
+def test_one_process_equals_plain_optimizer(options):
+    x, y = data()
+    ref = small_model()
+    ref.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=False)
+    ref.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    model = small_model()
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.Adam(0.01), **options), loss="mse")
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=tfhybrid.callbacks.standard())
+    for a, b in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_learning_rate_and_iterations_delegate():
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.5))
+    assert float(opt.learning_rate) == 0.5
+    opt.learning_rate = 0.25
+    assert float(opt.inner_optimizer.learning_rate) == 0.25
+    assert opt.iterations is opt.inner_optimizer.iterations
+
+
+def test_config_round_trip():
+    opt = DistributedOptimizer(keras.optimizers.Adam(0.003), bucket_bytes=1024, compression="fp16",
+                               backward_passes_per_step=2, op="sum", replicate_fc_gradients=1)
+    clone = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    assert isinstance(clone, DistributedOptimizer)
+    assert clone.get_config()["bucket_bytes"] == 1024
+    assert {k: v for k, v in clone.get_config().items() if k != "optimizer"} == {
+        k: v for k, v in opt.get_config().items() if k != "optimizer"}
+    assert float(clone.learning_rate) == pytest.approx(0.003)
+
+
+def test_model_save_and_load(tmp_path):
+    x, y = data()
+    model = small_model()
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.Adam(0.01),
+                                                 backward_passes_per_step=2), loss="mse")
+    model.fit(x, y, batch_size=4, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, DistributedOptimizer)
+    assert loaded.optimizer.backward_passes_per_step == 2
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+
+
+def test_backward_passes_accumulate_then_apply():
+    v = keras.Variable(np.zeros(2, np.float32))
+    opt = DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2)
+    opt.apply([tf.constant([1.0, 2.0])], [v])
+    np.testing.assert_allclose(v.numpy(), [0, 0])
+    opt.apply([tf.constant([3.0, 4.0])], [v])
+    np.testing.assert_allclose(v.numpy(), [-2, -3])
+    assert int(opt.iterations) == 1
+
+
+def test_replicated_fc_errors():
+    model = small_model()
+    with pytest.raises(ValueError, match=r"replicate_fc_gradients=3, but model .* has only 2 Dense"):
+        replicate_fc_gradients(model, 3)
+    with pytest.raises(ValueError, match=r"f=1.5"):
+        replicate_fc_gradients(model, 1.5)
+    unbuilt = keras.Sequential([keras.layers.Dense(2)])
+    unbuilt.layers  # noqa: B018
+    with pytest.raises(ValueError, match="not built"):
+        replicate_fc_gradients(keras.Sequential([keras.layers.Dense(2), keras.layers.Dense(1)]), 1)
+    set_layout(model.layers[1].kernel, VariableLayout(kind="sharded"))
+    with pytest.raises(ValueError, match=r"holds a sharded weight"):
+        replicate_fc_gradients(model, 2)
+
+
+def test_replicate_fc_without_attach_raises():
+    model = small_model()
+    opt = DistributedOptimizer(sgd(), replicate_fc_gradients=1)
+    with pytest.raises(ValueError, match=r"found no hooked Dense layer.*attach\(model\)"):
+        opt.build(model.trainable_variables)
+
+
+def test_attach_turns_off_xla():
+    model = small_model()
+    model.compile(optimizer=DistributedOptimizer(sgd()), loss="mse", jit_compile=True)
+    with pytest.warns(UserWarning, match="turning off XLA"):
+        assert model.optimizer.attach(model)
+    assert model.jit_compile is False
+
+
+def test_xla_context_detection():
+    from tfhybrid.optimizer import in_xla_context
+
+    seen = []
+
+    @tf.function(jit_compile=True)
+    def f(x):
+        seen.append(in_xla_context())
+        return x + 1
+
+    f(tf.constant(1.0))
+    tf.function(lambda x: seen.append(in_xla_context()) or x)(tf.constant(1.0))
+    assert seen == [True, False] and not in_xla_context()

@@ -1,0 +1,131 @@
+"""Input sharding: which rows of each global batch this rank feeds.
+
+Every rank reads the same stream of *global* batches and keeps one block of
+rows of each. By default the global batch is split into ``p_data`` blocks and
+rank ``r`` keeps block ``data_rank(r)``, so all ranks of a model group see the
+same rows (the model group holds one replica). Strategies whose early layers
+are data-parallel over all ranks (SplitBrain's ``gmp``, plain ``d``) mark the
+transformed model with ``_tfhybrid_batch_split = "world"``; with such a model
+the batch is split into ``p`` blocks and rank ``r`` keeps block ``r``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tfhybrid import runtime
+
+SPLITS = ("data", "world")
+
+
+def batch_split(model=None):
+    """``(blocks, index)``: how this rank splits a global batch for ``model``.
+
+    Raises:
+        ValueError: if the model's ``_tfhybrid_batch_split`` is not "data" or "world".
+    """
+    grid = runtime.current_grid()
+    split = getattr(model, "_tfhybrid_batch_split", "data") if model is not None else "data"
+    if split not in SPLITS:
+        raise ValueError(f"Model {getattr(model, 'name', model)!r} has an invalid "
+                         f"_tfhybrid_batch_split={split!r}; expected one of {SPLITS}.")
+    return (grid.size, grid.rank) if split == "world" else (grid.data_size, grid.data_rank)
+
+
+def _divisible_error(batch, blocks):
+    return (f"The global batch of {batch} rows cannot be split evenly over {blocks} "
+            f"data-parallel ranks: use a global batch that is a multiple of {blocks} "
+            "(batch the dataset with drop_remainder=True so the last batch is full too).")
+
+
+def _shard_dataset(dataset, blocks, index):
+    def rows(t):
+        n = t.shape[0]
+        if n is not None and n % blocks:
+            raise ValueError(_divisible_error(n, blocks))
+        size = tf.shape(t)[0]
+        with tf.control_dependencies([tf.debugging.assert_equal(
+                size % blocks, 0, message=f"global batch not divisible by {blocks} "
+                "data-parallel ranks (use drop_remainder=True)")]):
+            local = size // blocks
+        return t[index * local:(index + 1) * local]
+
+    def select(*batch):
+        out = tf.nest.map_structure(rows, batch)
+        return out[0] if len(out) == 1 else out
+
+    return dataset.map(select, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def _shard_arrays(arrays, batch_size, blocks, index):
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"Received an invalid value for `batch_size`: {batch_size!r}; "
+                         "expected the global batch size (a positive integer) with arrays.")
+    if batch_size % blocks:
+        raise ValueError(_divisible_error(batch_size, blocks))
+    flat = tf.nest.flatten(arrays)
+    n = len(flat[0])
+    if n % batch_size and (n % batch_size) % blocks:
+        raise ValueError(_divisible_error(n % batch_size, blocks) + f" (the last batch of "
+                         f"{n} samples in batches of {batch_size})")
+
+    def rows(a):
+        a = np.asarray(a)
+        keep = []
+        for start in range(0, n, batch_size):
+            local = min(batch_size, n - start) // blocks
+            keep.append(a[start + index * local:start + (index + 1) * local])
+        return np.concatenate(keep)
+
+    return tf.nest.map_structure(rows, arrays)
+
+
+def shard(dataset, model=None, batch_size=None):
+    """The rows of every global batch that this rank must feed.
+
+    Args:
+        dataset: A ``tf.data.Dataset`` yielding global batches (``x``,
+            ``(x, y)`` or ``(x, y, sample_weight)``, any nesting), or numpy
+            arrays / a tuple of arrays of whole samples with ``batch_size``.
+        model: Optional (transformed) model; its ``_tfhybrid_batch_split``
+            ("data", the default, or "world") chooses the split.
+        batch_size: The global batch size, required with arrays.
+
+    Returns:
+        A ``tf.data.Dataset`` of local batches, or the arrays of this rank's
+        rows (feed them with ``batch_size // blocks`` and ``shuffle=False``).
+
+    Raises:
+        ValueError: when a global batch is not divisible by the number of
+            blocks (for a dataset with unknown batch size the check runs
+            per batch and raises ``tf.errors.InvalidArgumentError``).
+        TypeError: for any other kind of ``dataset``.
+
+    Example:
+        >>> ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(64, drop_remainder=True)
+        >>> model.fit(tfhybrid.data.shard(ds), epochs=2)
+        >>> x_local, y_local = tfhybrid.data.shard((x, y), batch_size=64)
+    """
+    blocks, index = batch_split(model)
+    if isinstance(dataset, tf.data.Dataset):
+        return _shard_dataset(dataset, blocks, index) if blocks > 1 else dataset
+    if isinstance(dataset, (np.ndarray, tuple, list, dict)):
+        return _shard_arrays(dataset, batch_size, blocks, index)
+    raise TypeError(f"Received an invalid `dataset` of type {type(dataset).__name__}; expected "
+                    "a tf.data.Dataset of global batches or numpy arrays with batch_size.")
+
+
+def local_batch_size(global_batch: int, model=None) -> int:
+    """Rows per rank for ``global_batch``.
+
+    Raises:
+        ValueError: if ``global_batch`` is not divisible by the number of blocks.
+
+    Example:
+        >>> tfhybrid.data.local_batch_size(64)   # 4 data-parallel ranks
+        16
+    """
+    blocks, _ = batch_split(model)
+    if global_batch % blocks:
+        raise ValueError(_divisible_error(global_batch, blocks))
+    return global_batch // blocks

@@ -1,0 +1,341 @@
+"""``tfhybrid.DistributedOptimizer``: Horovod data parallelism for Keras 3.
+
+A small ``keras.optimizers.Optimizer`` subclass that delegates to the wrapped
+(inner) optimizer through Keras 3's public ``apply(grads, variables)`` hook,
+the way ``keras.optimizers.LossScaleOptimizer`` does. Before the inner
+optimizer updates the weights, every gradient is reduced over the process
+set its variable's layout asks for (:mod:`tfhybrid.optimizer.reduction`),
+packed into fusion buckets with one grouped allreduce per bucket.
+
+Overlap with back-propagation: inside the compiled train step
+(``tf.function``) each bucket's allreduce depends only on its own gradients,
+and Horovod's ops are asynchronous kernels, so TensorFlow's executor issues a
+bucket's reduction as soon as its gradients exist while the gradients of
+earlier layers are still being computed. Buckets are built from the last
+layer backwards, i.e. in the order back-propagation produces them. Eagerly
+(``run_eagerly=True`` or an undecorated GradientTape loop) buckets run one
+after another, without overlap.
+"""
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.utils import tracking
+
+from tfhybrid import runtime
+from tfhybrid.comm import backend
+from tfhybrid.optimizer.reduction import is_prereduced, plan_buckets, reduction_of
+
+COMPRESSIONS = ("none", "fp16")
+OPS = ("average", "sum")
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def _check_int(value, what, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"Received an invalid value for `{what}`: {what}={value!r}; "
+                         f"expected an integer >= {minimum}.")
+    return int(value)
+
+
+def _check_choice(value, what, choices):
+    if value not in choices:
+        raise ValueError(f"Received an invalid value for `{what}`: {what}={value!r}; "
+                         f"expected one of {choices}.")
+    return value
+
+
+def _inner(optimizer):
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, type):
+        raise TypeError(f"Received the class {optimizer.__name__} as `optimizer`; pass an "
+                        f"instance, e.g. {optimizer.__name__}(learning_rate=0.01).")
+    if isinstance(optimizer, DistributedOptimizer):
+        raise ValueError("Received a tfhybrid.DistributedOptimizer as `optimizer`; wrap the "
+                         "plain Keras optimizer once.")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"Received an invalid `optimizer`: {optimizer!r} (type "
+                        f"{type(optimizer).__name__}); expected a Keras 3 optimizer instance "
+                        "such as keras.optimizers.SGD(0.01) (tf.keras / Keras 2 optimizers "
+                        "are not supported).")
+    return optimizer
+
+
+def in_xla_context() -> bool:
+    """True while tracing a function compiled with XLA (``jit_compile=True``)."""
+    if tf.executing_eagerly():
+        return False
+    from tensorflow.python.ops import control_flow_util  # no public equivalent
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+XLA_MESSAGE = (
+    "tfhybrid.DistributedOptimizer: the train step is being compiled with XLA "
+    "(model.compile(jit_compile=True), or jit_compile='auto' on a GPU machine), but "
+    "Horovod collectives cannot run inside XLA. Pass jit_compile=False to "
+    "model.compile(...), or pass tfhybrid.callbacks.standard() (or "
+    "BroadcastGlobalVariablesCallback) to model.fit, which switches XLA off with a "
+    "warning; in custom loops use tf.function(jit_compile=False).")
+
+
+def disable_xla(model) -> bool:
+    """Switch ``model``'s train step to plain ``tf.function``; True if it was XLA."""
+    if not getattr(model, "compiled", False) or not model.jit_compile:
+        return False
+    warnings.warn(f"tfhybrid: turning off XLA for model {model.name!r} "
+                  "(jit_compile=True -> False): Horovod collectives cannot run inside XLA.",
+                  stacklevel=2)
+    model.jit_compile = False
+    return True
+
+
+@keras.saving.register_keras_serializable(package="tfhybrid")
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """Reduce gradients across the process grid, then apply the wrapped optimizer.
+
+    Each gradient is reduced according to its variable's layout
+    (:func:`tfhybrid.layout.layout_of`): replicated -> average over the world;
+    partial -> world average x group size; sharded -> average over the data
+    group; then x ``grad_scale``. After reduction every gradient equals the
+    single-process gradient of the mean loss over the global batch.
+
+    Args:
+        optimizer: A Keras 3 optimizer instance (SGD, Adam, AdamW, ...) or its
+            name ("adam").
+        bucket_bytes: Upper bound of one fusion bucket's payload in bytes.
+            Smaller buckets start communicating earlier in back-propagation;
+            larger ones issue fewer collectives. Default 25 MiB.
+        compression: "none" or "fp16" (float32 gradients travel as float16;
+            halves the bytes, costs about 3 significant digits).
+        backward_passes_per_step: Accumulate this many local gradients and
+            reduce/apply their mean every N-th call (a step on the union of
+            the N micro-batches).
+        op: "average" (the mean-loss gradient, the default) or "sum"
+            (x the number of data-parallel replicas, Horovod's op=Sum).
+        replicate_fc_gradients: Lee et al.'s f: the first f Dense layers
+            all-gather activations and errors and compute their weight
+            gradients locally instead of all-reducing them. Needs
+            :meth:`attach` (done by ``tfhybrid.callbacks.standard()``).
+        name: Optional name (default "distributed_<inner name>").
+
+    Raises:
+        TypeError: if ``optimizer`` is not a Keras 3 optimizer instance.
+        ValueError: for an invalid ``bucket_bytes``, ``compression``,
+            ``backward_passes_per_step``, ``op`` or ``replicate_fc_gradients``.
+
+    Example:
+        >>> tfhybrid.init()
+        >>> opt = tfhybrid.DistributedOptimizer(keras.optimizers.Adam(1e-3),
+        ...                                     bucket_bytes=4 * 2**20)
+        >>> model.compile(optimizer=opt, loss="mse", jit_compile=False)
+        >>> model.fit(tfhybrid.data.shard(ds), callbacks=tfhybrid.callbacks.standard(),
+        ...           verbose=tfhybrid.is_root())
+    """
+
+    def __init__(self, optimizer, bucket_bytes=DEFAULT_BUCKET_BYTES, compression="none",
+                 backward_passes_per_step=1, op="average", replicate_fc_gradients=0,
+                 name=None):
+        inner = _inner(optimizer)
+        bucket_bytes = _check_int(bucket_bytes, "bucket_bytes", 1)
+        compression = _check_choice(compression, "compression", COMPRESSIONS)
+        passes = _check_int(backward_passes_per_step, "backward_passes_per_step", 1)
+        op = _check_choice(op, "op", OPS)
+        fc = _check_int(replicate_fc_gradients, "replicate_fc_gradients", 0)
+        super().__init__(learning_rate=0.0, name=name or f"distributed_{inner.name}")
+        self.inner_optimizer = inner
+        self.bucket_bytes = bucket_bytes
+        self.compression = compression
+        self.backward_passes_per_step = passes
+        self.op = op
+        self.replicate_fc_gradients = fc
+        self._plan = None
+
+    # -- delegation to the inner optimizer --------------------------------
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        """Create the inner optimizer's slots (and gradient accumulators)."""
+        var_list = list(var_list)
+        self._check_fc_hooks(var_list)
+        self._accumulators = []
+        if self.backward_passes_per_step > 1:
+            self._micro_step = self.add_variable(shape=(), dtype="int32", initializer="zeros",
+                                                 aggregation="none", name="micro_step")
+            self._accumulators = [self.add_variable_from_reference(v, name="grad_accumulator")
+                                  for v in var_list]
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+
+    def _check_fc_hooks(self, var_list):
+        if self.replicate_fc_gradients and not any(is_prereduced(v) for v in var_list):
+            raise ValueError(
+                f"DistributedOptimizer(replicate_fc_gradients={self.replicate_fc_gradients}) "
+                "found no hooked Dense layer among the trainable variables. Call "
+                "optimizer.attach(model) before training, or pass "
+                "tfhybrid.callbacks.standard() to model.fit.")
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def attach(self, model):
+        """Prepare ``model`` for this optimizer: XLA off, replicated FC hooks.
+
+        Called by ``tfhybrid.callbacks.standard()`` at the start of training;
+        call it yourself in custom loops. Returns True when the model's train
+        function had to be rebuilt.
+
+        Example:
+            >>> opt = tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1),
+            ...                                     replicate_fc_gradients=1)
+            >>> opt.attach(model)
+        """
+        from tfhybrid.optimizer.replicated_fc import replicate_fc_gradients
+
+        changed = disable_xla(model)
+        if self.replicate_fc_gradients:
+            changed = replicate_fc_gradients(model, self.replicate_fc_gradients) > 0 or changed
+        if changed and getattr(model, "train_function", None) is not None:
+            model.make_train_function(force=True)
+        return changed
+
+    # -- the apply hook -------------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        """Reduce ``grads`` across ranks, then apply them with the inner optimizer."""
+        variables = list(trainable_variables if trainable_variables is not None
+                         else self._trainable_variables)
+        if runtime.current_grid().size > 1 and in_xla_context():
+            raise RuntimeError(XLA_MESSAGE)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        if self.backward_passes_per_step == 1:
+            self._reduce_and_apply(grads, variables)
+        else:
+            self._accumulate_and_maybe_apply(grads, variables)
+
+    def _reduce_and_apply(self, grads, variables):
+        self.inner_optimizer.apply(self.reduce_gradients(grads, variables), variables)
+
+    def _accumulate_and_maybe_apply(self, grads, variables):
+        n = self.backward_passes_per_step
+        slots = [self._accumulators[self._get_variable_index(v)] for v in variables]
+        for g, slot in zip(grads, slots):
+            if g is not None:
+                slot.assign_add(tf.cast(g, slot.dtype))
+        self._micro_step.assign_add(1)
+
+        def reduce_and_apply():
+            mean = [None if g is None else tf.convert_to_tensor(s) / n
+                    for g, s in zip(grads, slots)]
+            self._reduce_and_apply(mean, variables)
+            for slot in slots:
+                slot.assign(tf.zeros_like(slot))
+
+        tf.cond(tf.equal(self._micro_step.value % n, 0), reduce_and_apply, lambda: None)
+
+    # -- reduction ------------------------------------------------------------
+
+    def reduce_gradients(self, grads, variables):
+        """The reduced gradients (no update). Usable in custom loops.
+
+        Args:
+            grads: Local gradients, one per variable (None allowed).
+            variables: The variables, in forward order.
+
+        Returns:
+            A list of reduced gradients (None where ``grads`` had None).
+        """
+        grid = runtime.current_grid()
+        specs = [reduction_of(v, grid, self.op) for v in variables]
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        items = [((), 0) if g is None else (s.ranks, self._wire_bytes(g))
+                 for g, s in zip(grads, specs)]
+        buckets = plan_buckets(items, self.bucket_bytes)
+        out = [None if g is None else _scaled(g, s.factor) for g, s in zip(grads, specs)]
+        for number, bucket in enumerate(buckets):
+            reduced = self._reduce_bucket([grads[i] for i in bucket.indices],
+                                          [specs[i].factor for i in bucket.indices],
+                                          bucket.ranks, number)
+            for i, g in zip(bucket.indices, reduced):
+                out[i] = g
+        self._plan = buckets
+        return out
+
+    def _wire_bytes(self, g):
+        itemsize = 2 if self._compresses(g) else g.dtype.size
+        return int(np.prod(g.shape.as_list() or [1])) * itemsize
+
+    def _compresses(self, g):
+        return self.compression == "fp16" and g.dtype in (tf.float32, tf.float64)
+
+    def _reduce_bucket(self, grads, factors, ranks, number):
+        # Scale in TensorFlow, not with Horovod's pre/postscale: Horovod may fuse
+        # concurrently ready buckets and then applies one bucket's factors to all.
+        name = f"{self.name}.bucket{number}"
+        if self.compression == "fp16":   # scale first: the float16 sum cannot overflow
+            wire = [tf.cast(_scaled(g, f), tf.float16) if self._compresses(g) else _scaled(g, f)
+                    for g, f in zip(grads, factors)]
+            summed = backend.grouped_allreduce(wire, ranks, name)
+            return [tf.cast(s, g.dtype) for s, g in zip(summed, grads)]
+        summed = backend.grouped_allreduce(grads, ranks, name)
+        return [_scaled(s, f) for s, f in zip(summed, factors)]
+
+    def communication_plan(self):
+        """Buckets of the last traced/executed step and the bytes they move.
+
+        Returns:
+            dict with ``buckets`` (list of ``{"ranks", "gradients", "bytes"}``),
+            ``payload_bytes`` and ``ring_bytes`` (bytes each rank sends per
+            step with a ring allreduce: sum of 2(k-1)/k x bucket bytes).
+        """
+        plan = self._plan or []
+        return {"buckets": [{"ranks": list(b.ranks), "gradients": len(b.indices),
+                             "bytes": b.nbytes} for b in plan],
+                "payload_bytes": sum(b.nbytes for b in plan),
+                "ring_bytes": sum(b.ring_bytes() for b in plan)}
+
+    # -- serialization ----------------------------------------------------------
+
+    def get_config(self):
+        return {"name": self.name,
+                "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                "bucket_bytes": self.bucket_bytes, "compression": self.compression,
+                "backward_passes_per_step": self.backward_passes_per_step, "op": self.op,
+                "replicate_fc_gradients": self.replicate_fc_gradients}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["optimizer"] = keras.saving.deserialize_keras_object(
+            config["optimizer"], custom_objects=custom_objects)
+        return cls(**config)
+
+
+def _scaled(g, factor):
+    return g if factor == 1.0 else g * tf.cast(factor, g.dtype)

@@ -1,0 +1,109 @@
+"""Helpers shared by tests/parallel/test_layers_*.py: run a parallel layer and
+its dense Keras reference on the same data and compare values and gradients.
+
+Layouts at the test boundary (``feed``/``collect``) turn the full replicated
+test tensors into what a layer's ``input_layout`` expects and its output
+back into the full tensor, with gradient layouts that are exact, so a wrong
+forward *or* backward in the layer shows up as a mismatch.
+"""
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from tfhybrid import comm
+from tfhybrid.comm import backend
+from tfhybrid.layout import layout_of
+
+FWD = dict(rtol=1e-5, atol=1e-5)
+GRAD = dict(rtol=1e-4, atol=1e-4)
+
+
+def block(a, axis, g):
+    """Block ``g.index`` of ``g.size`` along ``axis`` of a numpy array."""
+    return np.split(np.asarray(a), g.size, axis=axis)[g.index]
+
+
+def feed(x, layout, g):
+    """Full R tensor -> a tensor in ``layout`` whose gradient comes back exact."""
+    if layout == "split":
+        return comm.split(x, -1, g)
+    if layout == "replicated_partial_grad":   # R value whose producer sums P gradients
+        return comm.shard(comm.split(x, -1, g), -1, g)
+    return x
+
+
+def collect(y, u, layout, g):
+    """(full output, loss) for an output in ``layout``; sum(loss over ranks)=<y, u>."""
+    if layout == "split":
+        return comm.gather(y, -1, g), tf.reduce_sum(y * block(u, -1, g))
+    if layout == "partial":
+        full = comm.reduce(y, g)
+        return full, tf.reduce_sum(full * u)
+    if layout == "replicated_partial_grad":   # consumer partitioned: gradient P
+        mask = np.zeros(u.shape, np.float32)
+        np.split(mask, g.size, axis=-1)[g.index][...] = 1
+        return y, tf.reduce_sum(y * u * mask)
+    return y, tf.reduce_sum(y * u)
+
+
+def value_and_grads(call, variables, x, mode):
+    """(y, dloss/dx, [dloss/dv]) of ``loss, y = call(x)``, eager or tf.function."""
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y, loss = call(x)
+        gx, *gv = tape.gradient(loss, [x] + list(variables))
+        return y, gx, gv
+    if mode == "function":
+        step = tf.function(step)
+    y, gx, gv = step(tf.constant(x))
+    return y.numpy(), gx.numpy(), [g.numpy() for g in gv]
+
+
+def reference(layer, x, u):
+    """(y, dx, {weight name: grad}) of the plain Keras layer on the full tensors."""
+    def call(t):
+        y = layer(t)
+        return y, tf.reduce_sum(y * u)
+    y, gx, gv = value_and_grads(call, layer.trainable_weights, x, "eager")
+    return y, gx, dict(zip(names(layer.trainable_weights), gv))
+
+
+def names(variables):
+    return [v.path.split("/")[-1] for v in variables]
+
+
+def reduced(variable, grad, g):
+    """The group-complete gradient of ``variable`` (partial ones summed over ``g``)."""
+    if layout_of(variable).kind == "partial" and g.size > 1:
+        return backend.allreduce(tf.constant(grad), g.ranks, "test.partial").numpy()
+    return grad
+
+
+def expected(variable, full, g):
+    """This rank's part of the reference gradient ``full`` of ``variable``."""
+    lay = layout_of(variable)
+    if lay.kind == "sharded" and g.size > 1:
+        return block(full, lay.axis, g)
+    return full
+
+
+def check_weight_grads(variables, grads, ref_grads, g):
+    for v, gr, name in zip(variables, grads, names(variables)):
+        np.testing.assert_allclose(reduced(v, gr, g), expected(v, ref_grads[name], g),
+                                   err_msg=f"gradient of {v.path}", **GRAD)
+
+
+def count_horovod_ops(concrete_fn):
+    """{op type: count} of the Horovod collectives in a traced function's graph."""
+    counts = {}
+    for op in concrete_fn.graph.get_operations():
+        if op.type.startswith("Horovod"):
+            counts[op.type] = counts.get(op.type, 0) + 1
+    return counts
+
+
+def rank_path(tmp_path, stem):
+    """A per-rank file name (every rank of the pytest session saves its own)."""
+    return os.path.join(str(tmp_path), f"{stem}.rank{backend.rank()}.keras")

@@ -1,0 +1,9 @@
+"""Parallel Keras 3 layers of tfhybrid."""
+
+# -- model parallelism (filter/channel), SplitBrain boundaries, sync batch norm --
+# tfhybrid/layers/{partitioned,parallel_dense,parallel_conv,splitbrain,sync_bn}.py
+from tfhybrid.layers.parallel_conv import ChannelParallelConv2D, FilterParallelConv2D  # noqa: F401
+from tfhybrid.layers.parallel_dense import ChannelParallelDense, FilterParallelDense  # noqa: F401
+from tfhybrid.layers.splitbrain import ModuloInverseLayer, ModuloLayer, ShardLayer  # noqa: F401
+from tfhybrid.layers.sync_bn import SyncBatchNormalization  # noqa: F401
+# -- end model parallelism ----------------------------------------------------------

@@ -179,7 +179,7 @@ def _fix(node, ctx, opts) -> str:
     world = ctx.model_size * ctx.data_size
     good = [m for m in range(2, world + 1) if world % m == 0 and n and n % m == 0]
     arg = "mp" if ctx.strategy == "gmp" else "model_parallel"
-    hint = f" or {arg}={' or '.join(map(str, good))}" if good else ""
+    hint = f", or use {arg}={' or '.join(map(str, good))}" if good else ""
     return (f" Use fallback='replicate' (or layers={{{node.name!r}: 'replicate'}}) to keep "
             f"it replicated{hint}.")
 

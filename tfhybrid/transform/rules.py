@@ -121,11 +121,17 @@ class Channelwise(Rule):
 
 
 class Merge(Rule):
-    """Add/Multiply/...: equal layouts pass; mixed layouts are made full."""
+    """Add/Multiply/...: equal layouts pass; replicated inputs joining space-split
+    ones are scattered (no communication); other mixes are made full."""
 
     def plan(self, node, layouts, kind, ctx):
         if all(lay == layouts[0] for lay in layouts):
             return Decision((None,) * len(layouts), "replicate", layouts[0])
+        kinds = {lay.kind for lay in layouts}
+        if kinds == {"space", "replicated"}:
+            needs = tuple(None if lay.kind == "space" else "space" for lay in layouts)
+            space = next(lay for lay in layouts if lay.kind == "space")
+            return Decision(needs, "replicate", space)
         return super().plan(node, layouts, kind, ctx)
 
 

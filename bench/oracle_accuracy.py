@@ -1,0 +1,291 @@
+"""Oracle accuracy on this machine: predicted vs measured step time per strategy.
+
+Driver (one process) does, for N in --nps (default 2 4):
+
+1. ``horovodrun -np N python bench/oracle_accuracy.py --worker``: calibrates
+   the machine in the same job (what ``tfhybrid calibrate --model`` does,
+   right before measuring, so both see the same load on this shared box),
+2. then every rank builds the bench CNN, and for each strategy it can run (serial on rank 0
+   alone, d, df, gmp, f, c, s, ds through ``tfhybrid.transform`` +
+   ``tfhybrid.DistributedOptimizer``; d falls back to a hand-written
+   allreduce loop if those fail) times ``--steps`` training steps after
+   warm-up. Strategies that fail are skipped with one line saying why.
+3. predicts each measured case with :func:`tfhybrid.oracle.predict` on the
+   calibrated machine and reports accuracy = 1 - |pred - meas| / meas per
+   strategy and the mean, to ``bench/results/oracle_accuracy.json`` and
+   ``bench/results/oracle_accuracy.md``.
+
+Usage:
+    .venv/bin/python bench/oracle_accuracy.py [--nps 2 4] [--batch 64] [--steps 8] [--machine m.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+VENV_BIN = os.path.join(ROOT, ".venv", "bin")
+MODEL_PATH = os.path.join(HERE, "results", "oracle_bench_model.keras")
+STRATEGIES = {"d": (1, {}), "df": (2, {}), "gmp": (2, {"mp": 2}), "f": ("world", {}),
+              "c": ("world", {}), "s": ("world", {}), "ds": (2, {})}
+
+
+def make_model():
+    """The bench CNN: 32x32x3 -> 2 conv blocks -> Dense(128) -> Dense(10)."""
+    import keras  # noqa: WPS433
+    L = keras.layers
+    inp = keras.Input((32, 32, 3), name="image")
+    x = L.Conv2D(16, 3, padding="same", activation="relu", name="conv1")(inp)
+    x = L.MaxPooling2D(2, name="pool1")(x)
+    x = L.Conv2D(32, 3, padding="same", activation="relu", name="conv2")(x)
+    x = L.MaxPooling2D(2, name="pool2")(x)
+    x = L.Flatten(name="flatten")(x)
+    x = L.Dense(128, activation="relu", name="fc1")(x)
+    out = L.Dense(10, name="fc2")(x)
+    return keras.Model(inp, out, name="oracle_bench_cnn")
+
+
+def _data(batch):
+    import numpy as np  # noqa: WPS433
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((batch, 32, 32, 3)).astype("float32"),
+            rng.integers(0, 10, batch).astype("int64"))
+
+
+def _time_steps(step, steps):
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _compile(model, optimizer):
+    import keras  # noqa: WPS433
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _serial(batch, steps):
+    import keras  # noqa: WPS433
+    m = _compile(make_model(), keras.optimizers.SGD(0.01))
+    x, y = _data(batch)
+    return _time_steps(lambda: m.train_on_batch(x, y), steps)
+
+
+def _sync():
+    import tensorflow as tf  # noqa: WPS433
+    from tfhybrid.comm import backend  # noqa: WPS433
+    backend.allreduce(tf.zeros([1]), tuple(range(backend.size())), "bench.sync").numpy()
+
+
+def _via_tfhybrid(name, mp, opts, batch, steps):
+    import keras  # noqa: WPS433
+    import tfhybrid  # noqa: WPS433
+    tfhybrid.shutdown()
+    tfhybrid.init(model_parallel=mp)
+    keras.utils.set_random_seed(0)
+    from tfhybrid.transform import transform  # noqa: WPS433 (tfhybrid.transform may be the module)
+    pm = transform(make_model(), strategy=name, **opts)
+    _compile(pm, tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)))
+    x, y = tfhybrid.data.shard(_data(batch), model=pm, batch_size=batch)
+    return _time_steps(lambda: pm.train_on_batch(x, y), steps)
+
+
+def _hand_d(batch, steps):
+    """Plain data parallelism: local gradients + one grouped allreduce (average)."""
+    import keras  # noqa: WPS433
+    import tensorflow as tf  # noqa: WPS433
+    from tfhybrid.comm import backend  # noqa: WPS433
+    n, r = backend.size(), backend.rank()
+    m, opt = make_model(), keras.optimizers.SGD(0.01)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = _data(batch)
+    x, y = x[r * batch // n:(r + 1) * batch // n], y[r * batch // n:(r + 1) * batch // n]
+    ranks = tuple(range(n))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, m(x, training=True))
+        grads = tape.gradient(loss, m.trainable_variables)
+        grads = backend.grouped_allreduce(grads, ranks, "bench.d", average=True)
+        opt.apply(grads, m.trainable_variables)
+        return loss
+
+    return _time_steps(lambda: step().numpy(), steps)
+
+
+def worker(args):
+    """One job: ``calib`` (calibration + serial + d) or one transform strategy."""
+    from tfhybrid.comm import backend  # noqa: WPS433
+    n, rank = backend.init()[:2]
+    out = {}
+    if args.worker == "calib":
+        from tfhybrid.oracle import calibrate_run  # noqa: WPS433
+        # calibrate in the same job, right before measuring: same load on this shared box
+        calibrate_run.run(args.machine_out, max_bytes=2 << 20, n_sizes=6, reps=7,
+                          model=MODEL_PATH, batch=args.batch // n,
+                          log=lambda s: print(s, flush=True))
+        _sync()
+        if rank == 0:
+            out["serial"] = {"seconds": _serial(args.batch, args.steps), "path": "keras"}
+        _sync()
+        names = ["d"]
+    else:
+        names = [args.worker]
+    for name in names:
+        mp, opts = STRATEGIES[name]
+        mp = n if mp == "world" else mp
+        try:
+            sec = _via_tfhybrid(name, mp, opts, args.batch, args.steps)
+            out[name] = {"seconds": sec, "path": "tfhybrid.transform", "model_parallel": mp}
+        except Exception as err:  # noqa: BLE001 (report and go on)
+            msg = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            if name != "d":
+                raise
+            out[name] = {"seconds": _hand_d(args.batch, args.steps),
+                         "path": "hand-written allreduce loop", "note": msg}
+    if rank == 0:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump(out, fh, indent=1)
+
+
+def _run(cmd, log, timeout):
+    """Run one horovodrun job in its own session; (ok, message)."""
+    print("$", " ".join(cmd[4:]), flush=True)
+    env = dict(os.environ, TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return False, f"timed out after {timeout} s (killed)"
+    lines = [ln for ln in text.splitlines() if "[0]<stdout>" in ln]
+    log.extend(lines)
+    errors = [ln.split(">:", 1)[-1] for ln in text.splitlines()
+              if "Error" in ln and "<stderr>" in ln and "Traceback" not in ln]
+    if proc.returncode:
+        return False, (errors[-1] if errors else f"exit code {proc.returncode}").strip()[:200]
+    return True, ""
+
+
+def _predict(machine_path, name, np_, batch, mp):
+    from tfhybrid.oracle import predict  # noqa: WPS433
+    from tfhybrid.oracle.models import build_model  # noqa: WPS433
+    model = build_model(MODEL_PATH)
+    if name == "serial":
+        return predict(model, "serial", 1, batch, machine_path)
+    opts = {"df": {"grid": (np_ // 2, 2)}, "ds": {"grid": (np_ // 2, 2, 1)},
+            "gmp": {"mp": 2}}.get(name, {})
+    if name == "s":
+        opts = {"grid": (np_, 1)}
+    return predict(model, name, np_, batch, machine_path, **opts)
+
+
+def _accuracy(pred, meas):
+    return 1.0 - abs(pred - meas) / meas
+
+
+def _measure(np_, args, log):
+    """Run the calib job and one job per strategy at np_; merged measurements."""
+    hvd = [os.path.join(VENV_BIN, "horovodrun"), "-np", str(np_), "--gloo",
+           os.path.join(VENV_BIN, "python"), __file__, "--batch", str(args.batch),
+           "--steps", str(args.steps)]
+    machine = os.path.join(HERE, "results", f"machine_np{np_}.json")
+    measured = {}
+    for job in ["calib"] + [s for s in STRATEGIES if s != "d"]:
+        out = os.path.join(HERE, "results", f"oracle_measured_np{np_}_{job}.json")
+        if os.path.exists(out):
+            os.remove(out)
+        ok, msg = _run(hvd + ["--worker", job, "--out", out, "--machine-out", machine], log,
+                       args.timeout)
+        if ok and os.path.exists(out):
+            with open(out, encoding="utf-8") as fh:
+                measured.update(json.load(fh))
+        else:
+            line = f"SKIP {job} at np={np_}: {msg}"
+            print(line, flush=True)
+            log.append(line)
+    return measured, machine
+
+
+def driver(args):
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    make_model().save(MODEL_PATH)
+    log, rows = [], []
+    for np_ in args.nps:
+        measured, machine = _measure(np_, args, log)
+        machine = args.machine or machine
+        for name, m in measured.items():
+            pred = _predict(machine, name, np_, args.batch, m.get("model_parallel"))
+            rows.append({"strategy": name, "np": 1 if name == "serial" else np_,
+                         "launched_np": np_, "measured_s": m["seconds"],
+                         "predicted_s": pred.total_s, "compute_s": pred.compute_s,
+                         "comm_s": pred.comm_s, "overhead_s": pred.overhead_s,
+                         "accuracy": _accuracy(pred.total_s, m["seconds"]),
+                         "path": m["path"], "note": m.get("note", "")})
+            print(f"{name} np={np_}: measured {m['seconds'] * 1e3:.2f} ms, predicted "
+                  f"{pred.total_s * 1e3:.2f} ms", flush=True)
+    _report(rows, log, args)
+
+
+def _report(rows, log, args):
+    by = {}
+    for r in rows:
+        by.setdefault(r["strategy"], []).append(r["accuracy"])
+    per = {k: sum(v) / len(v) for k, v in by.items()}
+    mean = sum(per.values()) / len(per) if per else float("nan")
+    doc = {"batch": args.batch, "steps": args.steps, "cases": rows,
+           "per_strategy_accuracy": per, "mean_accuracy": mean,
+           "skipped": [ln for ln in log if ln.startswith("SKIP")]}
+    with open(os.path.join(HERE, "results", "oracle_accuracy.json"), "w") as fh:
+        json.dump(doc, fh, indent=1)
+    md = ["| strategy | np | measured ms | predicted ms | compute ms | comm ms | accuracy | path |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['strategy']} | {r['np']} | {r['measured_s'] * 1e3:.2f} | "
+                  f"{r['predicted_s'] * 1e3:.2f} | {r['compute_s'] * 1e3:.2f} | "
+                  f"{sum(r['comm_s'].values()) * 1e3:.2f} | {r['accuracy']:.3f} | {r['path']} |")
+    md += ["", "| strategy | mean accuracy |", "|---|---|"]
+    md += [f"| {k} | {v:.3f} |" for k, v in per.items()] + [f"| **mean** | **{mean:.3f}** |"]
+    md += [""] + [f"- {ln}" for ln in doc["skipped"]]
+    with open(os.path.join(HERE, "results", "oracle_accuracy.md"), "w") as fh:
+        fh.write("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=int, default=420, help="seconds per horovodrun job")
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--machine-out", help=argparse.SUPPRESS)
+    ap.add_argument("--nps", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--machine", help="use this machine JSON instead of calibrating")
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""`tfhybrid calibrate` under horovodrun: every rank runs it, rank 0 writes a valid machine.
+
+Run: TF_NUM_INTRAOP_THREADS=1 horovodrun -np 2 --gloo .venv/bin/python -m pytest \
+     tests/parallel/test_calibrate.py -q -x -p no:cacheprovider
+"""
+import json
+import os
+
+import keras
+import pytest
+
+from tfhybrid.cli import main
+from tfhybrid.comm import backend
+from tfhybrid.oracle import Machine, predict
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    size, rank, _ = backend.init()
+    if size < 2:
+        pytest.skip("needs horovodrun -np >= 2")
+    model = keras.Sequential([keras.Input((8, 8, 2)), keras.layers.Conv2D(4, 3, name="cv"),
+                              keras.layers.Flatten(), keras.layers.Dense(3, name="fc")])
+    path = f"/tmp/tfh_calib_model_{os.getppid()}.keras"
+    if rank == 0:
+        model.save(path)
+    from tfhybrid.oracle.calibrate import sync
+    sync(backend)
+    out = f"/tmp/tfh_calib_{os.getppid()}.json"
+    assert main(["calibrate", "-o", out, "--quick", "--model", path, "--batch", "4"]) == 0
+    sync(backend)
+    with open(out, encoding="utf-8") as fh:
+        return json.load(fh), size
+
+
+def test_machine_file_is_valid(spec):
+    doc, size = spec
+    m = Machine.from_dict(doc)
+    assert m.alpha >= 0 and m.beta >= 0 and m.flop_rate > 0
+    assert [t.max_ranks for t in m.tiers][-1] == size
+    assert {"cv", "fc"} <= set(m.layer_times)
+    assert all(f >= 0 and b >= 0 for f, b in m.layer_times.values())
+    assert m.step_overhead_s > 0 and m.gamma >= 0
+
+
+def test_fits_cover_every_collective_and_group(spec):
+    doc, size = spec
+    kinds = {(k, g) for k, g, _, _ in doc["fits"]}
+    assert {("allreduce", size), ("allgather", size), ("alltoall", size)} <= kinds
+    assert all(sec > 0 for *_, sec in doc["fits"])
+
+
+def test_calibrated_machine_predicts(spec):
+    doc, size = spec
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    r = predict(model, "d", size, 8, doc)
+    assert r.feasible and r.total_s > 0 and r.comm_s["GE-allreduce"] > 0

@@ -1,0 +1,102 @@
+"""Machine validation, JSON round trip, calibration fits, report rendering."""
+import json
+import math
+
+import pytest
+
+from tfhybrid.oracle import Machine, Prediction, as_machine, default_machine_path
+from tfhybrid.oracle import calibrate as cal
+from tfhybrid.oracle import report
+
+BASE = {"alpha": 1e-5, "beta": 1e-9, "flop_rate": 1e10}
+
+
+@pytest.mark.parametrize("spec,match", [
+    ({"beta": 1e-9, "flop_rate": 1.0}, r"lacks required keys \['alpha'\]"),
+    ({**BASE, "speed": 1}, r"Unknown machine keys \['speed'\]"),
+    ({**BASE, "alpha": -1.0}, "`alpha`=-1.0"),
+    ({**BASE, "phi": 0}, "`phi`=0; expected a positive"),
+    ({"alpha": 0, "beta": 0}, "needs `flop_rate`"),
+    ({**BASE, "tiers": [{"max_ranks": 0, "alpha": 0, "beta": 0}]}, "`max_ranks`=0"),
+    ({**BASE, "tiers": [{"alpha": 0}]}, "invalid tier"),
+    ({**BASE, "layer_times": {"c": [1.0]}}, r"layer_times\['c'\]"),
+    ({**BASE, "gamma": float("nan")}, "`gamma`=nan"),
+])
+def test_machine_validation(spec, match):
+    with pytest.raises(ValueError, match=match):
+        Machine.from_dict(spec)
+
+
+def test_machine_type_and_missing_file_errors(tmp_path):
+    with pytest.raises(TypeError, match="received list"):
+        Machine.from_dict([1])
+    with pytest.raises(ValueError, match="does not exist"):
+        as_machine(str(tmp_path / "none.json"))
+    with pytest.raises(ValueError, match="`machine` is required"):
+        as_machine(None)
+
+
+def test_json_round_trip(tmp_path):
+    m = Machine.from_dict({**BASE, "tiers": [{"max_ranks": 4, "alpha": 1e-6, "beta": 1e-10}],
+                           "layer_times": {"c": [1e-3, 2e-3]}, "memory_bytes": 8e9,
+                           "compute_slots": 2})
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(m.to_dict()))
+    assert as_machine(str(path)) == m
+    assert m.oversubscription(4) == 2.0 and m.replace(ranks_per_node=2).oversubscription(4) == 1
+
+
+def test_default_machine_file_is_valid():
+    m = as_machine(default_machine_path())
+    assert m.flop_rate > 0 and m.tiers and "calibrate" in m.source
+
+
+def test_fit_alpha_beta_recovers_parameters():
+    alpha, beta = 2e-4, 3e-9
+    samples = []
+    for kind in cal.KINDS:
+        for p in (2, 4):
+            for m in (1e3, 1e5, 1e6):
+                ca, cb = cal.design_row(kind, p, m)
+                samples.append((kind, p, m, ca * alpha + cb * beta))
+    a, b, r2 = cal.fit_alpha_beta(samples)
+    assert (a, b, r2) == (pytest.approx(alpha), pytest.approx(beta), pytest.approx(1.0))
+    tiers = cal.fit_tiers(samples)
+    assert [t.max_ranks for t in tiers] == [2, 4]
+    assert tiers[1].beta == pytest.approx(beta)
+
+
+def test_fit_is_non_negative_and_validates():
+    # decreasing time with size would need beta < 0: clamp to beta = 0
+    samples = [("allgather", 2, 1e3, 2e-3), ("allgather", 2, 1e6, 1e-3)]
+    a, b, _ = cal.fit_alpha_beta(samples)
+    assert a > 0 and b == 0.0
+    with pytest.raises(ValueError, match="at least 2 timing samples"):
+        cal.fit_alpha_beta(samples[:1])
+    with pytest.raises(ValueError, match="kind='bcast'"):
+        cal.design_row("bcast", 2, 1)
+    assert cal.estimate_gamma(50, 100) == 0.5
+    with pytest.raises(ValueError, match="naive_bytes=0"):
+        cal.estimate_gamma(1, 0)
+    assert cal.compute_slots() >= 1
+
+
+def _pred(name, feasible=True, total=1.0):
+    return Prediction(name, 2, 8, total, {"GE-allreduce": 0.5}, 0.0, 2e9,
+                      {"grid": {"data": 1, "model": 2}}, feasible,
+                      () if feasible else ("p=2 exceeds the batch B=1 (limit p <= B)",))
+
+
+def test_report_table_json_png(tmp_path):
+    preds = [_pred("df"), _pred("f", feasible=False),
+             Prediction("p", 9, 8, math.inf, {}, 0.0, 0, {}, False, ("p=9 exceeds G",))]
+    text = report.format_table(preds)
+    assert "df" in text and "NO" in text and "p=2 exceeds the batch" in text
+    assert "1500" in text   # total 1.5 s in ms
+    doc = report.to_json(preds, {"model": "m"}, dataset_size=80)
+    assert doc["predictions"][2]["compute_s"] is None
+    assert doc["predictions"][0]["per_epoch"]["iterations"] == 10
+    json.dumps(doc)
+    png = tmp_path / "chart.png"
+    report.plot_png(str(png), preds, "t")
+    assert png.read_bytes()[:4] == b"\x89PNG"

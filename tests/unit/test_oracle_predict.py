@@ -1,0 +1,205 @@
+"""Strategy models on a hand-made two-layer profile, computed by hand; feasibility
+reasons; choose/rank; argument validation."""
+import pytest
+
+from tfhybrid.oracle import (LayerRow, Machine, ModelProfile, Prediction, choose, predict,
+                             rank)
+
+FC1 = LayerRow("fc1", "dense", 12, 8, 4, 16, 32, 2, 4, 2, 4, ccr=1.0)
+FC2 = LayerRow("fc2", "dense", 10, 8, 2, 16, 32, 4, 2, 4, 2, ccr=1.0)
+PROF = ModelProfile("two_fc", (FC1, FC2), 2)
+# delta = 1 byte, fb = 48 FLOPs / 8 FLOP/s = 6 s per sample and layer, no weight update cost
+M = Machine(alpha=1.0, beta=0.5, flop_rate=8.0, bytes_per_item=1, wu_flops_per_param=0.0)
+CONV = LayerRow("c1", "conv", 20, 18, 2, 64, 128, 64, 128, 1, 2, (8, 8), (8, 8), (3, 3), (1, 1))
+CPROF = ModelProfile("conv", (CONV,), 64)
+
+
+def test_serial_hand():
+    r = predict(PROF, "serial", 1, 4, M)
+    assert (r.compute_s, r.comm_total_s, r.memory_bytes) == (48.0, 0.0, 134.0)
+    assert r.feasible and r.options == {"p": 1}
+
+
+def test_data_hand():
+    r = predict(PROF, "d", 2, 4, M)
+    assert r.compute_s == 24.0
+    assert r.comm_s["GE-allreduce"] == pytest.approx(2 * (1 + 22 / 2 * 0.5))
+    assert r.memory_bytes == 86.0 and r.total_s == pytest.approx(37.0)
+
+
+def test_filter_hand():
+    r = predict(PROF, "f", 2, 4, M)
+    assert r.compute_s == 24.0
+    assert r.comm_s["FB-allgather"] == pytest.approx(1 + 8 * 0.5)     # y of fc1, not of fc2
+    assert r.comm_s["FB-allreduce"] == pytest.approx(2 * (1 + 8 * 0.5))  # dL/dx of fc2 only
+    assert r.comm_s["GE-allreduce"] == 0.0 and r.memory_bytes == 118.0
+
+
+def test_channel_hand_skips_first_layer():
+    r = predict(PROF, "c", 2, 4, M)
+    assert r.options["partitioned_layers"] == ["fc2"]
+    assert r.compute_s == pytest.approx(24 + 12)
+    assert r.comm_s["FB-allgather"] == pytest.approx(1 + 8 * 0.5)
+    assert r.comm_s["FB-allreduce"] == 0.0
+
+
+def test_data_filter_hand():
+    r = predict(PROF, "df", 4, 4, M, grid=(2, 2))
+    assert r.compute_s == pytest.approx(12.0)
+    assert r.comm_s["FB-allgather"] == pytest.approx(1 + 4 * 0.5)
+    assert r.comm_s["FB-allreduce"] == pytest.approx(2 * (1 + 4 * 0.5))
+    assert r.comm_s["GE-allreduce"] == pytest.approx(2 * (1 + 11 / 2 * 0.5))
+    assert r.options["grid"] == {"data": 2, "model": 2}
+    assert "gholami_eq5_comm_s" in r.options
+
+
+def test_data_filter_phi_scales_only_data_allreduce():
+    r1 = predict(PROF, "df", 4, 4, M, grid=(2, 2))
+    r2 = predict(PROF, "df", 4, 4, M.replace(phi=2.0), grid=(2, 2))
+    assert r2.comm_s["GE-allreduce"] == pytest.approx(2 * (1 + 11 / 2 * 0.5 * 2))
+    assert r2.comm_s["FB-allgather"] == r1.comm_s["FB-allgather"]
+
+
+def test_pipeline_hand():
+    r = predict(PROF, "p", 2, 4, M, segments=2)
+    assert r.compute_s == pytest.approx(4 / 2 * 3 * (2 + 4))
+    assert r.comm_s["p2p"] == pytest.approx(2 * 2 * (1 + 2 * 4 * 0.5))
+    assert r.memory_bytes == 68.0 and r.options["segments"] == 2
+
+
+def test_gmp_hand():
+    r = predict(PROF, "gmp", 2, 4, M, mp=2)
+    assert r.options["partitioned_layers"] == ["fc1", "fc2"]
+    assert r.compute_s == pytest.approx(24.0)
+    # B/K: 2 micro-steps of 1 sample: modulo (x=2) + shards of fc1 (y=4), fc2 (y=2), each
+    # with its adjoint, then the batch_scatter adjoint (2 samples x 2)
+    ag = 4 * (1 + 1) + 4 * (1 + 2) + 4 * (1 + 1) + (1 + 2)
+    assert r.comm_s["FB-allgather"] == pytest.approx(ag)
+    assert r.comm_s["GE-allreduce"] == 0.0
+    assert r.options["param_memory_bytes"] == pytest.approx(22 / 2)
+
+
+def test_gmp_ccr_threshold_keeps_layers_replicated():
+    r = predict(PROF, "gmp", 2, 4, M, mp=2, ccr_threshold=5.0)
+    assert r.options["partitioned_layers"] == []
+    assert r.options["replicated_layers"][0][0] == "fc1"
+
+
+def test_layer_separation_hand():
+    r = predict(PROF, "ls", 2, 4, M)
+    assert (r.options["n_c"], r.options["n_f"]) == (1, 1)
+    assert r.compute_s == pytest.approx(48.0)
+    assert r.comm_s["p2p"] == pytest.approx(2 * 1 + 2 * 4 * 2 * 0.5)
+    assert "ps_baseline_s" in r.options
+
+
+def test_spatial_hand():
+    r = predict(CPROF, "s", 2, 4, M, grid=(2, 1))
+    assert r.compute_s == pytest.approx(4 * 24 * 0.5)
+    assert r.comm_s["halo"] == pytest.approx(2 * (2 + 4 * 0.5 * (8 + 16)))
+    assert r.comm_s["GE-allreduce"] == pytest.approx(2 * (1 + 10 * 0.5))
+    assert r.options["grid"] == {"data": 1, "spatial": [2, 1]}
+
+
+def test_data_spatial_grid():
+    r = predict(CPROF, "ds", 4, 4, M, grid=(2, 2, 1))
+    assert r.compute_s == pytest.approx(2 * 24 * 0.5)
+    assert r.comm_s["halo"] == pytest.approx(2 * (2 + 2 * 0.5 * 24))
+
+
+@pytest.mark.parametrize("strategy,p,batch,opts,match", [
+    ("d", 8, 4, {}, "p=8 exceeds the batch B=4"),
+    ("d", 3, 4, {}, "batch B=4 is not divisible by p=3"),
+    ("f", 8, 4, {}, "exceeds the minimum filters 2 of layer 'fc2'"),
+    ("c", 3, 6, {}, r"channels of layers \['fc2'\] not divisible by model group 3"),
+    ("c", 8, 8, {}, "exceeds the minimum channels 4"),
+    ("p", 3, 4, {}, "p=3 exceeds the number of layers G=2"),
+    ("ls", 1, 4, {}, "needs p >= 2"),
+    ("df", 3, 6, {}, "no factorisation"),
+])
+def test_infeasible_reasons(strategy, p, batch, opts, match):
+    r = predict(PROF, strategy, p, batch, M, **opts)
+    assert not r.feasible
+    assert any(pytest.importorskip("re").search(match, x) for x in r.reasons), r.reasons
+
+
+def test_spatial_limit_reason_not_clipped():
+    r = predict(CPROF, "s", 16, 4, M, grid=(16, 1))
+    assert not r.feasible and "exceeds the extent 8 of layer 'c1'" in r.reasons[0]
+    assert r.compute_s > 0   # still predicted, flagged, not clipped
+
+
+def test_memory_capacity_reason():
+    r = predict(PROF, "serial", 1, 4, M.replace(memory_bytes=100.0))
+    assert not r.feasible and "exceeds the machine's memory_bytes" in r.reasons[0]
+
+
+def test_rank_and_choose():
+    ranked = rank(PROF, 2, 4, M)
+    assert [r.feasible for r in ranked] == sorted((r.feasible for r in ranked), reverse=True)
+    totals = [r.total_s for r in ranked if r.feasible]
+    assert totals == sorted(totals)
+    best = choose(PROF, 2, 4, M)
+    assert best.feasible and best.strategy != "serial" and best.total_s == totals[0] or \
+        best.total_s <= totals[0]
+
+
+def test_choose_with_grid_restricts_model_parallel():
+    class Grid:
+        size, model_size = 4, 2
+    best = choose(PROF, batch=4, machine=M, grid=Grid())
+    assert best.strategy in ("df", "ds", "gmp")
+    if best.strategy == "df":
+        assert best.options["grid"] == {"data": 2, "model": 2}
+
+
+def test_choose_errors():
+    with pytest.raises(ValueError, match="needs p \\(or grid\\), batch and machine"):
+        choose(PROF, 2)
+    with pytest.raises(ValueError, match="No feasible strategy for p=8, batch=4"):
+        choose(PROF, 8, 4, M, strategies=("d", "f"))
+
+
+def test_predict_argument_errors():
+    with pytest.raises(ValueError, match="strategy='x'"):
+        predict(PROF, "x", 2, 4, M)
+    with pytest.raises(ValueError, match="p=0"):
+        predict(PROF, "d", 0, 4, M)
+    with pytest.raises(ValueError, match="Unknown options \\['mp'\\] for strategy 'd'"):
+        predict(PROF, "d", 2, 4, M, mp=2)
+    with pytest.raises(ValueError, match="scheme='X'"):
+        predict(PROF, "gmp", 2, 4, M, scheme="X")
+    with pytest.raises(ValueError, match="n_f=5"):
+        predict(PROF, "ls", 2, 4, M, n_f=5)
+
+
+def test_prediction_per_epoch_and_validation():
+    r = predict(PROF, "d", 2, 4, M)
+    ep = r.per_epoch(40)
+    assert ep["iterations"] == 10 and ep["total_s"] == pytest.approx(10 * r.total_s)
+    with pytest.raises(ValueError, match="dataset_size=0"):
+        r.per_epoch(0)
+    with pytest.raises(ValueError, match="Unknown communication phases"):
+        Prediction("d", 1, 1, 0.0, {"bogus": 1.0}, 0.0, 0, {}, True, ())
+
+
+def test_oversubscription_and_overhead():
+    m = M.replace(compute_slots=2, step_overhead_s=0.5)
+    r = predict(PROF, "d", 4, 4, m)
+    assert r.compute_s == pytest.approx(12.0 * 2) and r.overhead_s == 0.5
+    assert r.total_s == pytest.approx(r.compute_s + r.comm_total_s + 0.5)
+    assert predict(PROF, "serial", 4, 4, m).compute_s == 48.0
+
+
+def test_layer_times_override_flops():
+    m = M.replace(layer_times={"fc1": (1.0, 2.0)})
+    r = predict(PROF, "serial", 1, 2, m)
+    assert r.compute_s == pytest.approx(2 * (3.0 + 6.0))
+
+
+def test_replicated_fc_lee():
+    r = predict(PROF, "d", 2, 4, M, replicated_fc=1)
+    assert r.options["replicated_fc"][0] == {"layer": "fc1", "allreduce_items": 8,
+                                             "allgather_items": 24}
+    assert r.comm_s["GE-allreduce"] == pytest.approx(2 * (1 + 10 / 2 * 0.5))
+    assert r.comm_s["FB-allgather"] == pytest.approx(1 + 2 * 6 * 0.5)

@@ -1,0 +1,179 @@
+"""Calibrate a :class:`~tfhybrid.oracle.machine.Machine` on the machine it runs on.
+
+Run under the launcher on every rank::
+
+    horovodrun -np 4 --gloo .venv/bin/tfhybrid calibrate -o machine.json
+
+What it measures (rank 0 writes the file):
+
+1. alpha/beta: Horovod allreduce, allgather and alltoall (through
+   :mod:`tfhybrid.comm.backend`, on process sets of the first g ranks for
+   g = 2, 4, ..., N) over a range of message sizes; for each group size a
+   least-squares fit of the ring cost models of :mod:`machine` gives one tier
+   ``{max_ranks: g, alpha, beta}``; the largest group gives the top-level
+   alpha/beta.
+2. flop_rate: a Dense forward+backward of known FLOPs, timed with every rank
+   computing at once (the contention training sees), normalised to one
+   compute slot (``compute_slots`` = usable cores / intra-op threads).
+3. layer_times (optional ``--model``): per-layer forward and backward seconds
+   per sample: the whole model's forward and backward times split over its
+   layers by FLOPs (same normalisation).
+4. step_overhead_s: the cost of one Keras ``train_on_batch`` of a 1-unit model.
+5. gamma (with ``--model``): peak RSS growth of training the model divided by
+   the naive serial memory estimate (ParaDL's memory reuse factor).
+
+The fitting functions are pure numpy and unit-tested without Horovod.
+Approximations: one latency/bandwidth per group size (no small/large message
+protocol switch), timings are medians of few repetitions, RSS is a coarse
+proxy for tensor memory.
+
+Example:
+    >>> samples = [("allreduce", 2, m, 2 * (1e-5 + m / 2 * 1e-9)) for m in (1e3, 1e6)]
+    >>> a, b, _ = fit_alpha_beta(samples)
+    >>> round(a, 8), round(b, 12)
+    (1e-05, 1e-09)
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+
+from tfhybrid.oracle.machine import Machine, Tier
+
+KINDS = ("allreduce", "allgather", "alltoall")
+
+
+def design_row(kind: str, p: int, nbytes: float) -> tuple:
+    """Coefficients (of alpha, of beta) of one collective's ring cost.
+
+    allreduce of m bytes: 2(p-1), 2(p-1)m/p; allgather of m bytes per rank:
+    (p-1), (p-1)m; alltoall of m bytes per rank: (p-1), (p-1)m/p.
+    """
+    if kind == "allreduce":
+        return 2 * (p - 1), 2 * (p - 1) * nbytes / p
+    if kind == "allgather":
+        return p - 1, (p - 1) * nbytes
+    if kind == "alltoall":
+        return p - 1, (p - 1) * nbytes / p
+    raise ValueError(f"Received kind={kind!r}; expected one of {KINDS}.")
+
+
+def fit_alpha_beta(samples) -> tuple:
+    """Non-negative least squares of (alpha, beta) from (kind, p, bytes, seconds).
+
+    Returns:
+        (alpha, beta, r2) with r2 the coefficient of determination.
+
+    Raises:
+        ValueError: fewer than two samples.
+    """
+    samples = list(samples)
+    if len(samples) < 2:
+        raise ValueError(f"Need at least 2 timing samples to fit alpha and beta; "
+                         f"received {len(samples)}.")
+    A = np.array([design_row(k, p, m) for k, p, m, _ in samples], dtype=float)
+    t = np.array([s for *_, s in samples], dtype=float)
+    sol = _nnls2(A, t)
+    pred = A @ sol
+    ss = float(((t - t.mean()) ** 2).sum())
+    r2 = 1.0 - float(((t - pred) ** 2).sum()) / ss if ss > 0 else 1.0
+    return float(sol[0]), float(sol[1]), r2
+
+
+def _nnls2(A, t):
+    sol = np.linalg.lstsq(A, t, rcond=None)[0]
+    if (sol >= 0).all():
+        return sol
+    best = None
+    for keep in (0, 1):
+        col = A[:, keep]
+        denom = float(col @ col)
+        x = max(0.0, float(col @ t) / denom) if denom else 0.0
+        cand = np.zeros(2)
+        cand[keep] = x
+        err = float(((A @ cand - t) ** 2).sum())
+        if best is None or err < best[0]:
+            best = (err, cand)
+    return best[1]
+
+
+def fit_tiers(samples) -> list:
+    """One :class:`Tier` per group size found in the samples (sorted)."""
+    tiers = []
+    for g in sorted({p for _, p, _, _ in samples}):
+        a, b, _ = fit_alpha_beta([s for s in samples if s[1] == g])
+        tiers.append(Tier(max_ranks=g, alpha=a, beta=b))
+    return tiers
+
+
+def estimate_gamma(measured_bytes: float, naive_bytes: float) -> float:
+    """ParaDL's memory reuse factor: measured / naive (ValueError if naive <= 0)."""
+    if naive_bytes <= 0:
+        raise ValueError(f"Received naive_bytes={naive_bytes!r}; expected a positive estimate.")
+    return max(measured_bytes, 0.0) / naive_bytes
+
+
+def compute_slots() -> int:
+    """Ranks that can compute at once on this node: usable cores / intra-op threads."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    threads = int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0") or 0) or cores
+    return max(1, cores // max(1, threads))
+
+
+def _median_time(fn, reps):
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _collective(kind, x, ranks, backend):
+    if kind == "allreduce":
+        return backend.allreduce(x, ranks, f"calib.ar.{len(ranks)}")
+    if kind == "allgather":
+        return backend.allgather(x, ranks, f"calib.ag.{len(ranks)}")
+    splits = [int(x.shape[0]) // len(ranks)] * len(ranks)
+    return backend.alltoall(x, splits, ranks, f"calib.a2a.{len(ranks)}")
+
+
+def sync(backend):
+    """Barrier over the world as a 1-item allreduce (backend.barrier calls
+    ``hvd.barrier``, which horovod.tensorflow 0.28.1 does not export)."""
+    import tensorflow as tf  # noqa: WPS433
+    if backend.size() > 1:
+        backend.allreduce(tf.zeros([1]), tuple(range(backend.size())), "calib.sync").numpy()
+
+
+def time_collectives(sizes, group_sizes, reps=5, log=print) -> list:
+    """(kind, g, bytes, seconds) for every kind, group size and message size (rank 0's view).
+
+    Collective: every rank must call it with the same arguments.
+    """
+    import tensorflow as tf  # noqa: WPS433
+    from tfhybrid.comm import backend  # noqa: WPS433
+
+    world = backend.size()
+    backend.register_groups([tuple(range(g)) for g in group_sizes if 1 < g < world])
+    samples = []
+    for g in group_sizes:
+        ranks = tuple(range(g))
+        for kind in KINDS:
+            for nbytes in sizes:
+                n = max(g, int(nbytes) // 4 // g * g)
+                if backend.rank() < g:
+                    x = tf.ones([n], tf.float32)
+                    sec = _median_time(lambda: _collective(kind, x, ranks, backend).numpy(), reps)
+                    samples.append((kind, g, 4 * n, sec))
+                sync(backend)
+            if backend.rank() == 0:
+                log(f"  group {g}: {kind} timed at {len(sizes)} sizes")
+    return samples

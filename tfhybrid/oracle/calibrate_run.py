@@ -1,0 +1,170 @@
+"""The ``tfhybrid calibrate`` job: compute timings and the machine JSON it writes.
+
+See :mod:`tfhybrid.oracle.calibrate` for what is measured and the fits. This
+module runs TensorFlow/Keras (and Horovod through :mod:`tfhybrid.comm`);
+only ``tfhybrid calibrate`` imports it.
+
+Example:
+    >>> # horovodrun -np 2 --gloo .venv/bin/tfhybrid calibrate -o machine.json --quick
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+from tfhybrid.oracle import calibrate as cal
+from tfhybrid.oracle.machine import Machine
+
+
+def _tf():
+    import tensorflow as tf  # noqa: WPS433
+    return tf
+
+
+def measure_flop_rate(n=512, reps=5) -> float:
+    """FLOP/s of a Dense(n) forward+backward on a (n, n) batch (this rank)."""
+    tf = _tf()
+    x = tf.random.normal([n, n])
+    w = tf.Variable(tf.random.normal([n, n]))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(tf.matmul(x, w))
+        return tape.gradient(y, w)
+
+    sec = cal._median_time(lambda: step().numpy(), reps)
+    return 3 * 2 * n ** 3 / sec
+
+
+def measure_layer_times(model, batch, reps=7) -> dict:
+    """{layer: (forward_s, backward_s)} per sample, from whole-model timings.
+
+    The model's forward and forward+backward at ``batch`` are timed as a
+    whole (medians of ``reps``) and split over the layers in proportion to
+    their forward / backward FLOPs: on a shared CPU, timing each layer alone
+    is dominated by noise and per-call overhead, while the whole-model time
+    is what training pays.
+    """
+    import numpy as np  # noqa: WPS433
+    from tfhybrid.oracle.profile import profile  # noqa: WPS433
+    tf = _tf()
+    x = tf.constant(np.random.rand(batch, *model.input_shape[1:]).astype("float32"))
+    fwd = tf.function(lambda a: model(a, training=True))
+
+    @tf.function
+    def fwd_bwd(a):
+        with tf.GradientTape() as tape:
+            s = tf.reduce_sum(model(a, training=True))
+        return tape.gradient(s, model.trainable_weights)
+
+    t_f = cal._median_time(lambda: fwd(x).numpy(), reps)
+    t_fb = cal._median_time(lambda: [g.numpy() for g in fwd_bwd(x)], reps)
+    rows = profile(model).rows
+    f_tot = sum(r.fwd_flops for r in rows) or 1.0
+    b_tot = sum(r.bwd_flops for r in rows) or 1.0
+    t_b = max(t_fb - t_f, 0.0)
+    return {r.name: (t_f * r.fwd_flops / f_tot / batch, t_b * r.bwd_flops / b_tot / batch)
+            for r in rows}
+
+
+def measure_step_overhead(reps=20) -> float:
+    """Seconds of one ``train_on_batch`` of a 1-unit Dense model on one sample."""
+    import keras  # noqa: WPS433
+    import numpy as np  # noqa: WPS433
+    m = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    m.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = np.ones((1, 1), "float32"), np.ones((1, 1), "float32")
+    return cal._median_time(lambda: m.train_on_batch(x, y), reps)
+
+
+def _rss_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure_gamma(model, batch, naive_bytes, steps=2):
+    """(gamma, measured bytes): peak-RSS growth of training ``model`` / naive estimate."""
+    import keras  # noqa: WPS433
+    import numpy as np  # noqa: WPS433
+    before = _rss_bytes()
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x = np.random.rand(batch, *model.input_shape[1:]).astype("float32")
+    y = np.zeros((batch,) + tuple(model.output_shape[1:]), "float32")
+    for _ in range(steps):
+        model.train_on_batch(x, y)
+    grown = _rss_bytes() - before
+    return cal.estimate_gamma(grown, naive_bytes), grown
+
+
+def _sizes(max_bytes, count):
+    lo, out = 4096, []
+    for i in range(count):
+        out.append(int(lo * (max_bytes / lo) ** (i / max(count - 1, 1))))
+    return out
+
+
+def _group_sizes(world):
+    gs, g = [], 2
+    while g < world:
+        gs.append(g)
+        g *= 2
+    return gs + [world] if world > 1 else []
+
+
+def _model_part(model_name, batch, slowdown, log):
+    from tfhybrid.oracle.models import build_model  # noqa: WPS433
+    from tfhybrid.oracle.predict import predict  # noqa: WPS433
+    model = build_model(model_name)
+    naive = predict(model, "serial", 1, batch,
+                    {"alpha": 0, "beta": 0, "flop_rate": 1.0}).memory_bytes
+    gamma, grown = measure_gamma(model, batch, naive)   # first: peak RSS is monotone
+    log(f"  gamma = {gamma:.3g} (RSS grew {grown / 1e6:.1f} MB, naive {naive / 1e6:.1f} MB)")
+    log(f"  timing {model.name} forward/backward at batch {batch}")
+    times = {k: (f * slowdown, b * slowdown)
+             for k, (f, b) in measure_layer_times(model, batch).items()}
+    return times, gamma
+
+
+def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=print) -> dict:
+    """Run the whole calibration on every rank; rank 0 writes ``out``. Returns the spec."""
+    from tfhybrid.comm import backend  # noqa: WPS433
+    world, rank, _ = backend.init()
+    say = log if rank == 0 else (lambda *_: None)
+    t0 = time.time()
+    say(f"calibrating on {world} ranks: collectives up to {max_bytes} bytes")
+    samples = cal.time_collectives(_sizes(max_bytes, n_sizes), _group_sizes(world), reps, say)
+    cal.sync(backend)
+    slots = cal.compute_slots()
+    slowdown = min(1.0, slots / max(1, backend.local_size()))
+    rate = measure_flop_rate() / slowdown
+    say(f"  flop rate {rate / 1e9:.3g} GFLOP/s per compute slot ({slots} slots)")
+    overhead = measure_step_overhead(reps=3 * reps)
+    say(f"  step overhead {overhead * 1e3:.3g} ms")
+    times, gamma = _model_part(model, batch, slowdown, say) if model else (None, 1.0)
+    spec = _spec(samples, rate, times, gamma, overhead, slots, world, backend.local_size())
+    if rank == 0:
+        Machine.from_dict(spec)
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump(spec, fh, indent=1)
+        say(f"wrote {out} in {time.time() - t0:.1f} s")
+    cal.sync(backend)
+    return spec
+
+
+def _spec(samples, rate, times, gamma, overhead, slots, world, local):
+    tiers = cal.fit_tiers(samples) if samples else []
+    top = tiers[-1] if tiers else None
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, local)
+    return {
+        "comment": "tfhybrid calibrate: alpha/beta per group size (tiers) fitted to Horovod "
+                   "allreduce/allgather/alltoall; flop_rate per compute slot.",
+        "alpha": top.alpha if top else 0.0, "beta": top.beta if top else 0.0,
+        "tiers": [{"max_ranks": t.max_ranks, "alpha": t.alpha, "beta": t.beta} for t in tiers],
+        "flop_rate": rate, "layer_times": {k: list(v) for k, v in times.items()} if times else None,
+        "memory_bytes": mem, "phi": 1.0, "gamma": gamma, "bytes_per_item": 4,
+        "step_overhead_s": overhead, "compute_slots": slots, "ranks_per_node": local,
+        "source": f"tfhybrid calibrate on {world} ranks at {time.strftime('%Y-%m-%d %H:%M')}",
+        "fits": [list(s) for s in samples],
+    }

@@ -1,0 +1,279 @@
+"""The machine specification the oracle predicts for, and its collective costs.
+
+A :class:`Machine` is explicit: every prediction names the machine it assumes
+(a dict, a JSON file of the same keys, or the object itself). It owns the
+Hockney alpha-beta cost of the collectives that ParaDL (Section 4.3) uses:
+
+* ``T_p2p(m) = alpha + m beta``
+* ``T_ar(p, m) = 2 (p - 1) (alpha + m / p beta)``  (ring allreduce of m bytes)
+* ``T_ag(p, m) = (p - 1) (alpha + m beta)``        (ring allgather, m bytes per rank)
+* ``T_rs(p, m) = (p - 1) (alpha + m / p beta)``    (ring reduce-scatter of m bytes)
+* ``T_a2a(p, m) = (p - 1) (alpha + m / p beta)``   (pairwise all-to-all of m bytes)
+
+Approximations (what this model ignores): the collective algorithm switch
+(tree for small messages), link topology other than through tiers, external
+congestion (only self-contention via ``phi``), and overlap of communication
+with computation. Tiers pick alpha/beta by the number of consecutive ranks a
+group spans (``group size x stride``), so a data group whose members sit on
+different nodes pays the inter-node tier even when it has few members.
+
+Example:
+    >>> m = Machine(alpha=1e-5, beta=1e-9, flop_rate=1e10)
+    >>> round(m.t_allreduce(4, 4e6), 6)
+    0.00606
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+_NUMBER_FIELDS = ("alpha", "beta", "flop_rate", "memory_bytes", "phi", "gamma",
+                  "bytes_per_item", "step_overhead_s", "compute_slots", "wu_flops_per_param")
+
+
+def _check_number(name, value, allow_zero=True, allow_none=False):
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        need = "a non-negative" if allow_zero else "a positive"
+        raise ValueError(f"Received an invalid machine value `{name}`={value!r}; "
+                         f"expected {need} finite number.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """alpha/beta for groups spanning at most ``max_ranks`` consecutive ranks.
+
+    Example:
+        >>> Tier(max_ranks=4, alpha=9e-6, beta=1e-11).max_ranks
+        4
+    """
+
+    max_ranks: int
+    alpha: float
+    beta: float
+
+    def __post_init__(self):
+        if isinstance(self.max_ranks, bool) or not isinstance(self.max_ranks, int) \
+                or self.max_ranks < 1:
+            raise ValueError(f"Received an invalid tier `max_ranks`={self.max_ranks!r}; "
+                             "expected a positive integer.")
+        _check_number("tiers[].alpha", self.alpha)
+        _check_number("tiers[].beta", self.beta)
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """Per-rank compute, memory and network parameters.
+
+    Attributes:
+        alpha: Latency per message (s); used for groups beyond every tier.
+        beta: Time per byte (s/B); used for groups beyond every tier.
+        tiers: Optional alpha/beta by group span, sorted by ``max_ranks``.
+        flop_rate: Sustained FLOP/s of one rank (needed unless ``layer_times``
+            covers every layer).
+        layer_times: Measured ``{layer_name: (forward_s, backward_s)}`` per
+            sample; these override ``flop_rate`` for the layers they name.
+        memory_bytes: Memory capacity of one rank (None: no memory limit).
+        phi: Contention penalty: beta is multiplied by phi for the data-parallel
+            gradient allreduce of hybrid strategies whose concurrent groups share
+            links (ParaDL uses 2 for Data+Filter on ABCI).
+        gamma: Memory reuse factor applied to the naive memory estimate.
+        bytes_per_item: delta, bytes per value (4 for float32).
+        step_overhead_s: Fixed framework cost per iteration (measured by
+            calibration; 0 in the papers).
+        compute_slots: Ranks that can compute concurrently on one node without
+            slowing each other (cores / threads per rank, or GPUs per node);
+            None means never oversubscribed. When more ranks share a node,
+            compute time is scaled by ``ranks_on_node / compute_slots``.
+        ranks_per_node: Ranks placed on one node (None: all ranks on one node).
+        wu_flops_per_param: FLOPs of the weight update per parameter (SGD: 2).
+        source: Free text saying where the numbers come from.
+
+    Example:
+        >>> Machine.from_dict({"alpha": 1e-5, "beta": 1e-9, "flop_rate": 1e10}).phi
+        1.0
+    """
+
+    alpha: float
+    beta: float
+    tiers: tuple = ()
+    flop_rate: float | None = None
+    layer_times: Mapping[str, tuple] | None = None
+    memory_bytes: float | None = None
+    phi: float = 1.0
+    gamma: float = 1.0
+    bytes_per_item: float = 4.0
+    step_overhead_s: float = 0.0
+    compute_slots: int | None = None
+    ranks_per_node: int | None = None
+    wu_flops_per_param: float = 2.0
+    source: str = ""
+
+    def __post_init__(self):
+        for name in _NUMBER_FIELDS:
+            optional = name in ("flop_rate", "memory_bytes", "compute_slots")
+            _check_number(name, getattr(self, name), allow_zero=name not in (
+                "flop_rate", "memory_bytes", "phi", "gamma", "bytes_per_item",
+                "compute_slots"), allow_none=optional)
+        if self.flop_rate is None and not self.layer_times:
+            raise ValueError("The machine needs `flop_rate` (FLOP/s per rank) or `layer_times` "
+                             "(per-layer forward/backward seconds per sample); received neither. "
+                             "Run `tfhybrid calibrate` or pass flop_rate=...")
+        tiers = tuple(t if isinstance(t, Tier) else _tier_from(t) for t in self.tiers)
+        object.__setattr__(self, "tiers", tuple(sorted(tiers, key=lambda t: t.max_ranks)))
+        if self.layer_times is not None:
+            object.__setattr__(self, "layer_times", _check_layer_times(self.layer_times))
+
+    # -- construction ------------------------------------------------------
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any]) -> "Machine":
+        """Build from a dict of the documented keys; unknown keys raise ValueError.
+
+        Example:
+            >>> Machine.from_dict({"alpha": 0, "beta": 0, "flop_rate": 1e9}).flop_rate
+            1000000000.0
+        """
+        if not isinstance(spec, Mapping):
+            raise TypeError(f"`machine` must be a dict, a JSON path or a Machine; "
+                            f"received {type(spec).__name__}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - known - {"_comment", "comment", "fits"})
+        if unknown:
+            raise ValueError(f"Unknown machine keys {unknown}; known keys: {sorted(known)}.")
+        missing = [k for k in ("alpha", "beta") if k not in spec]
+        if missing:
+            raise ValueError(f"The machine spec lacks required keys {missing} "
+                             "(latency alpha in s, inverse bandwidth beta in s/byte).")
+        kwargs = {k: v for k, v in spec.items() if k in known}
+        for k in ("flop_rate", "memory_bytes", "alpha", "beta"):
+            if isinstance(kwargs.get(k), int) and not isinstance(kwargs.get(k), bool):
+                kwargs[k] = float(kwargs[k])
+        kwargs["tiers"] = tuple(kwargs.get("tiers") or ())
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Machine":
+        """Read a machine JSON file (the format ``tfhybrid calibrate`` writes)."""
+        with open(path, encoding="utf-8") as fh:
+            return cls.from_dict(json.load(fh))
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable dict that :meth:`from_dict` reads back."""
+        out = dataclasses.asdict(self)
+        out["tiers"] = [dataclasses.asdict(t) for t in self.tiers]
+        if self.layer_times is not None:
+            out["layer_times"] = {k: list(v) for k, v in self.layer_times.items()}
+        return out
+
+    def replace(self, **changes) -> "Machine":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # -- network -----------------------------------------------------------
+    def alpha_beta(self, span: int) -> tuple:
+        """(alpha, beta) of the first tier whose ``max_ranks`` >= ``span``."""
+        for tier in self.tiers:
+            if span <= tier.max_ranks:
+                return tier.alpha, tier.beta
+        return self.alpha, self.beta
+
+    def t_p2p(self, nbytes: float, span: int = 2) -> float:
+        """Point-to-point message of ``nbytes``: alpha + m beta."""
+        a, b = self.alpha_beta(span)
+        return a + nbytes * b
+
+    def t_allreduce(self, p: int, nbytes: float, span: int | None = None, phi: float = 1.0):
+        """Ring allreduce of ``nbytes`` over ``p`` ranks: 2(p-1)(alpha + m/p beta phi).
+
+        Nothing to reduce (p <= 1 or 0 bytes) costs 0.
+        """
+        if p <= 1 or nbytes <= 0:
+            return 0.0
+        a, b = self.alpha_beta(span or p)
+        return 2 * (p - 1) * (a + nbytes / p * b * phi)
+
+    def t_allgather(self, p: int, nbytes_per_rank: float, span: int | None = None):
+        """Ring allgather, ``nbytes_per_rank`` from each rank: (p-1)(alpha + m beta)."""
+        if p <= 1:
+            return 0.0
+        a, b = self.alpha_beta(span or p)
+        return (p - 1) * (a + nbytes_per_rank * b)
+
+    def t_reducescatter(self, p: int, nbytes: float, span: int | None = None):
+        """Ring reduce-scatter of ``nbytes`` (result m/p per rank): (p-1)(alpha + m/p beta)."""
+        if p <= 1:
+            return 0.0
+        a, b = self.alpha_beta(span or p)
+        return (p - 1) * (a + nbytes / p * b)
+
+    def t_alltoall(self, p: int, nbytes: float, span: int | None = None):
+        """Pairwise all-to-all of ``nbytes`` per rank: (p-1)(alpha + m/p beta)."""
+        return self.t_reducescatter(p, nbytes, span)
+
+    # -- compute -----------------------------------------------------------
+    def oversubscription(self, p: int) -> float:
+        """Compute slowdown when more ranks than ``compute_slots`` share a node."""
+        if not self.compute_slots:
+            return 1.0
+        on_node = min(p, self.ranks_per_node) if self.ranks_per_node else p
+        return max(1.0, on_node / self.compute_slots)
+
+
+def _tier_from(t) -> Tier:
+    if not isinstance(t, Mapping) or set(t) - {"max_ranks", "alpha", "beta"} \
+            or not {"max_ranks", "alpha", "beta"} <= set(t):
+        raise ValueError(f"Received an invalid tier {t!r}; expected "
+                         "{'max_ranks': int, 'alpha': float, 'beta': float}.")
+    return Tier(int(t["max_ranks"]) if isinstance(t["max_ranks"], float)
+                and t["max_ranks"].is_integer() else t["max_ranks"],
+                float(t["alpha"]), float(t["beta"]))
+
+
+def _check_layer_times(times) -> dict:
+    if not isinstance(times, Mapping):
+        raise ValueError(f"`layer_times` must map layer names to (forward_s, backward_s); "
+                         f"received {type(times).__name__}.")
+    out = {}
+    for name, value in times.items():
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ValueError(f"`layer_times[{name!r}]`={value!r}; expected "
+                             "(forward_s, backward_s) per sample.")
+        for v in value:
+            _check_number(f"layer_times[{name!r}]", v)
+        out[str(name)] = (float(value[0]), float(value[1]))
+    return out
+
+
+def as_machine(machine) -> Machine:
+    """Accept a :class:`Machine`, a dict or a JSON path; anything else raises.
+
+    Example:
+        >>> as_machine({"alpha": 0, "beta": 0, "flop_rate": 1e9}).gamma
+        1.0
+    """
+    if isinstance(machine, Machine):
+        return machine
+    if isinstance(machine, (str, os.PathLike)):
+        if not os.path.exists(machine):
+            raise ValueError(f"Machine file {str(machine)!r} does not exist; create one with "
+                             "`horovodrun -np N tfhybrid calibrate -o machine.json`.")
+        return Machine.load(machine)
+    if machine is None:
+        raise ValueError("`machine` is required: pass a dict, a JSON path or a Machine "
+                         "(see tfhybrid.oracle.default_machine_path() for this box's "
+                         "calibrated spec).")
+    return Machine.from_dict(machine)
+
+
+def default_machine_path() -> str:
+    """Path of the calibrated machine JSON shipped for the development CPU box.
+
+    It is never used implicitly: pass it explicitly (``--machine`` or
+    ``machine=default_machine_path()``).
+    """
+    return os.path.join(os.path.dirname(__file__), "machines", "cpu_box.json")

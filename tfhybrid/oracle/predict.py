@@ -1,0 +1,168 @@
+"""The oracle's public entry points: predict one strategy, rank all, choose one.
+
+Example:
+    >>> import keras
+    >>> m = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64),
+    ...                       keras.layers.Dense(10)])
+    >>> mach = {"alpha": 1e-5, "beta": 1e-9, "flop_rate": 1e10}
+    >>> predict(m, "d", p=2, batch=16, machine=mach).feasible
+    True
+"""
+from __future__ import annotations
+
+from tfhybrid.oracle import strategies_hybrid  # noqa: F401 (registers gmp, ls)
+from tfhybrid.oracle.machine import as_machine
+from tfhybrid.oracle.prediction import Context, Prediction
+from tfhybrid.oracle.profile import ModelProfile, profile
+from tfhybrid.oracle.strategies import STRATEGIES
+
+STRATEGY_NAMES = ("serial", "d", "s", "p", "f", "c", "df", "ds", "gmp", "ls")
+_OPTIONS = {"d": {"replicated_fc"}, "s": {"grid"}, "ds": {"grid"}, "p": {"segments"},
+            "f": set(), "c": set(), "df": {"grid", "model_parallel"}, "serial": set(),
+            "gmp": {"mp", "ccr_threshold", "scheme"}, "ls": {"n_f"}}
+
+
+def _check_args(strategy, p, batch):
+    if strategy not in STRATEGIES:
+        raise ValueError(f"Received strategy={strategy!r}; expected one of {STRATEGY_NAMES}.")
+    for name, val in (("p", p), ("batch", batch)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"Received {name}={val!r}; expected a positive integer.")
+
+
+def _as_profile(model_or_profile) -> ModelProfile:
+    return profile(model_or_profile)
+
+
+def predict(model_or_profile, strategy: str, p: int, batch: int, machine,
+            **strategy_options) -> Prediction:
+    """Predict one iteration of ``strategy`` on ``p`` ranks with global batch ``batch``.
+
+    Args:
+        model_or_profile: A built Keras model or a :class:`ModelProfile`.
+        strategy: One of ``serial, d, s, p, f, c, df, ds, gmp, ls``.
+        p: World size (serial ignores it and predicts one rank).
+        batch: Global mini-batch B.
+        machine: A :class:`Machine`, a dict of its keys, or a JSON path.
+        **strategy_options: ``d``: replicated_fc; ``s``/``ds``: grid;
+            ``df``: grid=(p_data, p_model) or model_parallel; ``p``: segments;
+            ``gmp``: mp, ccr_threshold, scheme; ``ls``: n_f. Options not given
+            are chosen by the oracle and reported in ``Prediction.options``.
+
+    Returns:
+        A :class:`Prediction` (infeasible ones carry ``reasons``).
+
+    Raises:
+        ValueError: unknown strategy or option, non-positive p or batch, or an
+            invalid machine.
+
+    Example:
+        >>> from tfhybrid.oracle.profile import LayerRow, ModelProfile
+        >>> prof = ModelProfile("m", (LayerRow("fc", "dense", 8, 8, 0, 16, 32, 4, 2, 4, 2),), 4)
+        >>> predict(prof, "f", p=4, batch=8, machine={"alpha": 0, "beta": 0,
+        ...         "flop_rate": 1.0}).reasons[0][:33]
+        'model group 4 exceeds the minimum'
+    """
+    _check_args(strategy, p, batch)
+    unknown = set(strategy_options) - _OPTIONS[strategy]
+    if unknown:
+        raise ValueError(f"Unknown options {sorted(unknown)} for strategy {strategy!r}; "
+                         f"accepted: {sorted(_OPTIONS[strategy])}.")
+    ctx = Context(_as_profile(model_or_profile), as_machine(machine), batch)
+    return STRATEGIES[strategy](ctx, p, **strategy_options)
+
+
+def _grid_options(p, model_parallel):
+    """Candidate (strategy, options) pairs compatible with a fixed model-group size."""
+    k = model_parallel
+    if k is None:
+        return {name: {} for name in STRATEGY_NAMES}
+    if not isinstance(k, int) or k < 1 or p % k:
+        raise ValueError(f"Received model_parallel={k!r} with p={p}; it must divide p.")
+    out = {"serial": {}}
+    if k == 1:
+        out["d"] = {}
+    if k == p:
+        out.update(f={}, c={}, s={})
+    if 1 < k < p:
+        out.update(df={"grid": (p // k, k)}, ds={"grid": (p // k, k, 1)})
+    out["gmp"] = {"mp": k}
+    return out
+
+
+def rank(model_or_profile, p: int, batch: int, machine, strategies=None,
+         model_parallel=None) -> list:
+    """Predictions of every strategy, feasible ones first, each group by total time.
+
+    Args:
+        model_or_profile: Keras model or :class:`ModelProfile`.
+        p: World size.
+        batch: Global mini-batch.
+        machine: Machine spec.
+        strategies: Names to rank (default: all).
+        model_parallel: When the process grid is fixed (``tfhybrid.init(
+            model_parallel=k)``), only strategies that use model groups of k.
+
+    Example:
+        >>> from tfhybrid.oracle.profile import LayerRow, ModelProfile
+        >>> prof = ModelProfile("m", (LayerRow("fc", "dense", 8, 8, 0, 16, 32, 4, 2, 4, 2),), 4)
+        >>> [r.strategy for r in rank(prof, 2, 8, {"alpha": 0, "beta": 0, "flop_rate": 1.0},
+        ...                           strategies=("serial", "d"))]
+        ['d', 'serial']
+    """
+    cands = _grid_options(p, model_parallel)
+    names = [s for s in (strategies or STRATEGY_NAMES) if s in cands]
+    prof = _as_profile(model_or_profile)
+    mach = as_machine(machine)
+    preds = [predict(prof, s, p, batch, mach, **cands[s]) for s in names]
+    return sorted(preds, key=lambda r: (not r.feasible, r.total_s))
+
+
+def choose(model_or_profile, p: int | None = None, batch: int | None = None, machine=None,
+           strategies=None, exclude=("serial",), grid=None, model_parallel=None) -> Prediction:
+    """The fastest feasible strategy and its options (what ``strategy="auto"`` uses).
+
+    Args:
+        model_or_profile: Keras model or :class:`ModelProfile`.
+        p: World size (or give ``grid``).
+        batch: Global mini-batch (required).
+        machine: Machine spec: dict, JSON path or :class:`Machine` (required;
+            never assumed).
+        strategies: Candidate names (default: all but ``exclude``).
+        exclude: Names never chosen (serial by default, since p ranks exist).
+        grid: A ``tfhybrid.grid.ProcessGrid``: sets p = grid.size and
+            model_parallel = grid.model_size.
+        model_parallel: Restrict to strategies with model groups of this size.
+
+    Returns:
+        The best feasible :class:`Prediction`; ``.strategy`` and ``.options``
+        (e.g. ``options['grid']``, ``options['mp']``) tell the transformer what
+        to build.
+
+    Raises:
+        ValueError: missing p/batch/machine, or no candidate strategy is
+            feasible (the message lists each strategy's reasons).
+
+    Example:
+        >>> from tfhybrid.oracle.profile import LayerRow, ModelProfile
+        >>> prof = ModelProfile("m", (LayerRow("fc", "dense", 8, 8, 0, 16, 32, 4, 2, 4, 2),), 4)
+        >>> choose(prof, 2, 8, {"alpha": 0, "beta": 0, "flop_rate": 1.0}).strategy
+        'f'
+    """
+    if grid is not None:
+        p = grid.size
+        model_parallel = grid.model_size if model_parallel is None else model_parallel
+    if p is None or batch is None or machine is None:
+        raise ValueError("tfhybrid.oracle.choose needs p (or grid), batch and machine; received "
+                         f"p={p!r}, batch={batch!r}, machine={'given' if machine else None}. "
+                         "Pass batch=<global batch> and machine=<JSON path or dict>, e.g. "
+                         "tfhybrid.oracle.default_machine_path() on the development box.")
+    names = [s for s in (strategies or STRATEGY_NAMES) if s not in (exclude or ())]
+    ranked = rank(model_or_profile, p, batch, machine, names, model_parallel)
+    if not ranked or not ranked[0].feasible:
+        why = "; ".join(f"{r.strategy}: {', '.join(r.reasons)}" for r in ranked)
+        raise ValueError(f"No feasible strategy for p={p}, batch={batch}: {why}")
+    return ranked[0]
+
+
+best = choose

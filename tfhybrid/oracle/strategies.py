@@ -1,0 +1,369 @@
+"""Per-strategy time and memory models (one iteration, global batch B, p ranks).
+
+Each model follows ParaDL Table 3 / Appendix A applied layer by layer with
+the collectives tfhybrid actually issues (DESIGN.md), plus Gholami's 1.5D
+grid, SplitBrain's group model parallelism and Stanza's layer separation.
+Notation: ``b = B/p`` local batch, ``fb_l`` forward+backward seconds per
+sample, ``|x_l|``, ``|y_l|``, ``|w_l|`` items, ``delta`` bytes per item.
+
+Where this module departs from the paper's closed forms (and why):
+
+* Layers a strategy cannot split (pooling, norm, activations under filter or
+  channel parallelism; Dense layers under spatial parallelism) are computed
+  **replicated** (cost not divided by p), as ParaDL's tool does with its
+  layer-configuration files; Table 3 divides every layer by p.
+* Filter / channel collectives are charged only on the partitioned (conv /
+  dense) layers, not on every row of the model.
+* ``s``/``ds`` gather the activations before the first Dense layer (DESIGN)
+  and run the rest replicated; ParaDL Table 3 assumes every layer is split.
+* The gradient allreduce covers all parameters (biases too).
+* Pipeline weight update is per iteration (Eq. 12 multiplies it by D).
+* Uneven spatial splits are charged ceil(H/ph) rows (load imbalance).
+
+Approximations: no overlap of communication with computation (Lee et al.'s
+overlap is not credited), ring collectives everywhere, Stanza's FC-worker
+allreduce assumed hidden (as in the paper), contention only via ``phi``.
+
+Example:
+    >>> from tfhybrid.oracle.profile import LayerRow, ModelProfile
+    >>> from tfhybrid.oracle.machine import Machine
+    >>> from tfhybrid.oracle.prediction import Context
+    >>> row = LayerRow("fc", "dense", 100, 100, 0, 200, 400, 10, 10, 10, 10)
+    >>> ctx = Context(ModelProfile("m", (row,), 10), Machine(0, 0, flop_rate=600), 4)
+    >>> STRATEGIES["d"](ctx, 2).compute_s
+    2.3333333333333335
+"""
+from __future__ import annotations
+
+import math
+
+from tfhybrid.oracle import formulas
+from tfhybrid.oracle.prediction import Prediction, divisors
+
+STRATEGIES = {}
+
+
+def strategy(name):
+    def register(fn):
+        STRATEGIES[name] = fn
+        return fn
+    return register
+
+
+_PHASE_OF = {"FB_ag": "FB-allgather", "FB_ar": "FB-allreduce", "halo": "halo",
+             "GE_ar": "GE-allreduce", "p2p": "p2p"}
+
+
+def _phases(**kw):
+    """Keyword shorthands (FB_ag, FB_ar, halo, GE_ar, p2p) to phase names."""
+    return {_PHASE_OF[k]: v for k, v in kw.items()}
+
+
+def _result(ctx, name, p, comp, comm, mem, options, reasons):
+    reasons = list(reasons) + ctx.memory_reasons(mem)
+    return Prediction(strategy=name, p=p, batch=ctx.B, compute_s=comp,
+                      comm_s=comm, overhead_s=ctx.m.step_overhead_s, memory_bytes=mem,
+                      options=options, feasible=not reasons, reasons=tuple(reasons))
+
+
+def _batch_reasons(B, groups, what="p"):
+    if groups > B:
+        return [f"{what}={groups} exceeds the batch B={B} (limit {what} <= B)"]
+    if B % groups:
+        return [f"batch B={B} is not divisible by {what}={groups}"]
+    return []
+
+
+def _best(candidates):
+    """Feasible prediction with the smallest total, else the smallest total."""
+    candidates = [c for c in candidates if c is not None]
+    feasible = [c for c in candidates if c.feasible]
+    pool = feasible or candidates
+    return min(pool, key=lambda c: c.total_s) if pool else None
+
+
+@strategy("serial")
+def serial(ctx, p, **_):
+    """Table 3 row Serial: B sum(FW+BW) + sum WU; memory with the whole batch."""
+    comp = ctx.B * sum(ctx.fb) + sum(ctx.wu)
+    mem = ctx.mem((r, ctx.B, 1, 1) for r in ctx.rows)
+    return _result(ctx, "serial", 1, comp, {}, mem, {"p": 1}, [])
+
+
+@strategy("d")
+def data(ctx, p, replicated_fc=0, **_):
+    """Table 3 row Data (Eq. 5-7); Lee et al.'s replicated gradients for the first
+    ``replicated_fc`` Dense layers (allgather activations and errors instead)."""
+    B, m, d = ctx.B, ctx.m, ctx.delta
+    b = B / p
+    reasons = _batch_reasons(B, p)
+    dense = [i for i in ctx.weighted() if ctx.rows[i].kind == "dense"][:replicated_fc]
+    comp = b * sum(ctx.fb) + sum(ctx.wu)
+    ag, lee = 0.0, []
+    for i in dense:
+        r = ctx.rows[i]
+        ag += m.t_allgather(p, b * (r.x + r.y) * d)
+        comp += (B - b) * r.bwd_flops / 2 / (m.flop_rate or math.inf)
+        lee.append({"layer": r.name, "allreduce_items": r.weights,
+                    "allgather_items": (r.x + r.y) * B})
+    w_ar = sum(r.params for i, r in enumerate(ctx.rows) if i not in dense)
+    comm = _phases(GE_ar=m.t_allreduce(p, w_ar * d), FB_ag=ag)
+    mem = ctx.mem((r, b, 1, 1) for r in ctx.rows)
+    opts = {"local_batch": b, "replicated_fc": lee}
+    return _result(ctx, "d", p, comp * m.oversubscription(p), comm, mem, opts, reasons)
+
+
+def _spatial_limits(ctx, idx, grid):
+    """ParaDL's limit p <= W x H per axis: each split must not exceed the extent."""
+    reasons, uneven = [], []
+    for axis, parts in enumerate(grid):
+        if parts <= 1:
+            continue
+        extents = [(ctx.rows[i].spatial_out[axis], ctx.rows[i].name) for i in idx
+                   if len(ctx.rows[i].spatial_out) > axis]
+        if not extents:
+            reasons.append(f"no layer has spatial axis {axis} to split {parts} ways")
+            continue
+        small, name = min(extents)
+        if parts > small:
+            reasons.append(f"spatial split {parts} along axis {axis} exceeds the extent "
+                           f"{small} of layer {name!r} (limit p <= W x H)")
+        uneven += [n for e, n in extents if e % parts]
+    return reasons, sorted(set(uneven))
+
+
+def _spatial_fraction(row, grid):
+    frac = 1.0
+    for axis, parts in enumerate(grid):
+        if parts > 1 and axis < len(row.spatial_out):
+            e = row.spatial_out[axis]
+            frac *= math.ceil(e / parts) / e
+    return frac
+
+
+def _grids(n, ndim):
+    if ndim <= 1:
+        return [(n,)]
+    return [(a, n // a) for a in divisors(n)]
+
+
+def _spatial_part(ctx, p_sp, grid, nb, span):
+    """Compute, halo, gather and memory terms of the spatial part at batch nb."""
+    m, d, idx = ctx.m, ctx.delta, ctx.spatial_prefix()
+    comp = halo = 0.0
+    for i in idx:
+        r = ctx.rows[i]
+        comp += nb * ctx.fb[i] * _spatial_fraction(r, grid)
+        for axis, parts in enumerate(grid):
+            if parts > 1 and axis < len(r.kernel):
+                hx, hdy = r.halo_for(tuple(parts if a == axis else 1 for a in range(len(grid))))
+                if hx or hdy:
+                    halo += 2 * (2 * m.alpha_beta(span)[0]
+                                 + nb * d * m.alpha_beta(span)[1] * (hx + hdy))
+    rest = [i for i in range(len(ctx.rows)) if i not in set(idx)]
+    comp += sum(nb * ctx.fb[i] for i in rest) + sum(ctx.wu)
+    gather = 0.0
+    if idx and rest:
+        gather = m.t_allgather(p_sp, nb * ctx.rows[idx[-1]].y * d / p_sp, span)
+    terms = [(ctx.rows[i], nb, p_sp, 1) for i in idx] + [(ctx.rows[i], nb, 1, 1) for i in rest]
+    return comp, halo, gather, ctx.mem(terms), idx
+
+
+def _spatial_candidates(ctx, p_sp, grid):
+    idx = ctx.spatial_prefix()
+    ndim = max((len(ctx.rows[i].spatial_out) for i in idx), default=1)
+    if grid is not None:
+        return [tuple(grid)]
+    return _grids(p_sp, min(ndim, 2))
+
+
+@strategy("s")
+def spatial(ctx, p, grid=None, **_):
+    """Table 3 row Spatial (Eq. 8-10) for the spatial prefix, replicated after it."""
+    return _best(_spatial_one(ctx, p, 1, g) for g in _spatial_candidates(ctx, p, grid))
+
+
+@strategy("ds")
+def data_spatial(ctx, p, grid=None, **_):
+    """Data groups x spatial groups: grid = (p_data, ph[, pw])."""
+    if grid is not None:
+        return _spatial_one(ctx, p, grid[0], tuple(grid[1:]), name="ds")
+    cands = []
+    for p1 in divisors(p):
+        if 1 < p1 < p:
+            cands += [_spatial_one(ctx, p, p1, g, name="ds")
+                      for g in _spatial_candidates(ctx, p // p1, None)]
+    if not cands:
+        return _no_grid(ctx, "ds", p)
+    return _best(cands)
+
+
+def _spatial_one(ctx, p, p1, grid, name="s"):
+    p_sp = math.prod(grid)
+    reasons = [] if p1 * p_sp == p else [f"grid {(p1,) + tuple(grid)} does not multiply to p={p}"]
+    reasons += _batch_reasons(ctx.B, p1, "p_data") if p1 > 1 else []
+    if not ctx.spatial_prefix():
+        reasons.append("the model has no layer with spatial axes to split")
+    lim, uneven = _spatial_limits(ctx, ctx.spatial_prefix(), grid)
+    nb = ctx.B / p1
+    comp, halo, gather, mem, idx = _spatial_part(ctx, p_sp, grid, nb, p_sp)
+    ge = ctx.m.t_allreduce(p, sum(r.params for r in ctx.rows) * ctx.delta)
+    comm = _phases(halo=halo, FB_ag=gather, GE_ar=ge)
+    opts = {"grid": {"data": p1, "spatial": list(grid)}, "spatial_layers": len(idx),
+            "uneven_layers": uneven}
+    comp *= ctx.m.oversubscription(p)
+    return _result(ctx, name, p, comp, comm, mem, opts, reasons + lim)
+
+
+def _no_grid(ctx, name, p):
+    return _result(ctx, name, p, math.inf, {}, 0.0, {"grid": None},
+                   [f"p={p} has no factorisation p_data x p_model with both > 1"])
+
+
+def _model_reasons(ctx, idx, g, attr, label):
+    if not idx:
+        return [f"the model has no conv/dense layer to split by {label}"]
+    small = min(idx, key=lambda i: getattr(ctx.rows[i], attr))
+    val = getattr(ctx.rows[small], attr)
+    reasons = []
+    if g > val:
+        reasons.append(f"model group {g} exceeds the minimum {label} {val} of layer "
+                       f"{ctx.rows[small].name!r} (limit p <= min {label})")
+    bad = [ctx.rows[i].name for i in idx if getattr(ctx.rows[i], attr) % g]
+    if bad and g <= val:
+        reasons.append(f"{label} of layers {bad[:4]} not divisible by model group {g}")
+    return reasons
+
+
+def _model_parallel(ctx, p, p1, p2, kind):
+    """Filter ('f') or channel ('c') split over groups of p2, data over p1."""
+    m, d, B = ctx.m, ctx.delta, ctx.B
+    idx = ctx.weighted()
+    if kind == "c" and ctx.split is None:
+        idx = idx[1:]
+    part = set(idx)
+    nb = B / p1
+    comp = sum(nb * ctx.fb[i] / (p2 if i in part else 1) for i in range(len(ctx.rows)))
+    comp += sum(ctx.wu[i] / (p2 if i in part else 1) for i in range(len(ctx.rows)))
+    last, first = len(ctx.rows) - 1, (ctx.weighted() or [0])[0]
+    ag = ar = 0.0
+    for i in idx:
+        r = ctx.rows[i]
+        fwd_y = 0.0 if i == last else nb * r.y * d
+        bwd_x = 0.0 if i == first else nb * r.x * d
+        if kind == "f":
+            ag += m.t_allgather(p2, fwd_y / p2) if fwd_y else 0.0
+            ar += m.t_allreduce(p2, bwd_x) if bwd_x else 0.0
+        else:
+            ar += m.t_allreduce(p2, fwd_y) if fwd_y else 0.0
+            ag += m.t_allgather(p2, bwd_x / p2) if bwd_x else 0.0
+    w_data = sum(r.params / (p2 if i in part else 1) for i, r in enumerate(ctx.rows))
+    ge = m.t_allreduce(p1, w_data * d, span=p, phi=m.phi if p2 > 1 else 1.0)
+    terms = [(r, nb, 1, p2 if i in part else 1) for i, r in enumerate(ctx.rows)]
+    attr, label = ("filters", "filters") if kind == "f" else ("channels", "channels")
+    reasons = _model_reasons(ctx, idx, p2, attr, label)
+    reasons += _batch_reasons(B, p1, "p_data") if p1 > 1 else []
+    opts = {"grid": {"data": p1, "model": p2},
+            "partitioned_layers": [ctx.rows[i].name for i in idx]}
+    comm = _phases(FB_ag=ag, FB_ar=ar, GE_ar=ge)
+    return comp * m.oversubscription(p), comm, ctx.mem(terms), opts, reasons
+
+
+@strategy("f")
+def filter_parallel(ctx, p, **_):
+    """Table 3 row Filter (Eq. 15-16): allgather y forward, allreduce dL/dx backward."""
+    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, 1, p, "f")
+    return _result(ctx, "f", p, comp, comm, mem, opts, reasons)
+
+
+@strategy("c")
+def channel_parallel(ctx, p, **_):
+    """Table 3 row Channel (Eq. 17-19), from the second weighted layer as ParaDL."""
+    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, 1, p, "c")
+    return _result(ctx, "c", p, comp, comm, mem, opts, reasons)
+
+
+@strategy("df")
+def data_filter(ctx, p, grid=None, model_parallel=None, **_):
+    """Table 3 row Data+Filter (Eq. 20-22); grid (p_data, p_model) searched if not given.
+
+    ``options['gholami_eq5_comm_s']`` gives Gholami's 1.5D estimate (Eq. 5,
+    Pr = p_model, Pc = p_data) of the same communication for comparison.
+    """
+    if grid is None and model_parallel is not None:
+        grid = (p // model_parallel, model_parallel)
+    grids = [tuple(grid)] if grid is not None else [
+        (p // g, g) for g in divisors(p) if 1 < g < p]
+    if not grids:
+        return _no_grid(ctx, "df", p)
+    return _best(_df_one(ctx, p, p1, p2) for p1, p2 in grids)
+
+
+def _df_one(ctx, p, p1, p2):
+    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, p1, p2, "f")
+    if p1 * p2 != p:
+        reasons.append(f"grid ({p1}, {p2}) does not multiply to p={p}")
+    idx = ctx.weighted()
+    ab = ctx.m.alpha_beta(p)
+    opts["gholami_eq5_comm_s"] = formulas.gholami_15d_comm(
+        p2, p1, ctx.B, [ctx.rows[i].y for i in idx[:-1]], [ctx.rows[i].params for i in idx],
+        ab[0], ab[1] * ctx.delta)
+    return _result(ctx, "df", p, comp, comm, mem, opts, reasons)
+
+
+def _stages(times, p):
+    """Contiguous partition of ``times`` into p stages minimising the largest stage."""
+    lo, hi = max(times), sum(times)
+    for _ in range(60):
+        cap = (lo + hi) / 2
+        if len(_greedy(times, cap)) <= p:
+            hi = cap
+        else:
+            lo = cap
+    stages = _greedy(times, hi)
+    while len(stages) < p and any(len(s) > 1 for s in stages):
+        k = max(range(len(stages)), key=lambda j: len(stages[j]))
+        half = len(stages[k]) // 2
+        stages[k:k + 1] = [stages[k][:half], stages[k][half:]]
+    return stages
+
+
+def _greedy(times, cap):
+    stages, cur, acc = [], [], 0.0
+    for i, t in enumerate(times):
+        if cur and acc + t > cap * (1 + 1e-12):
+            stages.append(cur)
+            cur, acc = [], 0.0
+        cur.append(i)
+        acc += t
+    stages.append(cur)
+    return stages
+
+
+@strategy("p")
+def pipeline(ctx, p, segments=None, **_):
+    """Table 3 row Layer (Pipeline), Eq. 12-14, with S micro-batches (searched)."""
+    G = len(ctx.rows)
+    if p > G:
+        return _result(ctx, "p", p, math.inf, {}, 0.0, {"segments": None},
+                       [f"p={p} exceeds the number of layers G={G} (limit p <= G)"])
+    stages = _stages([f + 1e-30 for f in ctx.fb], p)
+    options = [segments] if segments else [s for s in divisors(ctx.B) if s <= 4 * p * 8]
+    return _best(_pipe_one(ctx, p, stages, S) for S in options)
+
+
+def _pipe_one(ctx, p, stages, S):
+    m, d, B = ctx.m, ctx.delta, ctx.B
+    fw = [sum(ctx.fw[i] for i in st) for st in stages]
+    bw = [sum(ctx.bw[i] for i in st) for st in stages]
+    wu = [sum(ctx.wu[i] for i in st) for st in stages]
+    comp = B / S * (p + S - 1) * (max(fw) + max(bw)) + max(wu)
+    a, beta = m.alpha_beta(2)
+    outs = [ctx.rows[st[-1]].y for st in stages[:-1]]
+    p2p = 2 * (p + S - 2) * max(a + B / S * y * d * beta for y in outs) if outs else 0.0
+    mem = max(ctx.mem((ctx.rows[i], B, 1, 1) for i in st) for st in stages)
+    reasons = _batch_reasons(B, S, "segments S")
+    opts = {"segments": S, "stages": [[ctx.rows[i].name for i in (st[0], st[-1])]
+                                      for st in stages]}
+    return _result(ctx, "p", p, comp * m.oversubscription(p), _phases(p2p=p2p), mem, opts,
+                   reasons)

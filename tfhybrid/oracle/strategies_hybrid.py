@@ -1,0 +1,164 @@
+"""SplitBrain group model parallelism (``gmp``) and Stanza layer separation (``ls``).
+
+``gmp`` (SplitBrain, Section 3): every layer before the first partitioned
+Dense layer is data parallel over all p ranks (local batch b = B/p); from the
+first partitioned Dense layer on, each model group of ``mp`` consecutive ranks
+gathers its batches (ModuloLayer), runs partitioned Dense layers with 1/mp of
+the units each, shards (allgathers) their outputs, and returns each rank its
+own rows before the loss. Scheme ``"B/K"`` (SplitBrain's) runs mp micro-steps
+of b/mp samples per rank (activation memory of b, mp times the latencies);
+``"BK"`` gathers all mp*b samples at once. Dense layers are partitioned when
+their CCR exceeds ``ccr_threshold`` and ``mp`` divides their units; others
+stay replicated inside the group (recorded in ``options``).
+
+``ls`` (Stanza, Eq. 2-7): n_c CONV workers run the layers before the first
+Dense layer data parallel with K = B/n_c samples each and send the last conv
+activations to n_f FC workers, which run the Dense layers on n_c K / n_f
+samples each and send the gradients back. n_f maximises throughput (Eq. 5)
+by exhaustive search unless given. The CONV-worker allreduce uses Stanza's
+tree rounds; the FC-worker allreduce is assumed hidden (as in the paper).
+``options['ps_baseline_s']`` is Stanza's parameter-server iteration (Eq. 6)
+with n_c workers and n_f servers.
+
+Example:
+    >>> sorted(STRATEGIES_HYBRID)
+    ['gmp', 'ls']
+"""
+from __future__ import annotations
+
+import math
+
+from tfhybrid.oracle import formulas
+from tfhybrid.oracle.prediction import divisors
+from tfhybrid.oracle.strategies import STRATEGIES, _batch_reasons, _best, _result, strategy
+
+STRATEGIES_HYBRID = {}
+
+
+def _gmp_layers(ctx, mp, ccr_threshold):
+    """(partitioned, kept) Dense row indices from the first Dense row on."""
+    part, kept = [], []
+    for i in range(ctx.first_dense(), len(ctx.rows)):
+        r = ctx.rows[i]
+        if r.kind != "dense":
+            continue
+        if r.ccr <= ccr_threshold:
+            kept.append((r.name, f"CCR {r.ccr:.3g} <= threshold {ccr_threshold}"))
+        elif r.filters % mp:
+            kept.append((r.name, f"{r.filters} units not divisible by mp={mp}"))
+        else:
+            part.append(i)
+    return part, kept
+
+
+def _gmp_comm(ctx, p, mp, part, b, scheme):
+    m, d = ctx.m, ctx.delta
+    steps = mp if scheme == "B/K" else 1
+    piece = b / steps
+    ag = 0.0
+    if part:
+        first = ctx.rows[part[0]]
+        ag += steps * 2 * m.t_allgather(mp, piece * first.x * d)      # modulo + adjoint
+        for i in part:
+            ag += steps * 2 * m.t_allgather(mp, piece * ctx.rows[i].y * d)  # shard + adjoint
+        ag += m.t_allgather(mp, b * ctx.rows[-1].y * d)               # batch_scatter adjoint
+    pset = set(part)
+    w_rep = sum(r.params for i, r in enumerate(ctx.rows) if i not in pset)
+    w_part = sum(ctx.rows[i].params for i in part) / mp
+    ge = m.t_allreduce(p, w_rep * d)
+    ge += m.t_allreduce(p // mp, w_part * d, span=p, phi=m.phi if mp > 1 else 1.0)
+    return {"FB-allgather": ag, "GE-allreduce": ge}
+
+
+def _gmp_one(ctx, p, mp, ccr_threshold, scheme):
+    B = ctx.B
+    b = B / p
+    part, kept = _gmp_layers(ctx, mp, ccr_threshold) if mp > 1 else ([], [])
+    pset, start = set(part), (part[0] if part else len(ctx.rows))
+    comp = sum(ctx.wu[i] / (mp if i in pset else 1) for i in range(len(ctx.rows)))
+    terms, nb_group = [], (b if scheme == "B/K" else mp * b)
+    for i, r in enumerate(ctx.rows):
+        if i < start:
+            comp += b * ctx.fb[i]
+            terms.append((r, b, 1, 1))
+        elif i in pset:
+            comp += b * ctx.fb[i]
+            terms.append((_half_split(r, mp), nb_group, 1, mp))
+        else:
+            comp += mp * b * ctx.fb[i]
+            terms.append((r, nb_group, 1, 1))
+    reasons = _batch_reasons(B, p)
+    if p % mp:
+        reasons.append(f"mp={mp} does not divide the world size p={p}")
+    opts = {"mp": mp, "scheme": scheme, "partitioned_layers": [ctx.rows[i].name for i in part],
+            "replicated_layers": kept, "param_memory_bytes": _param_mem(ctx, part, mp)}
+    comm = _gmp_comm(ctx, p, mp, part, b, scheme)
+    return _result(ctx, "gmp", p, comp * ctx.m.oversubscription(p), comm, ctx.mem(terms),
+                   opts, reasons)
+
+
+def _half_split(r, mp):
+    """A row whose output is split mp ways (input stays whole) for memory terms."""
+    import dataclasses  # noqa: WPS433
+    return dataclasses.replace(r, y=r.y / mp)
+
+
+def _param_mem(ctx, part, mp):
+    conv = sum(r.params for i, r in enumerate(ctx.rows) if i not in set(part))
+    fc = sum(ctx.rows[i].params for i in part)
+    return formulas.splitbrain_param_memory(conv, fc, mp, ctx.delta)
+
+
+@strategy("gmp")
+def group_model_parallel(ctx, p, mp=None, ccr_threshold=0.0, scheme="B/K", **_):
+    """SplitBrain GMP with model groups of ``mp`` (searched over divisors of p)."""
+    if scheme not in ("B/K", "BK"):
+        raise ValueError(f"Received scheme={scheme!r} for gmp; expected 'B/K' or 'BK'.")
+    if mp is not None and (not isinstance(mp, int) or mp < 1):
+        raise ValueError(f"Received mp={mp!r} for gmp; expected a positive integer.")
+    choices = [mp] if mp else divisors(p)
+    return _best(_gmp_one(ctx, p, g, ccr_threshold, scheme) for g in choices)
+
+
+def _ls_one(ctx, p, n_f):
+    m, d, B = ctx.m, ctx.delta, ctx.B
+    n_c = p - n_f
+    K = B / n_c
+    split = ctx.first_dense()
+    conv, fc = range(split), range(split, len(ctx.rows))
+    T_c = K * sum(ctx.fb[i] for i in conv) + sum(ctx.wu[i] for i in conv)
+    T_f = K * sum(ctx.fb[i] for i in fc)
+    wu_fc = sum(ctx.wu[i] for i in fc)
+    comp = formulas.stanza_compute(T_c, T_f, n_c, n_f) + wu_fc
+    A = ctx.rows[split - 1].y if split > 0 else ctx.prof.input_items
+    alpha, beta = m.alpha_beta(p)
+    per_fc = n_c / n_f
+    p2p = 2 * math.ceil(per_fc) * alpha + 2 * per_fc * K * A * d * beta
+    P_c = sum(ctx.rows[i].params for i in conv)
+    ge = formulas.stanza_rounds(n_c) * (alpha + P_c * d * beta)
+    mem = max(ctx.mem((ctx.rows[i], K, 1, 1) for i in conv),
+              ctx.mem((ctx.rows[i], per_fc * K, 1, 1) for i in fc))
+    reasons = _batch_reasons(B, n_c, "n_c")
+    if split == len(ctx.rows):
+        reasons.append("the model has no Dense layer: nothing to place on FC workers")
+    T_ps = K * sum(ctx.fb) + sum(ctx.wu)
+    ps = formulas.ps_iteration(n_c, n_f, sum(r.params for r in ctx.rows) * d,
+                               1 / beta if beta else math.inf, T_ps)
+    opts = {"n_c": n_c, "n_f": n_f, "K": K, "ps_baseline_s": ps}
+    return _result(ctx, "ls", p, comp * m.oversubscription(p),
+                   {"p2p": p2p, "GE-allreduce": ge}, mem, opts, reasons)
+
+
+@strategy("ls")
+def layer_separation(ctx, p, n_f=None, **_):
+    """Stanza: n_c = p - n_f CONV workers and n_f FC workers (Eq. 2-5, 6-7)."""
+    if p < 2:
+        return _result(ctx, "ls", p, math.inf, {}, 0.0, {"n_f": None},
+                       [f"layer separation needs p >= 2 (one CONV and one FC worker); p={p}"])
+    if n_f is not None and not (isinstance(n_f, int) and 1 <= n_f < p):
+        raise ValueError(f"Received n_f={n_f!r} for ls with p={p}; expected 1 <= n_f < p.")
+    choices = [n_f] if n_f else range(1, p)
+    return _best(_ls_one(ctx, p, k) for k in choices)
+
+
+STRATEGIES_HYBRID.update(gmp=STRATEGIES["gmp"], ls=STRATEGIES["ls"])

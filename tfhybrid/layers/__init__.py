@@ -1,5 +1,12 @@
 """Parallel Keras 3 layers of tfhybrid."""
 
+# -- spatial (domain) parallelism: tfhybrid/layers/spatial*.py ------------------
+from tfhybrid.layers.spatial import (SpatialAveragePooling2D, SpatialAveragePooling3D,  # noqa: F401
+                                     SpatialConv2D, SpatialConv3D, SpatialGather,
+                                     SpatialMaxPooling2D, SpatialMaxPooling3D,
+                                     SpatialScatter)
+# -- end spatial ------------------------------------------------------------------
+
 # -- model parallelism (filter/channel), SplitBrain boundaries, sync batch norm --
 # tfhybrid/layers/{partitioned,parallel_dense,parallel_conv,splitbrain,sync_bn}.py
 from tfhybrid.layers.parallel_conv import ChannelParallelConv2D, FilterParallelConv2D  # noqa: F401

@@ -1,0 +1,28 @@
+"""Spatial (domain) parallelism layers, Gholami et al. / ParaDL strategy ``s``.
+
+A spatially parallel region of a CNN::
+
+    x = SpatialScatter(split="height")(images)            # full -> own block
+    x = SpatialConv2D(32, 3, padding="same", activation="relu")(x)
+    x = SpatialMaxPooling2D(2)(x)
+    x = SpatialConv2D(64, 3, padding="same", activation="relu")(x)
+    x = SpatialGather(split="height")(x)                   # blocks -> full
+    logits = keras.layers.Dense(10)(keras.layers.Flatten()(x))
+
+Element-wise layers (activations, dropout with a group-wide seed, Add)
+work on blocks unchanged. Every layer here equals its Keras counterpart on
+the full input, block by block, in outputs and gradients; convolution
+weights are partial over the group (``VariableLayout("partial", group)``).
+
+Modules: :mod:`spatial_plan` (geometry, pure Python), :mod:`spatial_core`
+(halo assembly and overlapped execution), :mod:`spatial_conv`,
+:mod:`spatial_pool`, :mod:`spatial_io`.
+"""
+from tfhybrid.layers.spatial_conv import SpatialConv2D, SpatialConv3D
+from tfhybrid.layers.spatial_io import SpatialGather, SpatialScatter
+from tfhybrid.layers.spatial_pool import (SpatialAveragePooling2D, SpatialAveragePooling3D,
+                                          SpatialMaxPooling2D, SpatialMaxPooling3D)
+
+__all__ = ["SpatialConv2D", "SpatialConv3D", "SpatialMaxPooling2D", "SpatialMaxPooling3D",
+           "SpatialAveragePooling2D", "SpatialAveragePooling3D", "SpatialScatter",
+           "SpatialGather"]

@@ -1,0 +1,204 @@
+"""Spatially parallel convolutions: ``SpatialConv2D`` and ``SpatialConv3D``.
+
+Domain parallelism (Gholami et al., ParaDL's spatial strategy ``s``): the
+input of a convolution is split into blocks along height, width (depth) or a
+block grid over a group of ranks; every rank holds the full, identical
+weights and computes its block of the output after receiving the halo
+(the rows of its neighbours' blocks that its output windows reach). Halo
+widths follow from kernel size, stride, dilation and padding; zero padding
+is applied only at the global border, exactly as Keras/TF pad the full
+input (including TF's asymmetric ``same`` padding for stride 2), so the
+blocks concatenate to the output of the plain Keras layer.
+
+Each rank's kernel and bias gradients cover only its block of the output:
+they are partial sums, tagged ``VariableLayout("partial", group)`` so that
+:class:`tfhybrid.DistributedOptimizer` sums them over the spatial group.
+"""
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from tfhybrid.layers import spatial_core as core
+from tfhybrid.layout import VariableLayout, set_layout
+
+_SPATIAL_KEYS = ("split", "group", "overlap")
+
+
+class _SpatialConv(core.SpatialMixin):
+    """Shared implementation of SpatialConv2D/3D (mixed into keras ConvND)."""
+
+    supports_jit = False
+    _keras_class = None
+    _default_split = "height"
+
+    def __init__(self, filters, kernel_size, strides=1, padding="valid", dilation_rate=1,
+                 activation=None, use_bias=True, split=None, group="model", overlap=True,
+                 **kwargs):
+        super().__init__(filters=filters, kernel_size=kernel_size, strides=strides,
+                         padding=padding, dilation_rate=dilation_rate, activation=activation,
+                         use_bias=use_bias, **kwargs)
+        if self.data_format != "channels_last":
+            raise ValueError(f"{self._label()}: only data_format='channels_last' is supported; "
+                             f"received data_format={self.data_format!r}.")
+        self._init_spatial(self._default_split if split is None else split, group, overlap)
+
+    def build(self, input_shape):
+        self._spatial_groups()      # collective: registers the block grid's groups
+        super().build(input_shape)  # creates kernel/bias, validates via compute_output_shape
+        layout = VariableLayout("partial", self.group)
+        set_layout(self._kernel, layout)
+        if self.use_bias:
+            set_layout(self.bias, layout)
+
+    def _windows(self):
+        return tuple(d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation_rate))
+
+    def call(self, inputs):
+        plans = core.window_plans(self, inputs.shape, self._windows(), self.strides,
+                                  self.padding)
+        kernel = self.kernel
+
+        def conv(x, _ranges):
+            return ops.conv(x, kernel, strides=list(self.strides), padding="valid",
+                            dilation_rate=self.dilation_rate, data_format="channels_last")
+
+        overlap = self._overlap_now()
+        outputs = core.windowed(inputs, plans, self._spatial_groups(), conv, 0.0,
+                                f"{self.name}.halo", overlap)
+        if self.use_bias:
+            outputs = ops.add(outputs, ops.reshape(self.bias, (1,) * (self.rank + 1) + (-1,)))
+        if self.activation is not None:
+            outputs = self.activation(outputs)
+        return outputs
+
+    def compute_output_shape(self, input_shape):
+        return core.output_block_shape(self, input_shape, self._windows(), self.strides,
+                                       self.padding, self.filters)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"split": self.split, "group": self.group, "overlap": self.overlap})
+        return config
+
+    @classmethod
+    def from_layer(cls, layer, split=None, group="model", overlap=True):
+        """A spatial copy of a built Keras convolution (same config and weights).
+
+        Args:
+            layer: A built ``keras.layers.Conv2D`` (``Conv3D`` for SpatialConv3D).
+            split: Spatial axis name or block-grid tuple (default: the
+                class's default split).
+            group: Group the blocks are split over.
+            overlap: Overlap the halo exchange with the interior.
+
+        Returns:
+            The spatial layer, built, holding a copy of ``layer``'s weights.
+
+        Raises:
+            TypeError: if ``layer`` is not a Keras convolution of the right rank.
+            ValueError: if ``layer`` is not built or is channels_first.
+        """
+        base = cls._keras_class
+        if not isinstance(layer, base):
+            raise TypeError(f"{cls.__name__}.from_layer: Received layer={layer!r}; expected a "
+                            f"keras.layers.{base.__name__}.")
+        if not layer.built:
+            raise ValueError(f"{cls.__name__}.from_layer: layer '{layer.name}' is not built; "
+                             "call it on an input (or build it) first so its weights exist.")
+        config = {k: v for k, v in layer.get_config().items() if k not in _SPATIAL_KEYS}
+        config.update(split=cls._default_split if split is None else split, group=group,
+                      overlap=overlap)
+        spatial = cls.from_config(config)
+        spatial.build(_weights_input_shape(layer))
+        spatial.set_weights(layer.get_weights())
+        return spatial
+
+    def to_layer(self):
+        """A plain, built Keras convolution with this layer's config and weights.
+
+        Raises:
+            ValueError: if this layer is not built.
+        """
+        if not self.built:
+            raise ValueError(f"{self._label()}.to_layer: the layer is not built.")
+        config = {k: v for k, v in self.get_config().items() if k not in _SPATIAL_KEYS}
+        plain = self._keras_class.from_config(config)
+        plain.build(_weights_input_shape(self))
+        plain.set_weights(self.get_weights())
+        return plain
+
+
+def _weights_input_shape(conv):
+    """An input shape that builds ``conv``'s weights (spatial sizes unknown)."""
+    channels = conv._kernel.shape[-2] * conv.groups
+    return (None,) + (None,) * conv.rank + (channels,)
+
+
+@keras.saving.register_keras_serializable(package="tfhybrid")
+class SpatialConv2D(_SpatialConv, keras.layers.Conv2D):
+    """2-D convolution over an NHWC input split into blocks over a group of ranks.
+
+    The input is this rank's block of the full NHWC tensor, split along
+    height, width, or a ``(ph, pw)`` block grid (blocks in group-rank order,
+    row-major for grids); the output is this rank's block of what
+    ``keras.layers.Conv2D`` computes on the full input. Halo rows and
+    columns are exchanged with the neighbouring blocks
+    (:func:`tfhybrid.comm.halo_exchange`); in a graph, the interior of the
+    block is convolved while the halo is in flight (``overlap``).
+
+    Args:
+        filters, kernel_size, strides, padding, dilation_rate, activation,
+        use_bias, **kwargs: as ``keras.layers.Conv2D`` (channels_last only).
+        split: "height", "width" or a tuple ``(ph, pw)`` with ``ph * pw``
+            equal to the group size.
+        group: Group the blocks are split over ("model", "data" or "world").
+        overlap: Overlap the halo exchange with the interior convolution
+            when running in a graph (``tf.function``, ``model.fit``).
+
+    Raises:
+        ValueError: for an invalid ``split``, or (at build/call) when the
+            global size, the output size or the blocks do not fit the grid;
+            the message names the shape, the grid and the nearest valid sizes.
+
+    Example:
+        >>> tfhybrid.init(model_parallel=2)          # horovodrun -np 2
+        >>> conv = SpatialConv2D(16, 3, padding="same", split="height")
+        >>> y = conv(x_block)     # x_block: (batch, H/2, W, C), y: (batch, H/2, W, 16)
+        >>> # or from an existing, built layer:
+        >>> spatial = SpatialConv2D.from_layer(keras_conv, split=(1, 2))
+    """
+
+    _keras_class = keras.layers.Conv2D
+    _ndim = 2
+    _default_split = "height"
+
+
+@keras.saving.register_keras_serializable(package="tfhybrid")
+class SpatialConv3D(_SpatialConv, keras.layers.Conv3D):
+    """3-D convolution over an NDHWC volume split into blocks over a group of ranks.
+
+    The volumetric counterpart of :class:`SpatialConv2D` (CosmoFlow-like
+    inputs too large for one device): equals ``keras.layers.Conv3D`` on the
+    full volume, block by block.
+
+    Args:
+        filters, kernel_size, strides, padding, dilation_rate, activation,
+        use_bias, **kwargs: as ``keras.layers.Conv3D`` (channels_last only).
+        split: "depth", "height", "width" or a tuple ``(pd, ph, pw)`` whose
+            product equals the group size.
+        group: Group the blocks are split over.
+        overlap: Overlap the halo exchange with the interior convolution in
+            a graph.
+
+    Raises:
+        ValueError: as :class:`SpatialConv2D`.
+
+    Example:
+        >>> conv = SpatialConv3D(8, 3, padding="same", split="depth")
+        >>> y = conv(x_block)     # x_block: (batch, D/k, H, W, C)
+    """
+
+    _keras_class = keras.layers.Conv3D
+    _ndim = 3
+    _default_split = "depth"

@@ -1,0 +1,241 @@
+"""Execution of a sliding-window op on a block-split tensor (TensorFlow side).
+
+:mod:`tfhybrid.layers.spatial_plan` says which rows each rank needs; this
+module moves them (``tfhybrid.comm.halo_exchange``, one spatial axis after
+the other so that corner blocks of a 2-D/3-D grid travel through the
+neighbour that already received them), pads the global border locally with
+the op's padding value, and runs the op with ``valid`` padding.
+
+With ``overlap``, output rows whose windows need no neighbour rows (the
+interior) are computed from the local block alone, so in a graph the
+interior op runs while the halo alltoall is in flight; the boundary strips
+are computed from the halo-extended input afterwards and everything is
+concatenated. Eagerly, ops run one at a time and overlap cannot help, so
+the single-op path is used.
+
+Also the shared base class :class:`SpatialMixin` of the spatial layers:
+split/group arguments, sub-group registration and the per-shape plans.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfhybrid import comm, runtime
+from tfhybrid.layers import spatial_plan as sp
+
+
+# -- moving rows -----------------------------------------------------------------
+
+def _slice_axis(x, axis, start, length):
+    begin = [0] * x.shape.rank
+    size = [-1] * x.shape.rank
+    begin[axis], size[axis] = start, length
+    return tf.slice(x, begin, size)
+
+
+def _pad_axis(x, axis, before, after, value):
+    if before == 0 and after == 0:
+        return x
+    pads = [[0, 0]] * x.shape.rank
+    pads[axis] = [before, after]
+    return tf.pad(x, pads, constant_values=value)
+
+
+def assemble(x, plans, groups, pad_value, name, with_halo):
+    """The input rows this rank's outputs need, along every spatial axis.
+
+    Args:
+        x: This rank's block (batch, spatial..., channels).
+        plans: One :class:`AxisPlan` per spatial axis.
+        groups: One sub-Group per spatial axis.
+        pad_value: Value of the global-border padding.
+        name: Base of the collective names.
+        with_halo: Exchange halos (False: local rows and border padding only).
+    """
+    for d, (plan, g) in enumerate(zip(plans, groups)):
+        axis, n = d + 1, plan.geometry.block
+        lo_ex, hi_ex = plan.geometry.exchange() if with_halo else (0, 0)
+        if lo_ex or hi_ex:
+            x = comm.halo_exchange(x, axis, lo_ex, hi_ex, g, name=f"{name}.ax{axis}")
+        take_lo, take_hi = plan.take(with_halo)
+        if lo_ex or hi_ex or take_lo or take_hi:
+            x = _slice_axis(x, axis, lo_ex - take_lo, take_lo + n + take_hi)
+        x = _pad_axis(x, axis, *plan.pads(), pad_value)
+    return x
+
+
+# -- running the op -------------------------------------------------------------
+
+def _window_slice(x, plans, ranges, offsets):
+    """Input rows of the outputs ``ranges`` (one (start, stop) per axis)."""
+    for d, (plan, (p, q), off) in enumerate(zip(plans, ranges, offsets)):
+        g = plan.geometry
+        start, length = p * g.stride - off, (q - 1) * g.stride + g.window - p * g.stride
+        if start != 0 or length != x.shape[d + 1]:
+            x = _slice_axis(x, d + 1, start, length)
+    return x
+
+
+def windowed(x, plans, groups, op, pad_value, name, overlap):
+    """Run ``op(input, ranges)`` (valid padding) for this rank's output block.
+
+    ``op`` receives the input rows of output ranges ``[(start, stop), ...]``
+    (one per spatial axis, in local output rows) and returns those outputs.
+    """
+    full = [(0, p.geometry.out_block) for p in plans]
+    zero = [0] * len(plans)
+    ext = assemble(x, plans, groups, pad_value, name, with_halo=True)
+    needs_halo = any(any(p.halo) for p in plans)
+    interior = [p.interior() for p in plans]
+    if not (overlap and needs_halo and all(b > a for a, b in interior)):
+        return op(_window_slice(ext, plans, full, zero), full)
+    local = assemble(x, plans, groups, pad_value, name, with_halo=False)
+    offsets = [p.local_offset() for p in plans]
+
+    def compose(d, ranges):
+        if d == len(plans):
+            return op(_window_slice(local, plans, ranges, offsets), ranges)
+        (a, b), m = interior[d], plans[d].geometry.out_block
+        rest = full[d + 1:]
+        parts = []
+        for p, q in ((0, a), (b, m)):
+            if q > p:
+                rg = ranges + [(p, q)] + rest
+                parts.append((p, op(_window_slice(ext, plans, rg, zero), rg)))
+        parts.append((a, compose(d + 1, ranges + [(a, b)])))
+        parts.sort(key=lambda t: t[0])
+        return tf.concat([t for _, t in parts], d + 1) if len(parts) > 1 else parts[0][1]
+
+    return compose(0, [])
+
+
+# -- the shared layer machinery ---------------------------------------------------
+
+class SpatialMixin:
+    """Split/group handling shared by every spatial layer.
+
+    Subclasses set ``_ndim`` (2 or 3) and call :meth:`_init_spatial` from
+    ``__init__``; :meth:`_spatial_groups` resolves and registers the block
+    grid's sub-groups (collective; call it from ``build`` on every rank in
+    the same order).
+    """
+
+    _ndim = 2
+    _eager_overlap = False
+
+    def _init_spatial(self, split, group, overlap=True):
+        split = sp.normalize_split(split)
+        sp.check_split(split, self._ndim, self._label())
+        if not isinstance(group, str):
+            raise TypeError(f"{self._label()}: Received an invalid `group`: {group!r}; "
+                            "expected a group name ('model', 'data' or 'world').")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"{self._label()}: Received an invalid `overlap`: {overlap!r}; "
+                            "expected True or False.")
+        self.split, self.group, self.overlap = split, group, overlap
+        self._groups, self._plans = None, _Cache()
+
+    def _overlap_now(self):
+        """Overlap in graphs only: eagerly, ops run one at a time and it cannot help.
+
+        ``_eager_overlap`` (tests) forces the overlapped decomposition eagerly.
+        """
+        return self.overlap and (self._eager_overlap or not tf.executing_eagerly())
+
+    def _label(self):
+        return f"{type(self).__name__} '{self.name}'"
+
+    def _spatial_groups(self):
+        """One sub-Group per spatial axis (registering them on first use)."""
+        if self._groups is None:
+            grid = runtime.current_grid()
+            mine = grid.group(self.group)
+            shape = sp.grid_shape(self.split, self._ndim, mine.size, self._label())
+            names = [f"{self.group}.{n}" for n in sp.SPATIAL_AXES[self._ndim]]
+            every = sp.all_factored(_all_groups(grid, self.group), shape)
+            multi = [r for r in every if len(r) > 1]
+            if multi:
+                comm.register_groups(multi)
+            self._groups = sp.factor_group(mine, shape, names)
+        return self._groups
+
+    def _grid_shape(self):
+        return tuple(g.size for g in self._spatial_groups())
+
+    def _global_shape(self, local_shape):
+        shape = list(local_shape)
+        for d, k in enumerate(self._grid_shape()):
+            if shape[d + 1] is not None:
+                shape[d + 1] *= k
+        return tuple(shape)
+
+    def _static_spatial(self, local_shape):
+        dims = tuple(local_shape[1:1 + self._ndim])
+        if len(local_shape) != self._ndim + 2 or any(v is None for v in dims):
+            raise ValueError(
+                f"{self._label()}: spatial layers need an input of rank {self._ndim + 2} "
+                f"(batch, {', '.join(sp.SPATIAL_AXES[self._ndim])}, channels) with known "
+                f"spatial sizes; received a block of shape {tuple(local_shape)}.")
+        return dims
+
+
+class _Cache:
+    """Per-shape plans (not a dict, so Keras' attribute tracking leaves it alone)."""
+
+    def __init__(self):
+        self._items = {}
+
+    def __contains__(self, key):
+        return key in self._items
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __setitem__(self, key, value):
+        self._items[key] = value
+
+
+def _all_groups(grid, name):
+    """Every group of kind ``name`` in the world, same order on every rank."""
+    if name == "model":
+        return [grid.model_group_ranks(d) for d in range(grid.data_size)]
+    if name == "data":
+        return [grid.data_group_ranks(m) for m in range(grid.model_size)]
+    if name == "world":
+        return [tuple(range(grid.size))]
+    grid.group(name)  # raises the grid's ValueError for unknown names
+    return []
+
+
+def window_plans(layer, local_shape, windows, strides, padding):
+    """One validated :class:`AxisPlan` per spatial axis (cached per shape).
+
+    Raises:
+        ValueError: if an axis does not split evenly, its output does not,
+            or its blocks are smaller than the halo (with the nearest valid
+            global sizes).
+    """
+    key = (tuple(local_shape[1:1 + layer._ndim]), tuple(windows), tuple(strides), padding)
+    if key not in layer._plans:
+        dims = layer._static_spatial(local_shape)
+        groups = layer._spatial_groups()
+        shape = layer._grid_shape()
+        plans = []
+        for d, (n, g) in enumerate(zip(dims, groups)):
+            geom = sp.AxisGeometry(n * g.size, g.size, windows[d], strides[d], padding)
+            if geom.problem():
+                raise ValueError(sp.axis_problem_message(
+                    layer._label(), layer._global_shape(local_shape), shape,
+                    sp.SPATIAL_AXES[layer._ndim][d], geom))
+            plans.append(sp.AxisPlan(geom, g.index))
+        layer._plans[key] = tuple(plans)
+    return layer._plans[key]
+
+
+def output_block_shape(layer, local_shape, windows, strides, padding, channels):
+    """This rank's output block shape (None for unknown spatial sizes)."""
+    local_shape = tuple(local_shape)
+    if any(v is None for v in local_shape[1:1 + layer._ndim]):
+        return (local_shape[0],) + (None,) * layer._ndim + (channels,)
+    plans = window_plans(layer, local_shape, windows, strides, padding)
+    return (local_shape[0],) + tuple(p.geometry.out_block for p in plans) + (channels,)

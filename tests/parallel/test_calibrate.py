@@ -21,12 +21,11 @@ def spec(tmp_path_factory):
         pytest.skip("needs horovodrun -np >= 2")
     model = keras.Sequential([keras.Input((8, 8, 2)), keras.layers.Conv2D(4, 3, name="cv"),
                               keras.layers.Flatten(), keras.layers.Dense(3, name="fc")])
-    path = f"/tmp/tfh_calib_model_{os.getppid()}.keras"
-    if rank == 0:
-        model.save(path)
+    tag = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "0")   # same on every rank of the job
+    path = f"/tmp/tfh_calib_model_{tag}_{rank}.keras"
+    model.save(path)
     from tfhybrid.oracle.calibrate import sync
-    sync(backend)
-    out = f"/tmp/tfh_calib_{os.getppid()}.json"
+    out = f"/tmp/tfh_calib_{tag}.json"
     assert main(["calibrate", "-o", out, "--quick", "--model", path, "--batch", "4"]) == 0
     sync(backend)
     with open(out, encoding="utf-8") as fh:

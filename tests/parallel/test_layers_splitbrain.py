@@ -234,6 +234,48 @@ def test_splitbrain_with_distributed_optimizer(grid):
         np.testing.assert_allclose(v.numpy(), expected(v, w.numpy(), g), err_msg=v.path, **GRAD)
 
 
+@pytest.mark.parametrize("scheme,exit_", [("BK", "gather"), ("BK", "shard"),
+                                           ("B/K", "gather"), ("B/K", "shard")])
+def test_static_shapes_with_unknown_batch(grid, scheme, exit_):
+    """Keras fit traces with batch None: outputs and gradients keep static shapes."""
+    par = splitbrain_model(scheme, PG, exit_)
+
+    @tf.function(input_signature=[tf.TensorSpec((None,) + IMG), tf.TensorSpec([None], tf.int32)])
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            out = par(x, training=True)
+            loss = LOSS(y, out)
+        assert out.shape.as_list() == [None, CLASSES]
+        for v, gr in zip(par.trainable_weights, tape.gradient(loss, par.trainable_weights)):
+            assert gr.shape == v.shape, v.path
+        return loss
+
+    x, y = global_batch(grid, 0)
+    own = slice(grid.rank * B, (grid.rank + 1) * B)
+    step(x[own], y[own])
+
+
+@pytest.mark.parametrize("scheme", ["BK", "B/K"])
+def test_splitbrain_model_fit_with_distributed_optimizer(grid, scheme):
+    """model.fit on own rows + DistributedOptimizer == SGD on the global batches."""
+    tfhybrid_opt = pytest.importorskip("tfhybrid.optimizer")
+    ref, par = reference_model(), splitbrain_model(scheme, PG, "gather")
+    ref_step = grad_step(ref, "eager")
+    batches = [global_batch(grid, step) for step in range(2)]
+    for x, y in batches:
+        for v, gr in zip(ref.trainable_weights, ref_step(x, y)[1]):
+            v.assign_sub(LR * gr)
+    own = slice(grid.rank * B, (grid.rank + 1) * B)
+    par.compile(optimizer=tfhybrid_opt.DistributedOptimizer(keras.optimizers.SGD(LR)),
+                loss=LOSS, jit_compile=False)
+    par.fit(np.concatenate([x[own] for x, _ in batches]),
+            np.concatenate([y[own] for _, y in batches]),
+            batch_size=B, epochs=1, shuffle=False, verbose=0)
+    g = grid.group("model")
+    for v, w in zip(par.trainable_weights, ref.trainable_weights):
+        np.testing.assert_allclose(v.numpy(), expected(v, w.numpy(), g), err_msg=v.path, **GRAD)
+
+
 def test_save_load_round_trip(grid, tmp_path):
     for scheme in ("BK", "B/K"):
         model = splitbrain_model(scheme, PG, "shard")

@@ -120,9 +120,41 @@ def scale_grad(x, factor):
 
     @tf.custom_gradient
     def _scale(t):
-        return tf.identity(t), lambda dy: dy * factor
+        def grad(dy):
+            out = dy * factor
+            out.set_shape(t.shape)           # upstream slicing may lose static dims
+            return out
+        return tf.identity(t), grad
 
     return _scale(x)
+
+
+def keep_grad_shape(x):
+    """Identity whose gradient gets ``x``'s static shape back.
+
+    The backward of an all-gather/reduce-scatter along a non-leading axis
+    loses the static shape of that axis; Keras optimizers need it.
+    """
+    @tf.custom_gradient
+    def _keep(t):
+        def grad(dy):
+            dy = tf.identity(dy)
+            dy.set_shape(t.shape)
+            return dy
+        return tf.identity(t), grad
+
+    return _keep(x)
+
+
+def with_channels(full, block, k, axis=-1):
+    """``full`` (gathered along ``axis`` from ``k`` blocks like ``block``) with its
+    static shape restored: the all-gather runs along a transposed axis 0, which
+    leaves the gathered axis unknown to TensorFlow's shape inference."""
+    shape = block.shape.as_list()
+    if shape[axis] is not None:
+        shape[axis] *= k
+    full.set_shape(shape)
+    return full
 
 
 def split_partial_grad(x, axis, group, name=None):
@@ -145,7 +177,9 @@ def split_partial_grad(x, axis, group, name=None):
             n = tf.shape(dy)[axis]
             pad = [[0, 0]] * t.shape.rank
             pad[axis] = [g.index * n, (g.size - 1 - g.index) * n]
-            return tf.pad(dy, pad)
+            full = tf.pad(dy, pad)
+            full.set_shape(t.shape)          # dynamic paddings lose the static shape
+            return full
         return tf.identity(block), grad
 
     return _split(x)
@@ -347,9 +381,11 @@ class FilterParallel(PartitionedLayer):
         if self.use_bias:
             y = ops.add(y, self.bias)
         if self.output_layout == REPLICATED:
-            y = comm.gather(y, -1, g, self._cname("gather"))
+            y = keep_grad_shape(y)
+            y = with_channels(comm.gather(y, -1, g, self._cname("gather")), y, g.size)
         elif self.output_layout == PARTIAL_GRAD:
-            y = comm.shard(y, -1, g, self._cname("shard"))
+            y = keep_grad_shape(y)
+            y = with_channels(comm.shard(y, -1, g, self._cname("shard")), y, g.size)
         return self.activation(y)
 
     def _out_channels(self):
@@ -414,7 +450,7 @@ class ChannelParallel(PartitionedLayer):
         g = self.comm_group
         x = inputs
         if self.input_layout == REPLICATED:
-            x = comm.split(x, -1, g, self._cname("split"))
+            x = comm.split(keep_grad_shape(x), -1, g, self._cname("split"))
         elif self.input_layout == PARTIAL_GRAD:
             x = split_partial_grad(x, -1, g, self._cname("split"))
         y = self._linear(x, self.kernel)

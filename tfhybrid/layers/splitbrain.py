@@ -49,8 +49,9 @@ import tensorflow as tf
 from tfhybrid import comm
 from tfhybrid.comm import resolve_group
 from tfhybrid.layers.partitioned import (PARTIAL_GRAD, REPLICATED, check_choice,
-                                         collective_base, deserialize_group, scale_grad,
-                                         serialize_group, split_partial_grad)
+                                         collective_base, deserialize_group,
+                                         keep_grad_shape, scale_grad,
+                                         serialize_group, split_partial_grad, with_channels)
 
 _PACKAGE = "tfhybrid"
 SCHEMES = ("BK", "B/K")
@@ -107,8 +108,10 @@ class ShardLayer(_GroupLayer):
         self.axis = axis
 
     def call(self, inputs):
-        return comm.shard(inputs, self.axis, self.comm_group,
+        g = self.comm_group
+        full = comm.shard(keep_grad_shape(inputs), self.axis, g,
                           collective_base(f"{self.name}.shard"))
+        return with_channels(full, inputs, g.size, self.axis)
 
     def compute_output_shape(self, input_shape):
         shape = list(input_shape)
@@ -129,12 +132,15 @@ def _enter(x, g, output_layout, name):
 
 def _leave(y, g, input_layout, name):
     """The group's rows (R) -> own rows; gradient scaled by 1/K (see module doc)."""
-    name = collective_base(name)
+    name, rows = collective_base(name), y.shape[0]
     if input_layout == PARTIAL_GRAD:
-        y = split_partial_grad(y, 0, g, name)
+        out = split_partial_grad(y, 0, g, name)
     else:
-        y = comm.batch_scatter(y, g, name)
-    return scale_grad(y, 1.0 / g.size)
+        out = comm.batch_scatter(y, g, name)
+    # comm slices a dynamic batch with dynamic offsets, which loses every static
+    # dimension; restore them (Keras losses and optimizers need the static shape).
+    out.set_shape([None if rows is None else rows // g.size] + y.shape[1:].as_list())
+    return scale_grad(out, 1.0 / g.size)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)

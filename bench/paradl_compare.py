@@ -53,8 +53,10 @@ GPU_PER_NODE = 4
 
 
 def _options(strategy, p):
+    if strategy == "f":
+        return {"pairing": False}          # ParaDL's per-layer scheme
     if strategy == "df":
-        return {"grid": (p // GPU_PER_NODE, GPU_PER_NODE)}
+        return {"grid": (p // GPU_PER_NODE, GPU_PER_NODE), "pairing": False}
     if strategy == "ds":
         return {"grid": (p // GPU_PER_NODE, GPU_PER_NODE, 1)}
     return {}
@@ -197,6 +199,9 @@ gradient); c does the converse (allreduce y_l forward, allgather dL/dx_l
 backward). With the tool's beta the residual is 0.78 (VGG f), 0.89 (VGG c),
 0.59-0.61 (AlexNet, whose overlapping 3x3/2 pools and 11x11/4 first layer
 make |x_l| much smaller than |y_{l-1}|), 0.96-0.98 (ResNet-50, few poolings).
+These rows use ParaDL's per-layer scheme (`pairing=False`); tfhybrid's own
+default pairs a filter layer with the next weighted layer (channel-parallel,
+one allreduce per pair, DESIGN.md), which the oracle predicts by default.
 
 **4. Data+Filter Tcomm.** The tool's df log prints the data allreduce with
 beta = 6.4e-10 s/B = 16 x the tier's 4e-11 and alpha = 4.031e-5 (tier + 1e-5):

@@ -92,7 +92,7 @@ def test_report_table_json_png(tmp_path):
              Prediction("p", 9, 8, math.inf, {}, 0.0, 0, {}, False, ("p=9 exceeds G",))]
     text = report.format_table(preds)
     assert "df" in text and "NO" in text and "p=2 exceeds the batch" in text
-    assert "1500" in text   # total 1.5 s in ms
+    assert " 1500 " in text and "ms per iteration" in text   # total 1.5 s in ms
     doc = report.to_json(preds, {"model": "m"}, dataset_size=80)
     assert doc["predictions"][2]["compute_s"] is None
     assert doc["predictions"][0]["per_epoch"]["iterations"] == 10

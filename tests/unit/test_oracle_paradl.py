@@ -92,7 +92,7 @@ def test_filter_with_layer_configuration_keeps_fc_replicated():
                       io.read_lc(os.path.join(PARADL, "model/filter_vgg.lc")))
     mach = io.read_plat(os.path.join(PARADL, "ABCI.plat"), os.path.join(PARADL, "abci_tiers.json"),
                         layer_times=vgg.layer_times).replace(wu_flops_per_param=0.0)
-    r = predict(vgg.profile, "f", 2, 32, mach)
+    r = predict(vgg.profile, "f", 2, 32, mach, pairing=False)   # ParaDL's scheme
     assert len(r.options["partitioned_layers"]) == 13
     # filter_vgg_scaling_proj.log: Tcomp 5465.10787204 s (replicated FC/pool/ReLU not divided)
     assert r.per_epoch(vgg.dataset_size)["compute_s"] == pytest.approx(5465.10787204, rel=2e-3)

@@ -24,7 +24,7 @@ What it measures (rank 0 writes the file):
 
 The fitting functions are pure numpy and unit-tested without Horovod.
 Approximations: one latency/bandwidth per group size (no small/large message
-protocol switch), timings are medians of few repetitions, RSS is a coarse
+protocol switch), timings are minima of few repetitions, RSS is a coarse
 proxy for tensor memory.
 
 Example:
@@ -36,7 +36,6 @@ Example:
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 import numpy as np
@@ -126,14 +125,20 @@ def compute_slots() -> int:
     return max(1, cores // max(1, threads))
 
 
-def _median_time(fn, reps):
+def _best_time(fn, reps):
+    """Minimum seconds of ``reps`` calls after one warm-up call.
+
+    The minimum, not the median: on a shared machine it is the reproducible
+    figure (the machine without external load), and ParaDL also reports the
+    best times measured. Benchmarks compared with predictions must use it too.
+    """
     fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def _collective(kind, x, ranks, backend):
@@ -171,7 +176,7 @@ def time_collectives(sizes, group_sizes, reps=5, log=print) -> list:
                 n = max(g, int(nbytes) // 4 // g * g)
                 if backend.rank() < g:
                     x = tf.ones([n], tf.float32)
-                    sec = _median_time(lambda: _collective(kind, x, ranks, backend).numpy(), reps)
+                    sec = _best_time(lambda: _collective(kind, x, ranks, backend).numpy(), reps)
                     samples.append((kind, g, 4 * n, sec))
                 sync(backend)
             if backend.rank() == 0:

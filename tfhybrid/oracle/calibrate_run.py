@@ -35,7 +35,7 @@ def measure_flop_rate(n=512, reps=5) -> float:
             y = tf.reduce_sum(tf.matmul(x, w))
         return tape.gradient(y, w)
 
-    sec = cal._median_time(lambda: step().numpy(), reps)
+    sec = cal._best_time(lambda: step().numpy(), reps)
     return 3 * 2 * n ** 3 / sec
 
 
@@ -43,7 +43,7 @@ def measure_layer_times(model, batch, reps=7) -> dict:
     """{layer: (forward_s, backward_s)} per sample, from whole-model timings.
 
     The model's forward and forward+backward at ``batch`` are timed as a
-    whole (medians of ``reps``) and split over the layers in proportion to
+    whole (minimum of ``reps``) and split over the layers in proportion to
     their forward / backward FLOPs: on a shared CPU, timing each layer alone
     is dominated by noise and per-call overhead, while the whole-model time
     is what training pays.
@@ -60,8 +60,8 @@ def measure_layer_times(model, batch, reps=7) -> dict:
             s = tf.reduce_sum(model(a, training=True))
         return tape.gradient(s, model.trainable_weights)
 
-    t_f = cal._median_time(lambda: fwd(x).numpy(), reps)
-    t_fb = cal._median_time(lambda: [g.numpy() for g in fwd_bwd(x)], reps)
+    t_f = cal._best_time(lambda: fwd(x).numpy(), reps)
+    t_fb = cal._best_time(lambda: [g.numpy() for g in fwd_bwd(x)], reps)
     rows = profile(model).rows
     f_tot = sum(r.fwd_flops for r in rows) or 1.0
     b_tot = sum(r.bwd_flops for r in rows) or 1.0
@@ -77,7 +77,7 @@ def measure_step_overhead(reps=20) -> float:
     m = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
     m.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     x, y = np.ones((1, 1), "float32"), np.ones((1, 1), "float32")
-    return cal._median_time(lambda: m.train_on_batch(x, y), reps)
+    return cal._best_time(lambda: m.train_on_batch(x, y), reps)
 
 
 def _rss_bytes():

@@ -18,7 +18,8 @@ from tfhybrid.oracle.strategies import STRATEGIES
 
 STRATEGY_NAMES = ("serial", "d", "s", "p", "f", "c", "df", "ds", "gmp", "ls")
 _OPTIONS = {"d": {"replicated_fc"}, "s": {"grid"}, "ds": {"grid"}, "p": {"segments"},
-            "f": set(), "c": set(), "df": {"grid", "model_parallel"}, "serial": set(),
+            "f": {"pairing"}, "c": set(), "df": {"grid", "model_parallel", "pairing"},
+            "serial": set(),
             "gmp": {"mp", "ccr_threshold", "scheme"}, "ls": {"n_f"}}
 
 
@@ -45,7 +46,8 @@ def predict(model_or_profile, strategy: str, p: int, batch: int, machine,
         batch: Global mini-batch B.
         machine: A :class:`Machine`, a dict of its keys, or a JSON path.
         **strategy_options: ``d``: replicated_fc; ``s``/``ds``: grid;
-            ``df``: grid=(p_data, p_model) or model_parallel; ``p``: segments;
+            ``f``: pairing; ``df``: grid=(p_data, p_model) or model_parallel,
+            pairing; ``p``: segments;
             ``gmp``: mp, ccr_threshold, scheme; ``ls``: n_f. Options not given
             are chosen by the oracle and reported in ``Prediction.options``.
 

@@ -20,22 +20,40 @@ _SHORT = {"FB-allgather": "FB-ag", "FB-allreduce": "FB-ar", "halo": "halo",
           "GE-allreduce": "GE-ar", "p2p": "p2p"}
 
 
-def _ms(v):
-    return "-" if not math.isfinite(v) else f"{v * 1e3:.4g}"
+def _num(v, scale):
+    if not math.isfinite(v):
+        return "-"
+    v *= scale
+    return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
+def _unit(preds):
+    top = max((p.total_s for p in preds if math.isfinite(p.total_s)), default=0.0)
+    return (1.0, "s") if top > 10 else (1e3, "ms")
+
+
+def _grid_text(grid) -> str:
+    if not isinstance(grid, dict):
+        return str(grid)
+    model = grid.get("model") or "x".join(str(v) for v in grid.get("spatial", [1]))
+    kind = "model" if "model" in grid else "spatial"
+    return f"data {grid.get('data')} x {kind} {model}"
 
 
 def _short_options(opts) -> str:
     keep = []
-    for key in ("grid", "mp", "n_f", "n_c", "segments", "local_batch"):
-        if key in opts and opts[key] is not None:
-            keep.append(f"{key}={opts[key]}")
+    for key in ("grid", "mp", "n_c", "n_f", "segments", "local_batch"):
+        if opts.get(key) is not None:
+            val = _grid_text(opts[key]) if key == "grid" else opts[key]
+            keep.append(f"{key}: {val}")
     if opts.get("partitioned_layers") is not None and "mp" in opts:
-        keep.append(f"split={len(opts['partitioned_layers'])} layers")
-    return " ".join(keep).replace(" ", "") if len(keep) == 1 else "; ".join(keep)
+        keep.append(f"{len(opts['partitioned_layers'])} FC layers split")
+    return "; ".join(keep)
 
 
 def format_table(preds) -> str:
-    """Ranked plain-text table: times in ms per iteration, memory in GB per rank."""
+    """Ranked plain-text table: times per iteration (ms, or s when > 10 s), GB per rank."""
+    scale, unit = _unit(preds)
     head = (f"{'#':>2}  {'strategy':<9} {'ok':<4} {'total':>9} {'compute':>9} "
             + " ".join(f"{_SHORT[p]:>8}" for p in PHASES) + f" {'mem GB':>8}  options / limits")
     lines = [head, "-" * len(head)]
@@ -44,9 +62,12 @@ def format_table(preds) -> str:
         if not p.feasible:
             note = "; ".join(p.reasons)
         lines.append(f"{i:>2}  {p.strategy:<9} {'yes' if p.feasible else 'NO':<4} "
-                     f"{_ms(p.total_s):>9} {_ms(p.compute_s):>9} "
-                     + " ".join(f"{_ms(p.comm_s[ph]):>8}" for ph in PHASES)
+                     f"{_num(p.total_s, scale):>9} "
+                     f"{_num(p.compute_s + p.overhead_s, scale):>9} "
+                     + " ".join(f"{_num(p.comm_s[ph], scale):>8}" for ph in PHASES)
                      + f" {p.memory_bytes / 1e9:>8.3g}  {note}")
+    lines.append(f"times: {unit} per iteration (compute includes the per-step overhead); "
+                 "mem: GB per rank")
     return "\n".join(lines)
 
 
@@ -84,6 +105,10 @@ def write_json(path, preds, meta=None, dataset_size=None):
 def plot_png(path, preds, title=""):
     """Stacked bars of compute + communication phases per strategy (matplotlib Agg).
 
+    Infeasible strategies are hatched and labelled; the y axis stops at 2.5x
+    the slowest feasible strategy and taller bars are cut and annotated with
+    their total.
+
     Raises:
         RuntimeError: matplotlib is not installed (``pip install tfhybrid[plot]``).
     """
@@ -95,28 +120,39 @@ def plot_png(path, preds, title=""):
         raise RuntimeError("The PNG chart needs matplotlib: pip install 'tfhybrid[plot]'.") \
             from err
     shown = [p for p in preds if math.isfinite(p.total_s)]
+    scale, unit = (1.0, "s") if max((p.total_s for p in shown), default=0) > 10 else (1e3, "ms")
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(shown) + 2), 4.5))
-    parts = [("compute", lambda p: p.compute_s + p.overhead_s)]
-    parts += [(ph, lambda p, ph=ph: p.comm_s[ph]) for ph in PHASES]
-    colors = ["#4c72b0", "#dd8452", "#c44e52", "#55a868", "#8172b3", "#937860"]
-    x = range(len(shown))
-    bottom = [0.0] * len(shown)
-    for (label, get), color in zip(parts, colors):
-        vals = [get(p) * 1e3 for p in shown]
-        if not any(vals):
-            continue
-        hatches = [None if p.feasible else "//" for p in shown]
-        bars = ax.bar(x, vals, bottom=bottom, color=color, label=label)
-        for bar, h in zip(bars, hatches):
-            if h:
-                bar.set_hatch(h)
-                bar.set_alpha(0.45)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(list(x))
+    _stack(ax, shown, scale)
+    feasible = [p.total_s * scale for p in shown if p.feasible]
+    if feasible:
+        top = 2.5 * max(feasible)
+        ax.set_ylim(0, top)
+        for i, p in enumerate(shown):
+            if p.total_s * scale > top:
+                ax.text(i, top * 0.97, f"{p.total_s * scale:.3g} {unit}", ha="center",
+                        va="top", fontsize=8, rotation=90)
+    ax.set_xticks(list(range(len(shown))))
     ax.set_xticklabels([p.strategy + ("" if p.feasible else "\n(infeasible)") for p in shown])
-    ax.set_ylabel("time per iteration (ms)")
+    ax.set_ylabel(f"time per iteration ({unit})")
     ax.set_title(title or "tfhybrid oracle: predicted time per iteration")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _stack(ax, shown, scale):
+    parts = [("compute", lambda p: p.compute_s + p.overhead_s)]
+    parts += [(ph, lambda p, ph=ph: p.comm_s[ph]) for ph in PHASES]
+    colors = ["#4c72b0", "#dd8452", "#c44e52", "#55a868", "#8172b3", "#937860"]
+    bottom = [0.0] * len(shown)
+    for (label, get), color in zip(parts, colors):
+        vals = [get(p) * scale for p in shown]
+        if not any(vals):
+            continue
+        bars = ax.bar(range(len(shown)), vals, bottom=bottom, color=color, label=label)
+        for bar, p in zip(bars, shown):
+            if not p.feasible:
+                bar.set_hatch("//")
+                bar.set_alpha(0.45)
+        bottom = [b + v for b, v in zip(bottom, vals)]

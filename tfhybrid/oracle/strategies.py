@@ -13,7 +13,9 @@ Where this module departs from the paper's closed forms (and why):
   **replicated** (cost not divided by p), as ParaDL's tool does with its
   layer-configuration files; Table 3 divides every layer by p.
 * Filter / channel collectives are charged only on the partitioned (conv /
-  dense) layers, not on every row of the model.
+  dense) layers, not on every row of the model, with each layer's own
+  |x_l| and |y_l|; and f/df pair filter -> channel layers as tfhybrid's
+  transformer does (``pairing=False`` gives ParaDL's per-layer scheme).
 * ``s``/``ds`` gather the activations before the first Dense layer (DESIGN)
   and run the rest replicated; ParaDL Table 3 assumes every layer is split.
 * The gradient allreduce covers all parameters (biases too).
@@ -235,21 +237,34 @@ def _model_reasons(ctx, idx, g, attr, label):
     return reasons
 
 
-def _model_parallel(ctx, p, p1, p2, kind):
-    """Filter ('f') or channel ('c') split over groups of p2, data over p1."""
-    m, d, B = ctx.m, ctx.delta, ctx.B
-    idx = ctx.weighted()
-    if kind == "c" and ctx.split is None:
-        idx = idx[1:]
-    part = set(idx)
-    nb = B / p1
-    comp = sum(nb * ctx.fb[i] / (p2 if i in part else 1) for i in range(len(ctx.rows)))
-    comp += sum(ctx.wu[i] / (p2 if i in part else 1) for i in range(len(ctx.rows)))
+def pairs_of(ctx, idx, g):
+    """Filter -> channel pairs tfhybrid's transformer builds (DESIGN: a filter layer
+    whose output reaches the next weighted layer only through element-wise or
+    pooling rows, with channels divisible by g). Returns [(a, b), ...]."""
+    out, used = [], set()
+    for a, b in zip(idx, idx[1:]):
+        between = ctx.rows[a + 1:b]
+        if a in used or ctx.rows[b].channels % g:
+            continue
+        if all(r.kind in ("elementwise", "pool") for r in between):
+            out.append((a, b))
+            used.update((a, b))
+    return out
+
+
+def _collectives(ctx, idx, nb, p2, kind, pairing):
+    """(allgather s, allreduce s, rows split by pairs) of f or c over groups of p2."""
+    m, d = ctx.m, ctx.delta
     last, first = len(ctx.rows) - 1, (ctx.weighted() or [0])[0]
+    pairs = pairs_of(ctx, idx, p2) if (pairing and kind == "f") else []
+    paired = {i for ab in pairs for i in ab}
     ag = ar = 0.0
-    for i in idx:
+    for a, b in pairs:            # copy (bwd allreduce of dL/dx_a), reduce (fwd allreduce y_b)
+        ar += m.t_allreduce(p2, nb * ctx.rows[a].x * d) if a != first else 0.0
+        ar += m.t_allreduce(p2, nb * ctx.rows[b].y * d)
+    for i in (i for i in idx if i not in paired):
         r = ctx.rows[i]
-        fwd_y = 0.0 if i == last else nb * r.y * d
+        fwd_y = 0.0 if (i == last and not pairing) else nb * r.y * d
         bwd_x = 0.0 if i == first else nb * r.x * d
         if kind == "f":
             ag += m.t_allgather(p2, fwd_y / p2) if fwd_y else 0.0
@@ -257,6 +272,21 @@ def _model_parallel(ctx, p, p1, p2, kind):
         else:
             ar += m.t_allreduce(p2, fwd_y) if fwd_y else 0.0
             ag += m.t_allgather(p2, bwd_x / p2) if bwd_x else 0.0
+    inner = {j for a, b in pairs for j in range(a + 1, b)}
+    return ag, ar, inner, pairs
+
+
+def _model_parallel(ctx, p, p1, p2, kind, pairing=True):
+    """Filter ('f') or channel ('c') split over groups of p2, data over p1."""
+    m, d, B = ctx.m, ctx.delta, ctx.B
+    idx = ctx.weighted()
+    if kind == "c" and ctx.split is None:
+        idx = idx[1:]
+    part, nb = set(idx), B / p1
+    ag, ar, inner, pairs = _collectives(ctx, idx, nb, p2, kind, pairing)
+    split = part | inner
+    comp = sum(nb * ctx.fb[i] / (p2 if i in split else 1) for i in range(len(ctx.rows)))
+    comp += sum(ctx.wu[i] / (p2 if i in part else 1) for i in range(len(ctx.rows)))
     w_data = sum(r.params / (p2 if i in part else 1) for i, r in enumerate(ctx.rows))
     ge = m.t_allreduce(p1, w_data * d, span=p, phi=m.phi if p2 > 1 else 1.0)
     terms = [(r, nb, 1, p2 if i in part else 1) for i, r in enumerate(ctx.rows)]
@@ -264,15 +294,24 @@ def _model_parallel(ctx, p, p1, p2, kind):
     reasons = _model_reasons(ctx, idx, p2, attr, label)
     reasons += _batch_reasons(B, p1, "p_data") if p1 > 1 else []
     opts = {"grid": {"data": p1, "model": p2},
-            "partitioned_layers": [ctx.rows[i].name for i in idx]}
+            "partitioned_layers": [ctx.rows[i].name for i in idx],
+            "pairs": [(ctx.rows[a].name, ctx.rows[b].name) for a, b in pairs]}
     comm = _phases(FB_ag=ag, FB_ar=ar, GE_ar=ge)
     return comp * m.oversubscription(p), comm, ctx.mem(terms), opts, reasons
 
 
 @strategy("f")
-def filter_parallel(ctx, p, **_):
-    """Table 3 row Filter (Eq. 15-16): allgather y forward, allreduce dL/dx backward."""
-    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, 1, p, "f")
+def filter_parallel(ctx, p, pairing=True, **_):
+    """Table 3 row Filter (Eq. 15-16): allgather y forward, allreduce dL/dx backward.
+
+    With ``pairing`` (tfhybrid's transformer, default) a filter layer feeding
+    the next weighted layer through element-wise/pooling rows forms a pair
+    with it (that layer channel-parallel): one allreduce of its output
+    forward and one of the pair's input gradient backward, no allgather.
+    ``pairing=False`` is ParaDL's scheme (three collectives per layer, the
+    last layer's allgather omitted).
+    """
+    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, 1, p, "f", pairing)
     return _result(ctx, "f", p, comp, comm, mem, opts, reasons)
 
 
@@ -284,7 +323,7 @@ def channel_parallel(ctx, p, **_):
 
 
 @strategy("df")
-def data_filter(ctx, p, grid=None, model_parallel=None, **_):
+def data_filter(ctx, p, grid=None, model_parallel=None, pairing=True, **_):
     """Table 3 row Data+Filter (Eq. 20-22); grid (p_data, p_model) searched if not given.
 
     ``options['gholami_eq5_comm_s']`` gives Gholami's 1.5D estimate (Eq. 5,
@@ -296,11 +335,11 @@ def data_filter(ctx, p, grid=None, model_parallel=None, **_):
         (p // g, g) for g in divisors(p) if 1 < g < p]
     if not grids:
         return _no_grid(ctx, "df", p)
-    return _best(_df_one(ctx, p, p1, p2) for p1, p2 in grids)
+    return _best(_df_one(ctx, p, p1, p2, pairing) for p1, p2 in grids)
 
 
-def _df_one(ctx, p, p1, p2):
-    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, p1, p2, "f")
+def _df_one(ctx, p, p1, p2, pairing):
+    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, p1, p2, "f", pairing)
     if p1 * p2 != p:
         reasons.append(f"grid ({p1}, {p2}) does not multiply to p={p}")
     idx = ctx.weighted()
@@ -348,7 +387,7 @@ def pipeline(ctx, p, segments=None, **_):
         return _result(ctx, "p", p, math.inf, {}, 0.0, {"segments": None},
                        [f"p={p} exceeds the number of layers G={G} (limit p <= G)"])
     stages = _stages([f + 1e-30 for f in ctx.fb], p)
-    options = [segments] if segments else [s for s in divisors(ctx.B) if s <= 4 * p * 8]
+    options = [segments] if segments else divisors(ctx.B)
     return _best(_pipe_one(ctx, p, stages, S) for S in options)
 
 

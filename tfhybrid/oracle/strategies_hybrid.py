@@ -4,8 +4,10 @@
 Dense layer is data parallel over all p ranks (local batch b = B/p); from the
 first partitioned Dense layer on, each model group of ``mp`` consecutive ranks
 gathers its batches (ModuloLayer), runs partitioned Dense layers with 1/mp of
-the units each, shards (allgathers) their outputs, and returns each rank its
-own rows before the loss. Scheme ``"B/K"`` (SplitBrain's) runs mp micro-steps
+the units each, pairs adjacent ones filter -> channel as tfhybrid's
+transformer does (one allreduce of the pair's output; the next pair's input
+gradient is allreduced too), shards (allgathers) the outputs of unpaired
+ones, and returns each rank its own rows before the loss. Scheme ``"B/K"`` (SplitBrain's) runs mp micro-steps
 of b/mp samples per rank (activation memory of b, mp times the latencies);
 ``"BK"`` gathers all mp*b samples at once. Dense layers are partitioned when
 their CCR exceeds ``ccr_threshold`` and ``mp`` divides their units; others
@@ -30,7 +32,8 @@ import math
 
 from tfhybrid.oracle import formulas
 from tfhybrid.oracle.prediction import divisors
-from tfhybrid.oracle.strategies import STRATEGIES, _batch_reasons, _best, _result, strategy
+from tfhybrid.oracle.strategies import (STRATEGIES, _batch_reasons, _best, _result, pairs_of,
+                                        strategy)
 
 STRATEGIES_HYBRID = {}
 
@@ -52,14 +55,20 @@ def _gmp_layers(ctx, mp, ccr_threshold):
 
 
 def _gmp_comm(ctx, p, mp, part, b, scheme):
+    """Modulo gather, filter->channel pairs (allreduce) or shards (allgather), scatter."""
     m, d = ctx.m, ctx.delta
     steps = mp if scheme == "B/K" else 1
-    piece = b / steps
-    ag = 0.0
+    piece = b / steps                      # samples each rank contributes per micro-step
+    ag = ar = 0.0
+    pairs = pairs_of(ctx, part, mp) if part else []
+    paired = {i for ab in pairs for i in ab}
     if part:
-        first = ctx.rows[part[0]]
-        ag += steps * 2 * m.t_allgather(mp, piece * first.x * d)      # modulo + adjoint
-        for i in part:
+        ag += steps * 2 * m.t_allgather(mp, piece * ctx.rows[part[0]].x * d)  # + adjoint
+        for a, bb in pairs:
+            ar += steps * m.t_allreduce(mp, mp * piece * ctx.rows[bb].y * d)
+            if a != part[0]:
+                ar += steps * m.t_allreduce(mp, mp * piece * ctx.rows[a].x * d)
+        for i in (i for i in part if i not in paired):
             ag += steps * 2 * m.t_allgather(mp, piece * ctx.rows[i].y * d)  # shard + adjoint
         ag += m.t_allgather(mp, b * ctx.rows[-1].y * d)               # batch_scatter adjoint
     pset = set(part)
@@ -67,7 +76,7 @@ def _gmp_comm(ctx, p, mp, part, b, scheme):
     w_part = sum(ctx.rows[i].params for i in part) / mp
     ge = m.t_allreduce(p, w_rep * d)
     ge += m.t_allreduce(p // mp, w_part * d, span=p, phi=m.phi if mp > 1 else 1.0)
-    return {"FB-allgather": ag, "GE-allreduce": ge}
+    return {"FB-allgather": ag, "FB-allreduce": ar, "GE-allreduce": ge}, pairs
 
 
 def _gmp_one(ctx, p, mp, ccr_threshold, scheme):
@@ -92,7 +101,8 @@ def _gmp_one(ctx, p, mp, ccr_threshold, scheme):
         reasons.append(f"mp={mp} does not divide the world size p={p}")
     opts = {"mp": mp, "scheme": scheme, "partitioned_layers": [ctx.rows[i].name for i in part],
             "replicated_layers": kept, "param_memory_bytes": _param_mem(ctx, part, mp)}
-    comm = _gmp_comm(ctx, p, mp, part, b, scheme)
+    comm, pairs = _gmp_comm(ctx, p, mp, part, b, scheme)
+    opts["pairs"] = [(ctx.rows[a].name, ctx.rows[c].name) for a, c in pairs]
     return _result(ctx, "gmp", p, comp * ctx.m.oversubscription(p), comm, ctx.mem(terms),
                    opts, reasons)
 

@@ -97,6 +97,9 @@ def _via_tfhybrid(name, mp, opts, batch, steps):
     import tfhybrid  # noqa: WPS433
     tfhybrid.shutdown()
     tfhybrid.init(model_parallel=mp)
+    # same Keras auto-names on every rank (rank 0 built extra models for serial):
+    # collective names derive from layer/variable names and must match
+    keras.backend.clear_session()
     keras.utils.set_random_seed(0)
     from tfhybrid.transform import transform  # noqa: WPS433 (tfhybrid.transform may be the module)
     pm = transform(make_model(), strategy=name, **opts)
@@ -137,7 +140,7 @@ def worker(args):
     if args.worker == "calib":
         from tfhybrid.oracle import calibrate_run  # noqa: WPS433
         # calibrate in the same job, right before measuring: same load on this shared box
-        calibrate_run.run(args.machine_out, max_bytes=2 << 20, n_sizes=6, reps=7,
+        calibrate_run.run(args.machine_out, max_bytes=2 << 20, n_sizes=5, reps=5,
                           model=MODEL_PATH, batch=args.batch // n,
                           log=lambda s: print(s, flush=True))
         _sync()
@@ -210,7 +213,8 @@ def _measure(np_, args, log):
            "--steps", str(args.steps)]
     machine = os.path.join(HERE, "results", f"machine_np{np_}.json")
     measured = {}
-    for job in ["calib"] + [s for s in STRATEGIES if s != "d"]:
+    others = [s for s in STRATEGIES if s != "d" and (not args.only or s in args.only)]
+    for job in ["calib"] + others:
         out = os.path.join(HERE, "results", f"oracle_measured_np{np_}_{job}.json")
         if os.path.exists(out):
             os.remove(out)
@@ -274,7 +278,8 @@ def _report(rows, log, args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--timeout", type=int, default=420, help="seconds per horovodrun job")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per horovodrun job")
+    ap.add_argument("--only", nargs="+", help="strategies to run besides serial and d")
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--machine-out", help=argparse.SUPPRESS)
     ap.add_argument("--nps", type=int, nargs="+", default=[2, 4])

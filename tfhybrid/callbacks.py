@@ -23,6 +23,12 @@ from tfhybrid.comm import backend
 from tfhybrid.layout import layout_of
 
 
+def broadcastable(variable) -> bool:
+    """False for random-seed state (Keras ``SeedGenerator``): replicas must keep
+    their own seeds so dropout masks differ across data-parallel ranks."""
+    return not getattr(variable, "name", "").startswith("seed_generator_state")
+
+
 def _broadcast_variables(variables, root_rank, name):
     """Assign rank ``root_rank``'s value of each variable on every rank (eager)."""
     grid = runtime.current_grid()
@@ -30,7 +36,7 @@ def _broadcast_variables(variables, root_rank, name):
         return
     data = grid.group("data")
     root_data_rank = root_rank // grid.model_size
-    for i, var in enumerate(variables):
+    for i, var in enumerate(v for v in variables if broadcastable(v)):
         if layout_of(var).kind == "sharded":      # a block: broadcast within the data group
             ranks, root = data.ranks, root_data_rank
         else:
@@ -42,6 +48,8 @@ def _broadcast_variables(variables, root_rank, name):
 
 def broadcast_model(model, root_rank: int = 0):
     """Broadcast ``model``'s weights and (built) optimizer state from ``root_rank``.
+
+    Random-seed state is not broadcast (see :func:`broadcastable`).
 
     Sharded variables (one block per model rank) are broadcast within each
     data group from the member of ``root_rank``'s model group; everything

@@ -139,7 +139,7 @@ def test_xla_without_callbacks_raises_clear_error(grid_of):
     x, y = make_data()
     model = xla_model()
     with pytest.raises(RuntimeError, match="cannot run inside XLA.*jit_compile=False"):
-        model.fit(tfhybrid.data.shard(global_dataset(x, y)), epochs=1, verbose=0)
+        model.fit(tfhybrid.data.shard(global_dataset(x, y)), epochs=1, verbose=0, shuffle=False)
 
 
 def test_broadcast_starts_every_rank_from_root(grid_of):
@@ -170,6 +170,36 @@ def test_learning_rate_warmup(grid_of):
     record = keras.callbacks.LambdaCallback(
         on_train_batch_begin=lambda b, logs: seen.append(float(model.optimizer.learning_rate)))
     callbacks = tfhybrid.callbacks.standard(warmup_steps=2, target_lr=0.1) + [record]
-    model.fit(tfhybrid.data.shard(global_dataset(x, y)), epochs=1, verbose=0, callbacks=callbacks)
+    model.fit(tfhybrid.data.shard(global_dataset(x, y)), epochs=1, verbose=0, shuffle=False,
+              callbacks=callbacks)
     start = 0.1 / grid.data_size
     np.testing.assert_allclose(seen, [start, (start + 0.1) / 2, 0.1, 0.1], rtol=1e-6)
+
+
+def ancestors(op):
+    seen, stack = set(), [op]
+    while stack:
+        node = stack.pop()
+        for parent in [t.op for t in node.inputs] + list(node.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def test_buckets_can_overlap_backprop(grid_of):
+    """In the traced step, the last layers' bucket allreduce does not wait for the
+    first layer's weight gradient (so the executor can overlap it with backprop)."""
+    grid = grid_of(1)
+    if grid.size == 1:
+        pytest.skip("a single process issues no collectives")
+    x, y = make_data()
+    model = make_model()
+    opt = tfhybrid.DistributedOptimizer(make_optimizer("sgd"), bucket_bytes=300)
+    graph = tf.function(tape_step).get_concrete_function(model, opt, x[:4], y[:4]).graph
+    reductions = [op for op in graph.get_operations() if "Allreduce" in op.type]
+    assert len(reductions) == len(opt.communication_plan()["buckets"]) >= 3
+    first, last = reductions[0], reductions[-1]            # issue order: last layers first
+    conv_grad = "Conv2DBackpropFilter"
+    assert not any(a.type == conv_grad for a in ancestors(first))
+    assert any(a.type == conv_grad for a in ancestors(last))

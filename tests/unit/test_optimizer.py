@@ -196,3 +196,23 @@ def test_xla_context_detection():
     f(tf.constant(1.0))
     tf.function(lambda x: seen.append(in_xla_context()) or x)(tf.constant(1.0))
     assert seen == [True, False] and not in_xla_context()
+
+
+def test_seed_state_is_not_broadcast():
+    from tfhybrid.callbacks import broadcastable
+
+    layer = keras.layers.Dropout(0.5, seed=1)
+    states = [v for v in layer.variables if "seed" in v.name]
+    assert states and not any(broadcastable(v) for v in states)
+    assert all(broadcastable(v) for v in small_model().variables)
+
+
+def test_callback_argument_errors():
+    with pytest.raises(ValueError, match=r"`target_lr`: -1"):
+        tfhybrid.callbacks.LearningRateWarmupCallback(-1, 10)
+    with pytest.raises(ValueError, match=r"`warmup_steps`: 0"):
+        tfhybrid.callbacks.LearningRateWarmupCallback(0.1, 0)
+    with pytest.raises(ValueError, match=r"warmup_steps=5 without `target_lr`"):
+        tfhybrid.callbacks.standard(warmup_steps=5)
+    with pytest.raises(ValueError, match=r"root_rank=3"):
+        tfhybrid.callbacks.broadcast_model(small_model(), root_rank=3)

@@ -295,14 +295,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return self.compression == "fp16" and g.dtype in (tf.float32, tf.float64)
 
     def _reduce_bucket(self, grads, factors, ranks, number):
-        # Scale in TensorFlow, not with Horovod's pre/postscale: Horovod may fuse
-        # concurrently ready buckets and then applies one bucket's factors to all.
         name = f"{self.name}.bucket{number}"
         if self.compression == "fp16":   # scale first: the float16 sum cannot overflow
             wire = [tf.cast(_scaled(g, f), tf.float16) if self._compresses(g) else _scaled(g, f)
                     for g, f in zip(grads, factors)]
             summed = backend.grouped_allreduce(wire, ranks, name)
             return [tf.cast(s, g.dtype) for s, g in zip(summed, grads)]
+        if len(set(factors)) == 1:       # Horovod scales the fused buffer itself
+            return backend.grouped_allreduce(grads, ranks, name, postscale=factors[0])
         summed = backend.grouped_allreduce(grads, ranks, name)
         return [_scaled(s, f) for s, f in zip(summed, factors)]
 

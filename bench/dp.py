@@ -1,0 +1,308 @@
+"""Data-parallel throughput: tfhybrid vs what a Keras 3 user can use today.
+
+Run: ``.venv/bin/horovodrun -np 2 --gloo .venv/bin/python bench/dp.py``
+
+Same model, same global batch, contenders interleaved over several rounds
+(this machine is shared and noisy; medians and ratios from one run):
+
+- ``tfhybrid``: ``model.fit`` with ``tfhybrid.DistributedOptimizer`` (default
+  25 MiB buckets: one bucket for this model) on pre-sharded local batches;
+  also with 1 MiB buckets (3 buckets, the large one overlappable with the
+  conv layers' back-propagation) and in a GradientTape loop.
+- ``horovod loop``: a ``tf.function`` GradientTape loop that all-reduces each
+  gradient with ``hvd.allreduce`` (``hvd.DistributedGradientTape`` fails on
+  Keras 3 variables).
+- ``MWMS loop``: ``tf.distribute.MultiWorkerMirroredStrategy`` with a custom
+  loop and ``strategy.run`` (its ``model.fit`` path fails on Keras 3.15).
+  TF_CONFIG is built per rank from HOROVOD_RANK with localhost ports
+  ``DP_BENCH_PORT`` (default 29811) + rank.
+
+Also measured: bytes each rank writes to its sockets per step (``wchar`` of
+/proc/self/io, i.e. real traffic incl. Horovod's control messages) against
+the ring minimum 2(p-1)/p |W| (MWMS talks gRPC through sendmsg, which
+wchar does not count, so its bytes are not reported), and Lee et al.'s overlap ratio (Eq. 11)
+R = 100 (T_c - T_b) / T_c with T_c the time of the step's bucket allreduces
+run alone and T_b the exposed communication time T_step - T_compute
+(T_compute: the same fit with the plain optimizer, no communication).
+
+Writes bench/results/dp.json and prints a markdown table on rank 0.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+RANK, SIZE = int(os.environ.get("HOROVOD_RANK", 0)), int(os.environ.get("HOROVOD_SIZE", 1))
+
+
+def configure_threads():
+    """One intra-op thread per rank (several ranks share 2 cores); before TF starts."""
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(
+        int(os.environ.get("TF_NUM_INTRAOP_THREADS", 1)))
+    tf.config.threading.set_inter_op_parallelism_threads(
+        int(os.environ.get("TF_NUM_INTEROP_THREADS", 2)))
+
+
+def make_strategy():
+    """MWMS must exist before TensorFlow initialises its runtime."""
+    if SIZE < 2 or os.environ.get("DP_BENCH_SKIP_MWMS"):
+        return None, "skipped (one process or DP_BENCH_SKIP_MWMS set)"
+    base = int(os.environ.get("DP_BENCH_PORT", 29811))
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"localhost:{base + r}" for r in range(SIZE)]},
+        "task": {"type": "worker", "index": RANK}})
+    import tensorflow as tf
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(), None
+    except Exception as err:  # noqa: BLE001 - report why the baseline cannot run
+        return None, f"{type(err).__name__}: {err}"
+
+
+configure_threads()
+STRATEGY, MWMS_ERROR = make_strategy()
+
+import horovod.tensorflow as hvd  # noqa: E402  (bench only: the plain Horovod baseline)
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfhybrid  # noqa: E402
+from tfhybrid.comm import backend  # noqa: E402
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def make_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((32, 32, 3)),
+        keras.layers.Conv2D(16, 3, activation="relu"),
+        keras.layers.Conv2D(32, 3, strides=2, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+def wchar():
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar"):
+                return int(line.split()[1])
+    return 0
+
+
+def barrier():
+    """A 1-element allreduce (backend.barrier calls hvd.barrier, which
+    horovod.tensorflow 0.28.1 does not export)."""
+    if SIZE > 1:
+        backend.allreduce(tf.zeros([1]), tuple(range(SIZE)), "bench.barrier").numpy()
+
+
+def timed(fn):
+    barrier()
+    w0, t0 = wchar(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, wchar() - w0
+
+
+class Contenders:
+    """Each contender runs ``steps`` training steps on the same local batches."""
+
+    def __init__(self, steps, global_batch):
+        self.steps, self.gb = steps, global_batch
+        local = global_batch // SIZE
+        r = np.random.default_rng(RANK)
+        self.x = r.standard_normal((steps * local, 32, 32, 3)).astype(np.float32)
+        self.y = r.integers(0, 10, steps * local).astype(np.int32)
+        self.ds = tf.data.Dataset.from_tensor_slices((self.x, self.y)).batch(local).cache()
+        self.batches = [(tf.constant(self.x[i * local:(i + 1) * local]),
+                         tf.constant(self.y[i * local:(i + 1) * local])) for i in range(steps)]
+        self.models = {}
+
+    def fit_model(self, name, optimizer):
+        model = make_model()
+        model.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
+        model.fit(self.ds.take(1), verbose=0, callbacks=tfhybrid.callbacks.standard()
+                  if isinstance(optimizer, tfhybrid.DistributedOptimizer) else None)
+        self.models[name] = model
+        return lambda: model.fit(self.ds, verbose=0)
+
+    def horovod_loop(self):
+        model, opt = make_model(), keras.optimizers.SGD(0.01)
+
+        @tf.function(jit_compile=False)
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = LOSS(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            grads = [hvd.allreduce(g, op=hvd.Average, name=f"hvd_grad_{i}")
+                     for i, g in enumerate(grads)]
+            opt.apply(grads, model.trainable_variables)
+        step(*self.batches[0])
+        return lambda: [step(x, y) for x, y in self.batches]
+
+    def mwms_loop(self):
+        with STRATEGY.scope():
+            model, opt = make_model(), keras.optimizers.SGD(0.01)
+
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                per_example = keras.losses.sparse_categorical_crossentropy(
+                    y, model(x, training=True), from_logits=True)
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=self.gb)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply(grads, model.trainable_variables)
+
+        @tf.function(jit_compile=False)
+        def step(x, y):
+            STRATEGY.run(replica_step, args=(x, y))
+        step(*self.batches[0])
+        return lambda: [step(x, y) for x, y in self.batches]
+
+    def tape_loop(self, optimizer):
+        """tfhybrid's optimizer in the same hand-written loop as the baselines."""
+        model = make_model()
+
+        @tf.function(jit_compile=False)
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = LOSS(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+        step(*self.batches[0])
+        return lambda: [step(x, y) for x, y in self.batches]
+
+    def comm_only(self, name, optimizer):
+        """The tfhybrid step's bucket allreduces alone (T_c)."""
+        model = self.models[name]
+        grads = [tf.ones_like(v) for v in model.trainable_variables]
+        step = tf.function(lambda: optimizer.reduce_gradients(grads, model.trainable_variables))
+        step()
+        return lambda: [step() for _ in range(self.steps)]
+
+
+VARIANTS = {"tfhybrid": None, "tfhybrid (1 MiB buckets)": 2**20}   # None: default 25 MiB
+
+
+def build(c):
+    runs, opts = {}, {}
+    for name, bucket_bytes in VARIANTS.items():
+        kwargs = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}
+        opts[name] = tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01), **kwargs)
+        runs[name] = c.fit_model(name, opts[name])
+    runs["tfhybrid (tape loop)"] = c.tape_loop(
+        tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)))
+    runs["horovod loop"] = c.horovod_loop()
+    if STRATEGY is not None:
+        try:
+            runs["MWMS loop"] = c.mwms_loop()
+        except Exception as err:  # noqa: BLE001
+            globals()["MWMS_ERROR"] = f"{type(err).__name__}: {str(err)[:300]}"
+    runs["compute only"] = c.fit_model("compute", keras.optimizers.SGD(0.01))
+    for name, opt in opts.items():
+        runs[f"comm only: {name}"] = c.comm_only(name, opt)
+    return runs, opts
+
+
+def median_of(samples, key):
+    return statistics.median(samples[key])
+
+
+def overlap(samples, name, steps):
+    """Lee Eq. 11: R = 100 (T_c - T_b) / T_c, T_b = T_fit - T_compute.
+
+    Two estimators: from the medians of the paired (same-round) differences,
+    and from the best (minimum) time of each contender over the rounds, the
+    one least disturbed by other load on a shared machine.
+    """
+    comm, compute, fit = (samples[f"comm only: {name}"], samples["compute only"], samples[name])
+    t_c = statistics.median(comm) / steps
+    t_b = statistics.median(f - p for f, p in zip(fit, compute)) / steps
+    best_c, best_b = min(comm) / steps, (min(fit) - min(compute)) / steps
+    return {"T_c": t_c, "T_b": t_b, "R_percent": 100 * (t_c - t_b) / t_c,
+            "T_c_best": best_c, "T_b_best": best_b,
+            "R_percent_best": 100 * (best_c - best_b) / best_c}
+
+
+def summarise(samples, bytes_sent, c, opts, args):
+    params = sum(int(np.prod(v.shape)) for v in c.models["tfhybrid"].trainable_variables)
+    ring_min = 2 * (SIZE - 1) / SIZE * params * 4
+    t = {k: median_of(samples, k) / c.steps for k in samples}
+    thr = {k: c.gb / v for k, v in t.items() if "only" not in k}
+    return {
+        "world_size": SIZE, "global_batch": c.gb, "steps_per_round": c.steps,
+        "rounds": args.rounds, "parameters": params,
+        "step_time_s": t, "samples_per_s": thr,
+        "best_step_time_s": {k: min(v) / c.steps for k, v in samples.items()},
+        "step_time_s_per_round": {k: [x / c.steps for x in v] for k, v in samples.items()},
+        "ratio_vs_tfhybrid": {k: thr["tfhybrid"] / v for k, v in thr.items()},
+        "bytes_per_step": {
+            "ring_minimum": ring_min,
+            "tfhybrid_counted": {k: o.communication_plan()["ring_bytes"] for k, o in opts.items()},
+            "measured_socket_writes": {k: median_of(bytes_sent, k) / c.steps for k in bytes_sent},
+        },
+        "buckets": {k: [b["bytes"] for b in o.communication_plan()["buckets"]]
+                    for k, o in opts.items()},
+        "overlap": {k: overlap(samples, k, c.steps) for k in opts},
+        "mwms_error": MWMS_ERROR,
+    }
+
+
+def table(res):
+    rows = ["| contender | step ms (median) | step ms (best) | samples/s (median) | tfhybrid "
+            "speed-up | bytes sent/step (measured) |", "|---|---:|---:|---:|---:|---:|"]
+    b = res["bytes_per_step"]
+    meas = b["measured_socket_writes"]
+    for k, v in res["step_time_s"].items():
+        thr, ratio = res["samples_per_s"].get(k), res["ratio_vs_tfhybrid"].get(k)
+        sent = "n/a (gRPC)" if k == "MWMS loop" else f"{meas[k]:,.0f}"
+        best = res["best_step_time_s"][k] * 1e3
+        rows.append(f"| {k} | {v * 1e3:.1f} | {best:.1f} | {thr:.0f} | {ratio:.2f}x | {sent} |"
+                    if thr else f"| {k} | {v * 1e3:.1f} | {best:.1f} | - | - | {sent} |")
+    rows += ["", f"ring minimum 2(p-1)/p|W| = {b['ring_minimum']:,.0f} B/step"]
+    for k, o in res["overlap"].items():
+        counted = b["tfhybrid_counted"][k]
+        rows.append(f"{k}: buckets {res['buckets'][k]} B; counted {counted:,.0f} B "
+                    f"({counted / b['ring_minimum']:.4f}x min), measured {meas[k]:,.0f} B "
+                    f"({meas[k] / b['ring_minimum']:.4f}x); overlap (Lee Eq. 11) T_c = "
+                    f"{o['T_c'] * 1e3:.1f} ms, T_b = {o['T_b'] * 1e3:.1f} ms, "
+                    f"R = {o['R_percent']:.0f}% (best-of-rounds: T_c = {o['T_c_best'] * 1e3:.1f} ms, "
+                    f"T_b = {o['T_b_best'] * 1e3:.1f} ms, R = {o['R_percent_best']:.0f}%)")
+    if res["mwms_error"]:
+        rows.append(f"MWMS baseline not run: {res['mwms_error']}")
+    return "\n".join(rows)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=64, help="global batch")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "dp.json"))
+    args = ap.parse_args()
+    tfhybrid.init()
+    c = Contenders(args.steps, args.batch)
+    runs, opts = build(c)
+    samples = {k: [] for k in runs}
+    bytes_sent = {k: [] for k in runs}
+    for _ in range(args.rounds):
+        for name, fn in runs.items():
+            dt, nbytes = timed(fn)
+            samples[name].append(dt)
+            bytes_sent[name].append(nbytes)
+    res = summarise(samples, bytes_sent, c, opts, args)
+    if RANK == 0:
+        print(table(res))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

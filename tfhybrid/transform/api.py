@@ -13,7 +13,7 @@ import keras
 
 from tfhybrid import runtime
 from tfhybrid.transform.graph import as_functional, describe_graph
-from tfhybrid.transform.options import make_options
+from tfhybrid.transform.options import BUILDABLE, make_options, options_for
 from tfhybrid.transform.planner import make_plan
 from tfhybrid.transform.rewrite import rewrite
 
@@ -90,20 +90,21 @@ def transform(model, strategy="d", **options):
 
 
 def _oracle_options(model, graph, grid, options):
-    """The strategy the oracle ranks best for this grid (``strategy="auto"``)."""
+    """The options of the strategy the oracle ranks fastest on this grid (``auto``)."""
     try:
         from tfhybrid import oracle
-    except ImportError:
-        oracle = None
-    choose = getattr(oracle, "choose", None) or getattr(oracle, "best", None)
-    if choose is None:
+    except ImportError as err:
         raise ValueError(
             "strategy='auto' asks tfhybrid.oracle for the best strategy, but the oracle "
-            "is unavailable in this installation; pass an explicit strategy "
-            "('d', 'f', 'c', 's', 'df', 'ds' or 'gmp').")
-    choice = choose(model, grid=grid)
-    name = getattr(choice, "strategy", choice)
-    return make_options(str(name), **options)
+            f"is unavailable ({err}); pass an explicit strategy {BUILDABLE}.") from None
+    if options.get("batch_size") is None:
+        raise ValueError("strategy='auto' needs the global batch size the oracle predicts "
+                         "for: pass batch_size=<global batch>, e.g. "
+                         "tfhybrid.transform(model, 'auto', batch_size=64).")
+    machine = options.get("machine") or oracle.default_machine_path()
+    choice = oracle.choose(model, batch=options["batch_size"], machine=machine,
+                           strategies=BUILDABLE, grid=grid)
+    return options_for(choice.strategy, options)
 
 
 def info_of(model) -> TransformInfo:

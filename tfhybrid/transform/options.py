@@ -21,7 +21,11 @@ _APPLIES = {
     "ccr_threshold": ("gmp",),
     "spatial": ("s", "ds"),
     "spatial_layers": ("s", "ds"),
+    "batch_size": ("auto",),
+    "machine": ("auto",),
 }
+# Strategies the transformer builds (auto picks among them).
+BUILDABLE = ("d", "f", "c", "s", "df", "ds", "gmp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,10 @@ class TransformOptions:
         layers: Per-layer overrides ``{"name": "f"|"c"|"s"|"replicate"}``.
         fallback: ``"error"`` (default) raises for a layer the strategy
             cannot partition; ``"replicate"`` keeps it replicated.
+        batch_size: auto: the global batch the oracle predicts for (required).
+        machine: auto: the oracle's machine spec (dict, JSON path or
+            ``tfhybrid.oracle.Machine``; default the calibrated spec of the
+            development box, ``tfhybrid.oracle.default_machine_path()``).
     """
 
     strategy: str
@@ -51,6 +59,8 @@ class TransformOptions:
     spatial_layers: Optional[int] = None
     layers: Dict[str, str] = dataclasses.field(default_factory=dict)
     fallback: str = "error"
+    batch_size: Optional[int] = None
+    machine: object = None
 
 
 def make_options(strategy, **options) -> TransformOptions:
@@ -98,6 +108,10 @@ def _validate(o: TransformOptions):
             o.spatial_layers, int) or o.spatial_layers < 1):
         raise ValueError(f"Received an invalid value for `spatial_layers`, expected a positive "
                          f"integer. Received: spatial_layers={o.spatial_layers!r}")
+    if o.batch_size is not None and (isinstance(o.batch_size, bool) or not isinstance(
+            o.batch_size, int) or o.batch_size < 1):
+        raise ValueError(f"Received an invalid value for `batch_size`, expected the global "
+                         f"batch size (a positive integer). Received: batch_size={o.batch_size!r}")
     if not isinstance(o.layers, dict):
         raise ValueError(f"Received an invalid value for `layers`: {o.layers!r}; expected a "
                          f"dict such as {{'fc1': 'f', 'fc2': 'c'}}.")
@@ -105,6 +119,19 @@ def _validate(o: TransformOptions):
         if kind not in LAYER_KINDS:
             raise ValueError(f"Received an invalid override layers[{name!r}]={kind!r}; "
                              f"expected one of {LAYER_KINDS}.")
+
+
+def options_for(strategy: str, options: dict) -> TransformOptions:
+    """``options`` re-validated for the strategy ``auto`` chose (options that do
+    not apply to it, and auto's own, are dropped).
+
+    Example:
+        >>> options_for("df", {"mp": 2, "fallback": "replicate"}).fallback
+        'replicate'
+    """
+    kept = {k: v for k, v in options.items()
+            if strategy in _APPLIES.get(k, (strategy,))}
+    return make_options(strategy, **kept)
 
 
 def spatial_grid(spatial, model_size: int, strategy: str) -> Tuple[int, int]:

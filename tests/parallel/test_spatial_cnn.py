@@ -35,9 +35,10 @@ def plain_model():
 
 
 def spatial_model(split):
+    """The plain model over spatial blocks (the first conv overlapped, the second not)."""
     inputs = keras.Input(SHAPE)
     x = SpatialScatter(split=split)(inputs)
-    x = SpatialConv2D(4, 3, padding="same", activation="relu", split=split)(x)
+    x = SpatialConv2D(4, 3, padding="same", activation="relu", split=split, overlap=True)(x)
     x = SpatialMaxPooling2D(2, split=split)(x)
     x = SpatialConv2D(6, 3, strides=2, padding="same", activation="relu", split=split)(x)
     x = SpatialGather(split=split)(x)
@@ -95,6 +96,27 @@ def test_spatial_cnn_trains_like_the_plain_model(grid_of, spec):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     if grid.data_size == 1:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", split_specs(2)[:1], ids=str)
+def test_spatial_cnn_fits_with_the_distributed_optimizer(grid_of, spec):
+    mp, split = spec
+    grid = grid_of(mp)
+    x = randn((BATCH, *SHAPE), "x")
+    y = rng("y").integers(0, CLASSES, BATCH).astype(np.int32)
+    keras.utils.set_random_seed(7)
+    reference = plain_model()
+    model = spatial_model(split)
+    model.set_weights(reference.get_weights())
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=loss)
+    rows = slice(grid.data_rank * BATCH // grid.data_size,
+                 (grid.data_rank + 1) * BATCH // grid.data_size)
+    local = BATCH // grid.data_size
+    model.fit(x[rows], y[rows], batch_size=local, epochs=STEPS, shuffle=False, verbose=0)
+    train(reference, x, y)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 # -- error messages under a real grid ---------------------------------------------------

@@ -174,6 +174,9 @@ def test_argument_errors():
         SpatialMaxPooling2D(2, group=3)
     with pytest.raises(TypeError, match="`overlap`: 'yes'"):
         SpatialConv2D(2, 3, overlap="yes")
+    with pytest.raises(TypeError, match="`overlap`: 1"):
+        SpatialMaxPooling2D(2, overlap=1)
+    assert SpatialConv2D(2, 3).get_config()["overlap"] is None
     with pytest.raises(ValueError, match="`padding`: 'full'"):
         SpatialAveragePooling2D(2, padding="full")
     conv = SpatialConv2D(2, 3)

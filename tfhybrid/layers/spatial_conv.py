@@ -33,7 +33,7 @@ class _SpatialConv(core.SpatialMixin):
     _default_split = "height"
 
     def __init__(self, filters, kernel_size, strides=1, padding="valid", dilation_rate=1,
-                 activation=None, use_bias=True, split=None, group="model", overlap=True,
+                 activation=None, use_bias=True, split=None, group="model", overlap=None,
                  **kwargs):
         super().__init__(filters=filters, kernel_size=kernel_size, strides=strides,
                          padding=padding, dilation_rate=dilation_rate, activation=activation,
@@ -82,7 +82,7 @@ class _SpatialConv(core.SpatialMixin):
         return config
 
     @classmethod
-    def from_layer(cls, layer, split=None, group="model", overlap=True):
+    def from_layer(cls, layer, split=None, group="model", overlap=None):
         """A spatial copy of a built Keras convolution (same config and weights).
 
         Args:
@@ -90,7 +90,8 @@ class _SpatialConv(core.SpatialMixin):
             split: Spatial axis name or block-grid tuple (default: the
                 class's default split).
             group: Group the blocks are split over.
-            overlap: Overlap the halo exchange with the interior.
+            overlap: Overlap the halo exchange with the interior (None:
+                automatic, see the class docstring).
 
         Returns:
             The spatial layer, built, holding a copy of ``layer``'s weights.
@@ -154,7 +155,9 @@ class SpatialConv2D(_SpatialConv, keras.layers.Conv2D):
             equal to the group size.
         group: Group the blocks are split over ("model", "data" or "world").
         overlap: Overlap the halo exchange with the interior convolution
-            when running in a graph (``tf.function``, ``model.fit``).
+            when running in a graph (``tf.function``, ``model.fit``). None
+            (default): only when a GPU is visible; on CPU-only hosts the
+            extra ops cost more than they hide (``bench/spatial.py``).
 
     Raises:
         ValueError: for an invalid ``split``, or (at build/call) when the
@@ -189,7 +192,7 @@ class SpatialConv3D(_SpatialConv, keras.layers.Conv3D):
             product equals the group size.
         group: Group the blocks are split over.
         overlap: Overlap the halo exchange with the interior convolution in
-            a graph.
+            a graph (None: only when a GPU is visible).
 
     Raises:
         ValueError: as :class:`SpatialConv2D`.

@@ -11,7 +11,10 @@ interior) are computed from the local block alone, so in a graph the
 interior op runs while the halo alltoall is in flight; the boundary strips
 are computed from the halo-extended input afterwards and everything is
 concatenated. Eagerly, ops run one at a time and overlap cannot help, so
-the single-op path is used.
+the single-op path is used. ``overlap=None`` (the default) overlaps only
+when a GPU is visible: measured with ``bench/spatial.py`` on CPU-only
+hosts, where ranks share the cores, the split into interior and boundary
+ops costs more than the hidden exchange saves (see ``bench/results``).
 
 Also the shared base class :class:`SpatialMixin` of the spatial layers:
 split/group arguments, sub-group registration and the per-shape plans.
@@ -123,24 +126,27 @@ class SpatialMixin:
     _ndim = 2
     _eager_overlap = False
 
-    def _init_spatial(self, split, group, overlap=True):
+    def _init_spatial(self, split, group, overlap=None):
         split = sp.normalize_split(split)
         sp.check_split(split, self._ndim, self._label())
         if not isinstance(group, str):
             raise TypeError(f"{self._label()}: Received an invalid `group`: {group!r}; "
                             "expected a group name ('model', 'data' or 'world').")
-        if not isinstance(overlap, bool):
+        if not (overlap is None or isinstance(overlap, bool)):
             raise TypeError(f"{self._label()}: Received an invalid `overlap`: {overlap!r}; "
-                            "expected True or False.")
+                            "expected None (automatic), True or False.")
         self.split, self.group, self.overlap = split, group, overlap
         self._groups, self._plans = None, _Cache()
 
     def _overlap_now(self):
         """Overlap in graphs only: eagerly, ops run one at a time and it cannot help.
 
-        ``_eager_overlap`` (tests) forces the overlapped decomposition eagerly.
+        ``overlap=None`` overlaps when a GPU is visible. ``_eager_overlap``
+        (tests) forces the overlapped decomposition eagerly.
         """
-        return self.overlap and (self._eager_overlap or not tf.executing_eagerly())
+        if tf.executing_eagerly() and not self._eager_overlap:
+            return False
+        return _gpu_visible() if self.overlap is None else self.overlap
 
     def _label(self):
         return f"{type(self).__name__} '{self.name}'"
@@ -177,6 +183,15 @@ class SpatialMixin:
                 f"(batch, {', '.join(sp.SPATIAL_AXES[self._ndim])}, channels) with known "
                 f"spatial sizes; received a block of shape {tuple(local_shape)}.")
         return dims
+
+
+def _gpu_visible():
+    if "gpu" not in _GPU:
+        _GPU["gpu"] = bool(tf.config.list_logical_devices("GPU"))
+    return _GPU["gpu"]
+
+
+_GPU = {}
 
 
 class _Cache:

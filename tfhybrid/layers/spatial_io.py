@@ -10,6 +10,7 @@ before Flatten/Dense, as ParaDL's spatial strategy does.
 from __future__ import annotations
 
 import keras
+import tensorflow as tf
 
 from tfhybrid import comm
 from tfhybrid.layers import spatial_core as core
@@ -121,9 +122,12 @@ class SpatialGather(_SpatialIO):
     """
 
     def call(self, inputs):
+        shape = self._global_shape(inputs.shape)
         for axis, g in self._axes():
             inputs = comm.gather(inputs, axis, g, name=f"{self.name}.gather")
-        return inputs
+        # The allgather's output size is dynamic; restore the static shape so
+        # Flatten/Dense (and their gradients) keep known sizes in a graph.
+        return tf.ensure_shape(inputs, shape)
 
     def compute_output_shape(self, input_shape):
         return self._global_shape(input_shape)

@@ -26,7 +26,7 @@ class _SpatialPool(core.SpatialMixin):
     _mode = "max"
 
     def __init__(self, pool_size=2, strides=None, padding="valid", split=None, group="model",
-                 overlap=True, **kwargs):
+                 overlap=None, **kwargs):
         super().__init__(pool_size=pool_size, strides=strides, padding=padding, **kwargs)
         if self.data_format != "channels_last":
             raise ValueError(f"{self._label()}: only data_format='channels_last' is supported; "
@@ -97,7 +97,8 @@ class SpatialMaxPooling2D(_SpatialPool, keras.layers.MaxPooling2D):
             (channels_last only).
         split: "height", "width" or a block grid ``(ph, pw)``.
         group: Group the blocks are split over.
-        overlap: Overlap the halo exchange with interior pooling in a graph.
+        overlap: Overlap the halo exchange with interior pooling in a graph
+            (None: only when a GPU is visible).
 
     Raises:
         ValueError: when the global size or the pooled size does not split
@@ -123,7 +124,8 @@ class SpatialAveragePooling2D(_SpatialPool, keras.layers.AveragePooling2D):
             ``keras.layers.AveragePooling2D`` (channels_last only).
         split: "height", "width" or a block grid ``(ph, pw)``.
         group: Group the blocks are split over.
-        overlap: Overlap the halo exchange with interior pooling in a graph.
+        overlap: Overlap the halo exchange with interior pooling in a graph
+            (None: only when a GPU is visible).
 
     Raises:
         ValueError: as :class:`SpatialMaxPooling2D`.
@@ -144,7 +146,8 @@ class SpatialMaxPooling3D(_SpatialPool, keras.layers.MaxPooling3D):
         pool_size, strides, padding, **kwargs: as ``keras.layers.MaxPooling3D``.
         split: "depth", "height", "width" or a block grid ``(pd, ph, pw)``.
         group: Group the blocks are split over.
-        overlap: Overlap the halo exchange with interior pooling in a graph.
+        overlap: Overlap the halo exchange with interior pooling in a graph
+            (None: only when a GPU is visible).
 
     Raises:
         ValueError: as :class:`SpatialMaxPooling2D`.
@@ -166,7 +169,8 @@ class SpatialAveragePooling3D(_SpatialPool, keras.layers.AveragePooling3D):
             ``keras.layers.AveragePooling3D``.
         split: "depth", "height", "width" or a block grid ``(pd, ph, pw)``.
         group: Group the blocks are split over.
-        overlap: Overlap the halo exchange with interior pooling in a graph.
+        overlap: Overlap the halo exchange with interior pooling in a graph
+            (None: only when a GPU is visible).
 
     Raises:
         ValueError: as :class:`SpatialMaxPooling2D`.

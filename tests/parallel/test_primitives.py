@@ -182,3 +182,47 @@ def test_two_collectives_in_one_function_get_distinct_names(grid_of):
     ya, yb = f(tf.constant(randn((2, 3), "a", g.index)), tf.constant(randn((2, 3), "b", g.index)))
     close(ya.numpy(), np.concatenate([randn((2, 3), "a", i) for i in range(g.size)]))
     close(yb.numpy(), np.concatenate([randn((2, 3), "b", i) for i in range(g.size)]))
+
+
+def test_static_shapes_survive_unknown_batch(grid_of):
+    """Keras traces with an unknown batch: the other dimensions must stay static."""
+    g = grid_of(1).group("world")
+    k = g.size
+    seen = {}
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 4 * k, 6], tf.float32)])
+    def f(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            a = comm.split(x, axis=1, group="world")
+            b = comm.gather(a, axis=1, group="world")
+            c = comm.halo_exchange(a, axis=1, lo=1, hi=1, group="world")
+            d = comm.batch_scatter(x, group="world")
+            seen.update(a=a.shape.as_list(), b=b.shape.as_list(), c=c.shape.as_list(),
+                        d=d.shape.as_list())
+            loss = tf.reduce_sum(b) + tf.reduce_sum(c) + tf.reduce_sum(d)
+        grad = tape.gradient(loss, x)
+        seen["grad"] = grad.shape.as_list()
+        return grad
+
+    f(tf.zeros([2 * k, 4 * k, 6]))
+    assert seen == {"a": [None, 4, 6], "b": [None, 4 * k, 6], "c": [None, 6, 6],
+                    "d": [None, 4 * k, 6], "grad": [None, 4 * k, 6]}
+
+
+def test_layer_called_twice_in_one_graph_gets_distinct_names(grid_of):
+    """Same base name under different name scopes must not collide in Horovod."""
+    g = grid_of(1).group("world")
+
+    @tf.function
+    def f(x):
+        outs = []
+        for scope in ("a", "b"):
+            with tf.name_scope(scope):
+                outs.append(comm.gather(x, 0, "world", name="same"))
+        return outs
+
+    ya, yb = f(tf.constant(randn((2, 3), "s", g.index)))
+    ref = np.concatenate([randn((2, 3), "s", i) for i in range(g.size)])
+    close(ya.numpy(), ref)
+    close(yb.numpy(), ref)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import weakref
 
 import tensorflow as tf
 
@@ -119,20 +120,25 @@ def process_set(ranks):
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.]")
-_EAGER_COUNT = {}
+_GRAPH_NAMES = weakref.WeakKeyDictionary()
 
 
 def collective_name(base: str) -> str:
     """A name every rank derives identically for one collective.
 
-    Inside a ``tf.function`` the name is made unique in the graph (tracing is
-    identical on every rank, so the names match); eagerly, collectives run one
-    at a time, so the base name is reused.
+    Inside a ``tf.function`` the name is made unique across the whole graph,
+    whatever the name scope (Horovod drops scopes, so a layer called twice or
+    recomputed would otherwise collide); tracing is identical on every rank,
+    so the names match. Eagerly, collectives run one at a time and the base
+    name is reused.
     """
-    base = _SAFE.sub("_", base)
+    base = "tfh." + _SAFE.sub("_", base)
     if tf.executing_eagerly():
-        return "tfh." + base
-    return tf.compat.v1.get_default_graph().unique_name("tfh." + base, mark_as_used=True)
+        return base
+    used = _GRAPH_NAMES.setdefault(tf.compat.v1.get_default_graph(), {})
+    count = used.get(base, 0)
+    used[base] = count + 1
+    return base if count == 0 else f"{base}_{count}"
 
 
 # -- raw collectives along axis 0 (no gradients registered by us) ----------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfhybrid.comm import backend
-from tfhybrid.comm.primitives import _along, _axis, resolve_group
+from tfhybrid.comm.primitives import _along, _axis, _with_axis_size, resolve_group
 
 
 def _check_halo(x, axis, lo, hi, g):
@@ -103,8 +103,10 @@ def halo_exchange(x, axis, lo, hi, group="model", name=None):
     @tf.custom_gradient
     def _halo(t):
         def grad(dy):
-            return _along(backward, dy, axis)
-        return _along(forward, t, axis), grad
+            return _with_axis_size(_along(backward, dy, axis), t, axis, t.shape[axis])
+        n = t.shape[axis]
+        y = _along(forward, t, axis)
+        return _with_axis_size(y, t, axis, None if n is None else n + lo + hi), grad
 
     return _halo(x)
 

@@ -95,15 +95,27 @@ def _block(x, axis, index, k):
     b = tf.shape(x)[axis] // k
     begin = tf.one_hot(axis, x.shape.rank, on_value=index * b, off_value=0, dtype=tf.int32)
     size = tf.one_hot(axis, x.shape.rank, on_value=b, off_value=-1, dtype=tf.int32)
-    return tf.slice(x, begin, size)
+    return _with_axis_size(tf.slice(x, begin, size), x, axis, None)
+
+
+def _with_axis_size(y, x, axis, size):
+    """Give ``y`` the static shape of ``x`` with ``axis`` of ``size`` (if known)."""
+    shape = x.shape.as_list()
+    shape[axis] = size
+    y.set_shape(shape)
+    return y
 
 
 def _allgather(x, axis, g, name):
-    return _along(lambda t: backend.allgather(t, g.ranks, name), x, axis)
+    n = x.shape[axis]
+    y = _along(lambda t: backend.allgather(t, g.ranks, name), x, axis)
+    return _with_axis_size(y, x, axis, None if n is None else n * g.size)
 
 
 def _reduce_scatter(x, axis, g, name):
-    return _along(lambda t: backend.reducescatter(t, g.ranks, name), x, axis)
+    n = x.shape[axis]
+    y = _along(lambda t: backend.reducescatter(t, g.ranks, name), x, axis)
+    return _with_axis_size(y, x, axis, None if n is None else n // g.size)
 
 
 def _name(name, prim, g):

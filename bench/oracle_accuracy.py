@@ -256,7 +256,8 @@ def _report(rows, log, args):
         by.setdefault(r["strategy"], []).append(r["accuracy"])
     per = {k: sum(v) / len(v) for k, v in by.items()}
     mean = sum(per.values()) / len(per) if per else float("nan")
-    doc = {"batch": args.batch, "steps": args.steps, "cases": rows,
+    doc = {"batch": args.batch, "steps": args.steps, "load_average": os.getloadavg(),
+           "cases": rows,
            "per_strategy_accuracy": per, "mean_accuracy": mean,
            "skipped": [ln for ln in log if ln.startswith("SKIP")]}
     with open(os.path.join(HERE, "results", "oracle_accuracy.json"), "w") as fh:
@@ -270,6 +271,7 @@ def _report(rows, log, args):
     md += ["", "| strategy | mean accuracy |", "|---|---|"]
     md += [f"| {k} | {v:.3f} |" for k, v in per.items()] + [f"| **mean** | **{mean:.3f}** |"]
     md += [""] + [f"- {ln}" for ln in doc["skipped"]]
+    md += ["", f"Load average at the end of the run: {os.getloadavg()} (2 cores, shared)."]
     with open(os.path.join(HERE, "results", "oracle_accuracy.md"), "w") as fh:
         fh.write("\n".join(md) + "\n")
     print("\n".join(md))

@@ -12,12 +12,12 @@ What it measures (rank 0 writes the file):
    least-squares fit of the ring cost models of :mod:`machine` gives one tier
    ``{max_ranks: g, alpha, beta}``; the largest group gives the top-level
    alpha/beta.
-2. flop_rate: a Dense forward+backward of known FLOPs, timed with every rank
-   computing at once (the contention training sees), normalised to one
-   compute slot (``compute_slots`` = usable cores / intra-op threads).
+2. flop_rate: a Dense forward+backward of known FLOPs, timed on rank 0 alone
+   while the other ranks wait; the oracle scales compute by
+   ranks on the node / ``compute_slots`` (usable cores / intra-op threads).
 3. layer_times (optional ``--model``): per-layer forward and backward seconds
    per sample: the whole model's forward and backward times split over its
-   layers by FLOPs (same normalisation).
+   layers by FLOPs (rank 0 alone, as 2).
 4. step_overhead_s: the cost of one Keras ``train_on_batch`` of a 1-unit model.
 5. gamma (with ``--model``): peak RSS growth of training the model divided by
    the naive serial memory estimate (ParaDL's memory reuse factor).

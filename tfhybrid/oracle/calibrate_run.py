@@ -137,12 +137,14 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
     samples = cal.time_collectives(_sizes(max_bytes, n_sizes), _group_sizes(world), reps, say)
     cal.sync(backend)
     slots = cal.compute_slots()
-    slowdown = min(1.0, slots / max(1, backend.local_size()))
-    rate = measure_flop_rate() / slowdown
-    say(f"  flop rate {rate / 1e9:.3g} GFLOP/s per compute slot ({slots} slots)")
-    overhead = measure_step_overhead(reps=3 * reps)
-    say(f"  step overhead {overhead * 1e3:.3g} ms")
-    times, gamma = _model_part(model, batch, slowdown, say) if model else (None, 1.0)
+    rate, overhead, times, gamma = None, 0.0, None, 1.0
+    if rank == 0:   # compute alone (others wait): prediction scales by compute_slots
+        rate = measure_flop_rate()
+        say(f"  flop rate {rate / 1e9:.3g} GFLOP/s on one rank ({slots} compute slots)")
+        overhead = measure_step_overhead(reps=3 * reps)
+        say(f"  step overhead {overhead * 1e3:.3g} ms")
+        times, gamma = _model_part(model, batch, 1.0, say) if model else (None, 1.0)
+    cal.sync(backend)
     spec = _spec(samples, rate, times, gamma, overhead, slots, world, backend.local_size())
     if rank == 0:
         Machine.from_dict(spec)

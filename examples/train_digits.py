@@ -76,11 +76,12 @@ def main():
     model.fit(tfhybrid.data.shard(train, model=model), epochs=args.epochs,
               callbacks=tfhybrid.callbacks.standard(), shuffle=False,
               verbose=2 if tfhybrid.is_root() else 0)
-    loss, acc = model.evaluate(tfhybrid.data.shard(test, model=model), verbose=0,
-                               callbacks=[tfhybrid.callbacks.MetricAverageCallback()])
+    results = tfhybrid.callbacks.average_logs(
+        model.evaluate(tfhybrid.data.shard(test, model=model), verbose=0, return_dict=True))
     if tfhybrid.is_root():
-        print(f"final test accuracy: {acc:.4f} (loss {loss:.4f}) on {n_test} held-out digits")
-    return 0 if acc > 0.9 else 1
+        print(f"final test accuracy: {results['accuracy']:.4f} (loss {results['loss']:.4f}) "
+              f"on {n_test} held-out digits")
+    return 0 if results["accuracy"] > 0.9 else 1
 
 
 if __name__ == "__main__":

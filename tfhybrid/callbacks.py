@@ -111,14 +111,41 @@ class MetricAverageCallback(keras.callbacks.Callback):
     """
 
     def on_epoch_end(self, epoch, logs=None):
-        if not logs or runtime.current_grid().size == 1:
-            return
-        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
-        values = tf.constant([float(logs[k]) for k in keys], tf.float64)
-        world = tuple(range(runtime.current_grid().size))
-        mean = backend.allreduce(values, world, f"metric_average.{epoch}", average=True)
-        for key, value in zip(keys, mean.numpy()):
-            logs[key] = float(value)
+        _average_logs(logs, f"metric_average.{epoch}")
+
+    def on_test_end(self, logs=None):
+        """Average the evaluation logs seen by the callbacks after this one.
+
+        Keras copies the logs before callbacks see them, so the values that
+        ``model.evaluate`` returns stay local: pass them through
+        :func:`average_logs`.
+        """
+        _average_logs(logs, "metric_average.test")
+
+
+def average_logs(logs: dict) -> dict:
+    """Average a dict of scalar metrics over all ranks (in place; returned).
+
+    Every rank must call it with the same keys.
+
+    Example:
+        >>> results = tfhybrid.callbacks.average_logs(
+        ...     model.evaluate(tfhybrid.data.shard(test), return_dict=True, verbose=0))
+    """
+    _average_logs(logs, "metric_average.logs")
+    return logs
+
+
+def _average_logs(logs, name):
+    """Replace each scalar entry of ``logs`` by its mean over all ranks."""
+    if not logs or runtime.current_grid().size == 1:
+        return
+    keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+    values = tf.constant([float(logs[k]) for k in keys], tf.float64)
+    world = tuple(range(runtime.current_grid().size))
+    mean = backend.allreduce(values, world, name, average=True)
+    for key, value in zip(keys, mean.numpy()):
+        logs[key] = float(value)
 
 
 class LearningRateWarmupCallback(keras.callbacks.Callback):

@@ -182,10 +182,16 @@ def broadcast(x, root, ranks, name):
 
 
 def barrier(ranks=None):
-    hvd = _hvd()
-    if hvd is None:
+    """Block until every rank of ``ranks`` (default: the world) gets here.
+
+    horovod.tensorflow 0.28.1 has no barrier op, so this is a 1-element
+    allreduce on the group's process set.
+    """
+    if _hvd() is None:
         return
-    hvd.barrier(process_set=process_set(ranks) if ranks else hvd.global_process_set)
+    ranks = tuple(ranks) if ranks else tuple(range(size()))
+    if len(ranks) > 1:
+        allreduce(tf.zeros([1]), ranks, "barrier").numpy()
 
 
 def join():

@@ -12,7 +12,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfhybrid.comm import backend
-from tfhybrid.comm.primitives import _along, _axis, _with_axis_size, resolve_group
+from tfhybrid.comm.primitives import (_axis, _inverse, _perm_to_front, _with_axis_size,
+                                      resolve_group)
 
 
 def _check_halo(x, axis, lo, hi, g):
@@ -29,28 +30,41 @@ def _check_halo(x, axis, lo, hi, g):
             f"max(lo, hi) rows: use fewer ranks along this axis or a larger input.")
 
 
-def _exchange(t, to_prev, to_next, from_prev, from_next, g, name):
-    """Send ``to_prev`` rows to rank i-1 and ``to_next`` to i+1 (axis 0).
+def _rows(t, axis, begin, count):
+    """``count`` rows of ``t`` from ``begin`` (may be a tensor) along ``axis``."""
+    b = tf.one_hot(axis, t.shape.rank, on_value=begin, off_value=0, dtype=tf.int32)
+    size = tf.one_hot(axis, t.shape.rank, on_value=count, off_value=-1, dtype=tf.int32)
+    return tf.slice(t, b, size)
 
-    Returns (rows received from i-1, rows received from i+1); zeros at the
-    group's ends.
+
+def _exchange(t, axis, to_prev, to_next, from_prev, from_next, g, name):
+    """Send the first ``to_prev`` rows of ``t`` to rank i-1 and the last ``to_next`` to i+1.
+
+    Only the boundary rows are moved to axis 0 for the ``alltoall`` (never the
+    whole block). Returns (rows from i-1, rows from i+1) along ``axis``;
+    zeros at the group's ends.
     """
     i, k = g.index, g.size
     has_prev, has_next = i > 0, i < k - 1
-    splits = [0] * k
-    parts = []
+    perm = _perm_to_front(t.shape.rank, axis)
+    front = lambda r: tf.transpose(r, perm) if axis else r  # noqa: E731
+    back = lambda r: tf.transpose(r, _inverse(perm)) if axis else r  # noqa: E731
+    splits, parts = [0] * k, []
     if has_prev:
         splits[i - 1] = to_prev
-        parts.append(t[:to_prev])
+        parts.append(front(_rows(t, axis, 0, to_prev)))
     if has_next:
         splits[i + 1] = to_next
-        parts.append(t[tf.shape(t)[0] - to_next:])
-    send = tf.concat(parts, 0) if parts else t[:0]
-    recv = backend.alltoall(send, splits, g.ranks, name)
-    zeros = lambda n: tf.zeros(tf.concat([[n], tf.shape(t)[1:]], 0), t.dtype)  # noqa: E731
-    got_prev = recv[:from_prev] if has_prev else zeros(from_prev)
+        parts.append(front(_rows(t, axis, tf.shape(t)[axis] - to_next, to_next)))
+    recv = backend.alltoall(tf.concat(parts, 0), splits, g.ranks, name)
+
+    def zeros(n):
+        shape = tf.tensor_scatter_nd_update(tf.shape(t), [[axis]], [n])
+        return tf.zeros(shape, t.dtype)
+
+    got_prev = back(recv[:from_prev]) if has_prev else zeros(from_prev)
     start = from_prev if has_prev else 0
-    got_next = recv[start:start + from_next] if has_next else zeros(from_next)
+    got_next = back(recv[start:start + from_next]) if has_next else zeros(from_next)
     return got_prev, got_next
 
 
@@ -89,29 +103,30 @@ def halo_exchange(x, axis, lo, hi, group="model", name=None):
     nm = f"{name or 'halo'}.{g.name}"
 
     def forward(t):
-        prev, nxt = _exchange(t, hi, lo, lo, hi, g, nm)
-        return tf.concat([prev, t, nxt], 0)
+        prev, nxt = _exchange(t, axis, hi, lo, lo, hi, g, nm)
+        return tf.concat([prev, t, nxt], axis)
 
     def backward(dy):
-        n = tf.shape(dy)[0] - lo - hi
-        d_lo, d_mid, d_hi = dy[:lo], dy[lo:lo + n], dy[lo + n:]
+        n = tf.shape(dy)[axis] - lo - hi
+        d_lo, d_mid, d_hi = _rows(dy, axis, 0, lo), _rows(dy, axis, lo, n), _rows(dy, axis, lo + n, hi)
         # Our lo halo came from rank i-1's last lo rows, our hi halo from rank
         # i+1's first hi rows: send those gradients back and add them there.
-        g_prev, g_next = _exchange(tf.concat([d_lo, d_hi], 0), lo, hi, hi, lo, g, nm + ".bwd")
-        return d_mid + _pad0(g_prev, 0, n - hi) + _pad0(g_next, n - lo, 0)
+        g_prev, g_next = _exchange(tf.concat([d_lo, d_hi], axis), axis, lo, hi, hi, lo, g,
+                                   nm + ".bwd")
+        return d_mid + _pad(g_prev, axis, 0, n - hi) + _pad(g_next, axis, n - lo, 0)
 
     @tf.custom_gradient
     def _halo(t):
         def grad(dy):
-            return _with_axis_size(_along(backward, dy, axis), t, axis, t.shape[axis])
+            return _with_axis_size(backward(dy), t, axis, t.shape[axis])
         n = t.shape[axis]
-        y = _along(forward, t, axis)
-        return _with_axis_size(y, t, axis, None if n is None else n + lo + hi), grad
+        return _with_axis_size(forward(t), t, axis, None if n is None else n + lo + hi), grad
 
     return _halo(x)
 
 
-def _pad0(t, before, after):
-    """Zero-pad ``t`` along axis 0."""
-    pads = tf.concat([[[before, after]], tf.zeros([t.shape.rank - 1, 2], tf.int32)], 0)
+def _pad(t, axis, before, after):
+    """Zero-pad ``t`` along ``axis`` (amounts may be tensors)."""
+    row = tf.stack([before, after])
+    pads = tf.tensor_scatter_nd_update(tf.zeros([t.shape.rank, 2], tf.int32), [[axis]], [row])
     return tf.pad(t, pads)

@@ -76,7 +76,7 @@ def test_pipeline_hand():
 
 
 def test_gmp_hand():
-    r = predict(PROF, "gmp", 2, 4, M, mp=2)
+    r = predict(PROF, "gmp", 2, 4, M, mp=2, scheme="B/K")
     assert r.options["partitioned_layers"] == ["fc1", "fc2"]
     assert r.options["pairs"] == [("fc1", "fc2")]
     assert r.compute_s == pytest.approx(24.0)
@@ -86,6 +86,14 @@ def test_gmp_hand():
     assert r.comm_s["FB-allreduce"] == pytest.approx(2 * 2 * (1 + 4 / 2 * 0.5))
     assert r.comm_s["GE-allreduce"] == 0.0
     assert r.options["param_memory_bytes"] == pytest.approx(22 / 2)
+
+
+def test_gmp_bk_scheme_default():
+    r = predict(PROF, "gmp", 2, 4, M, mp=2)
+    assert r.options["scheme"] == "BK"
+    # one step of 2 samples per rank: modulo (x=2) + adjoint, pair allreduce of y_fc2 for 4
+    assert r.comm_s["FB-allgather"] == pytest.approx(2 * (1 + 2 * 2 * 0.5) + (1 + 2))
+    assert r.comm_s["FB-allreduce"] == pytest.approx(2 * (1 + 8 / 2 * 0.5))
 
 
 def test_gmp_ccr_threshold_keeps_layers_replicated():

@@ -7,9 +7,10 @@ gathers its batches (ModuloLayer), runs partitioned Dense layers with 1/mp of
 the units each, pairs adjacent ones filter -> channel as tfhybrid's
 transformer does (one allreduce of the pair's output; the next pair's input
 gradient is allreduced too), shards (allgathers) the outputs of unpaired
-ones, and returns each rank its own rows before the loss. Scheme ``"B/K"`` (SplitBrain's) runs mp micro-steps
-of b/mp samples per rank (activation memory of b, mp times the latencies);
-``"BK"`` gathers all mp*b samples at once. Dense layers are partitioned when
+ones, and returns each rank its own rows before the loss. Scheme ``"BK"`` (the default: what
+``tfhybrid.transform`` builds) gathers all mp*b samples at once; ``"B/K"``
+(SplitBrain's) runs mp micro-steps of b/mp samples per rank (activation
+memory of b, mp times the latencies). Dense layers are partitioned when
 their CCR exceeds ``ccr_threshold`` and ``mp`` divides their units; others
 stay replicated inside the group (recorded in ``options``).
 
@@ -120,7 +121,7 @@ def _param_mem(ctx, part, mp):
 
 
 @strategy("gmp")
-def group_model_parallel(ctx, p, mp=None, ccr_threshold=0.0, scheme="B/K", **_):
+def group_model_parallel(ctx, p, mp=None, ccr_threshold=0.0, scheme="BK", **_):
     """SplitBrain GMP with model groups of ``mp`` (searched over divisors of p)."""
     if scheme not in ("B/K", "BK"):
         raise ValueError(f"Received scheme={scheme!r} for gmp; expected 'B/K' or 'BK'.")

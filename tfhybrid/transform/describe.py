@@ -128,13 +128,15 @@ def _activation_comms(np_, node, rows, ctx):
            for c in _BOUNDARY_COMMS.get(conv, ())]
     if k == 1:
         return []
+    entry = np_.conversions[:1] == ("modulo",)   # the ModuloLayer reduce-scatters instead
     if np_.kind == "filter":
         if np_.params.get("output_layout") != "split":
             out.append(("fwd", "allgather", "model", y))
-        out.append(("bwd", "allreduce", "model", x))
+        if not entry:
+            out.append(("bwd", "allreduce", "model", x))
     elif np_.kind == "channel":
         out.append(("fwd", "allreduce", "model", y))
-        if np_.params.get("input_layout") != "split":
+        if np_.params.get("input_layout") != "split" and not entry:
             out.append(("bwd", "allgather", "model", x))
     elif np_.kind == "spatial" and np_.cls == "Conv2D":
         halo = _halo_bytes(node, group_rows, ctx)
@@ -179,7 +181,7 @@ def _table(plan, grid, rows, total, comm, batch_size):
     head = (f"tfhybrid.describe: strategy={plan.strategy!r} rank {grid.rank}/{grid.size} "
             f"(data {grid.data_rank}/{grid.data_size}, model {grid.model_rank}/"
             f"{grid.model_size}), batch split over {plan.batch_split}, "
-            f"global batch {batch_size or 'one example per model group'}")
+            f"global batch {batch_size or '(not given: one row per rank)'}")
     lines = [head, f"{'layer':<24}{'kind':<20}{'local weights':<34}{'param bytes':>12}  "
              "collectives per step (phase op group bytes)"]
     for r in rows:

@@ -11,6 +11,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["tfhybrid", "tfhybrid.*"]),
+    package_data={"tfhybrid.oracle": ["machines/*.json"]},
+    include_package_data=True,
     install_requires=[
         "tensorflow-cpu==2.18.1",
         "keras>=3.8,<3.16",

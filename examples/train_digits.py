@@ -51,6 +51,7 @@ def main():
     ap.add_argument("--batch", type=int, default=32, help="global batch size")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save", help="save the gathered plain Keras model to this .keras file")
     args = ap.parse_args()
 
     grid = tfhybrid.init(model_parallel=args.model_parallel)
@@ -61,7 +62,7 @@ def main():
     if tfhybrid.is_root():
         print(f"tfhybrid demo: {grid.size} processes = {grid.data_size} data x "
               f"{grid.model_size} model, strategy {args.strategy!r}, global batch {args.batch}")
-        tfhybrid.describe(model)
+        tfhybrid.describe(model, batch_size=args.batch)
 
     train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
              .shuffle(len(x_train), seed=args.seed, reshuffle_each_iteration=True)
@@ -81,6 +82,11 @@ def main():
     if tfhybrid.is_root():
         print(f"final test accuracy: {results['accuracy']:.4f} (loss {results['loss']:.4f}) "
               f"on {n_test} held-out digits")
+    if args.save:
+        full = tfhybrid.gather(model)          # collective: every rank
+        if tfhybrid.is_root():
+            full.save(args.save)
+            print(f"saved the full model (loads without tfhybrid) to {args.save}")
     return 0 if results["accuracy"] > 0.9 else 1
 
 

@@ -274,8 +274,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         grid = runtime.current_grid()
         specs = [reduction_of(v, grid, self.op) for v in variables]
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-        items = [((), 0) if g is None else (s.ranks, self._wire_bytes(g))
-                 for g, s in zip(grads, specs)]
+        items = [((), 0) if g is None else (s.ranks, self._wire_bytes(g, v))
+                 for g, s, v in zip(grads, specs, variables)]
         buckets = plan_buckets(items, self.bucket_bytes)
         out = [None if g is None else _scaled(g, s.factor) for g, s in zip(grads, specs)]
         for number, bucket in enumerate(buckets):
@@ -287,9 +287,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._plan = buckets
         return out
 
-    def _wire_bytes(self, g):
+    def _wire_bytes(self, g, variable):
+        """Bytes of ``g`` on the wire, sized from the variable (the gradient's
+        static shape may be partly unknown inside a traced step)."""
         itemsize = 2 if self._compresses(g) else g.dtype.size
-        return int(np.prod(g.shape.as_list() or [1])) * itemsize
+        return int(np.prod(tuple(variable.shape) or (1,))) * itemsize
 
     def _compresses(self, g):
         return self.compression == "fp16" and g.dtype in (tf.float32, tf.float64)

@@ -27,6 +27,18 @@ def model_parallel_values():
     return [m for m in (1, 2, 4) if world_size() % m == 0]
 
 
+@pytest.fixture(autouse=True)
+def _same_keras_names_on_every_rank():
+    """Reset Keras' auto-name counters before each test.
+
+    Collective names derive from layer names; a test that builds models on
+    some ranks only would otherwise shift the names of every later test.
+    """
+    import keras
+    keras.utils.clear_session()
+    yield
+
+
 @pytest.fixture
 def grid_of():
     """``grid_of(mp)`` (re)initialises tfhybrid with ``model_parallel=mp``."""

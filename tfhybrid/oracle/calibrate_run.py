@@ -144,6 +144,10 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
         overhead = measure_step_overhead(reps=3 * reps)
         say(f"  step overhead {overhead * 1e3:.3g} ms")
         times, gamma = _model_part(model, batch, 1.0, say) if model else (None, 1.0)
+    # Rank 0 alone built Keras objects: reset the auto-name counters on every
+    # rank so later models get the same layer (and so collective) names everywhere.
+    import keras  # noqa: WPS433
+    keras.utils.clear_session()
     cal.sync(backend)
     spec = _spec(samples, rate, times, gamma, overhead, slots, world, backend.local_size())
     if rank == 0:

@@ -24,6 +24,9 @@ class Config:
         stall_shutdown_seconds: Abort the job when ranks are stalled this long
             (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS), so a failed or diverged rank
             brings the job down instead of hanging it. 0 disables.
+        gloo_timeout_seconds: How long a Gloo collective may wait for a peer
+            (HOROVOD_GLOO_TIMEOUT_SECONDS; Horovod's default of 30 s is shorter
+            than one slow rank's eager step on a loaded machine).
         pin_gpu: Pin one GPU per process by Horovod local rank and enable
             memory growth (ignored without GPUs).
 
@@ -35,6 +38,7 @@ class Config:
     cycle_time_ms: float | None = None
     stall_check_seconds: int = 60
     stall_shutdown_seconds: int = 300
+    gloo_timeout_seconds: int = 600
     pin_gpu: bool = True
 
     def __post_init__(self):
@@ -43,7 +47,7 @@ class Config:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
                 raise ValueError(f"Received an invalid value for `{field}`: {field}={v!r}; "
                                  "expected a non-negative number or None.")
-        for field in ("stall_check_seconds", "stall_shutdown_seconds"):
+        for field in ("stall_check_seconds", "stall_shutdown_seconds", "gloo_timeout_seconds"):
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Received an invalid value for `{field}`: {field}={v!r}; "
@@ -54,6 +58,7 @@ class Config:
         env = {
             "HOROVOD_STALL_CHECK_TIME_SECONDS": str(self.stall_check_seconds),
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(self.stall_shutdown_seconds),
+            "HOROVOD_GLOO_TIMEOUT_SECONDS": str(self.gloo_timeout_seconds),
         }
         if self.fusion_threshold_bytes is not None:
             env["HOROVOD_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_bytes))

@@ -195,7 +195,9 @@ def test_gather_save_load_without_tfhybrid_and_resume_on_another_grid(grid_of, t
     expected = reference("cnn", x, y)
     first = train(transform(original, "df"), x[:BATCH], y[:BATCH])
     full = gather(first)
-    path = os.path.join("/tmp", f"tfhybrid_transform_test_{os.getppid()}.keras")
+    # The same path on every rank of this job (a per-process id would differ per rank).
+    job = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "local")
+    path = os.path.join("/tmp", f"tfhybrid_transform_test_{job}.keras")
     if tfhybrid.is_root():
         full.save(path)
     barrier()

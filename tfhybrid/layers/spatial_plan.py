@@ -28,7 +28,7 @@ import dataclasses
 import math
 from typing import Optional, Sequence, Tuple
 
-from tfhybrid.grid import Group
+from tfhybrid.grid import Group, _ravel, _unravel
 
 SPATIAL_AXES = {2: ("height", "width"), 3: ("depth", "height", "width")}
 
@@ -244,17 +244,3 @@ def all_factored(groups: Sequence[Sequence[int]], shape) -> Tuple[Tuple[int, ...
                     result.append(sub.ranks)
     return tuple(result)
 
-
-def _unravel(index, shape):
-    coords = []
-    for s in reversed(shape):
-        coords.append(index % s)
-        index //= s
-    return tuple(reversed(coords))
-
-
-def _ravel(coords, shape):
-    index = 0
-    for c, s in zip(coords, shape):
-        index = index * s + c
-    return index

@@ -10,13 +10,21 @@ single-process gradient of the mean loss over the global batch:
 kind           what each rank holds / computes              reduction of the local gradient
 =============  ===========================================  =================================
 replicated     the full weight; its local gradient is the   average over the world
-               gradient of this rank's loss
+               gradient of this rank's loss                 (``group="data"``: over the
+                                                            data group only, see below)
 partial        the full weight; the true gradient of a      sum over ``group``, average over
                model group is the sum of its ranks'         the rest (= world average x
                local gradients (e.g. spatial layers)        group size)
 sharded        a block of the weight; the gradient of the   average over the data group
                block is complete within the model group
 =============  ===========================================  =================================
+
+A replicated variable with ``group="data"`` is one whose local gradient is
+already identical on every rank of a model group (the model group computes
+on the same rows and its activations are replicated there, as in the f, c,
+df, s and ds strategies): averaging over the data group alone gives the same
+value and skips the model axis. ``tfhybrid.transform`` tags replicated
+weights this way when a strategy splits the batch over the data axis only.
 
 ``grad_scale`` multiplies the reduced gradient (e.g. 1/K where a model group
 sums K ranks' losses, as in SplitBrain's ModuloLayer).
@@ -36,7 +44,9 @@ class VariableLayout:
     Attributes:
         kind: "replicated", "partial" or "sharded".
         group: The model-axis group the variable is partial/sharded over
-            ("model" or a sub-axis name); ignored for "replicated".
+            ("model" or a sub-axis name); for "replicated", "data" means the
+            local gradient is identical across the model group (reduce over
+            the data group only); any other value means the world.
         axis: The sharded axis of the full weight (sharded only).
         grad_scale: Factor applied after the reduction.
     """

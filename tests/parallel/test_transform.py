@@ -225,6 +225,10 @@ def test_describe_reports_local_shapes_collectives_and_parameter_bytes(grid_of):
     assert rows["fc1"].kind == "filter (split out)"
     assert rows["fc2"].kind == "channel (split in)"
     assert ("fwd", "allreduce", "model", BATCH * 8 * 4) in rows["fc2"].collectives
+    # conv1 reads the model input: nothing back-propagates into it, no bwd collective
+    assert not [c for c in rows["conv1"].collectives if c[0] == "bwd"]
+    # one data replica (f over the world): replicated weights (fc2's bias) need no reduction
+    assert not [c for r in d.rows for c in r.collectives if c[0] == "grad"]
     analytic = 0
     for layer in original.layers:
         for w in layer.trainable_weights:

@@ -67,6 +67,9 @@ def test_reduction_rule_on_synthetic_grid():
     v = keras.Variable(np.zeros(3, np.float32))
     assert reduction_of(v, grid) == (r := reduction_of(v, grid)) and r.ranks == tuple(range(8))
     assert r.factor == pytest.approx(1 / 8)
+    set_layout(v, VariableLayout(kind="replicated", group="data"))   # same grad in a model group
+    r = reduction_of(v, grid)
+    assert r.ranks == (1, 3, 5, 7) and r.factor == pytest.approx(1 / 4)
     set_layout(v, VariableLayout(kind="sharded", grad_scale=0.5))
     r = reduction_of(v, grid)
     assert r.ranks == (1, 3, 5, 7) and r.factor == pytest.approx(0.5 / 4)

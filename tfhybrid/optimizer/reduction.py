@@ -9,6 +9,7 @@ the single-process gradient of the mean loss over the global batch:
 kind           ranks that reduce (sum)              factor after the sum
 =============  ===================================  ==========================
 replicated     world                                1 / p
+  group="data" this rank's data group                 1 / p_data
 partial        world                                K / p (K: the layout group)
 sharded        this rank's data group               1 / p_data
 =============  ===================================  ==========================
@@ -78,6 +79,8 @@ def reduction_of(variable, grid: ProcessGrid, op: str = "average") -> Reduction:
     world = tuple(range(grid.size))
     if is_prereduced(variable):
         ranks, factor = (), 1.0
+    elif layout.kind == "replicated" and layout.group == "data":
+        ranks, factor = grid.group("data").ranks, 1.0 / grid.data_size
     elif layout.kind == "replicated":
         ranks, factor = world, 1.0 / grid.size
     elif layout.kind == "partial":

@@ -7,11 +7,13 @@ on it what :func:`tfhybrid.gather`, :func:`tfhybrid.describe` and
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import keras
 
 from tfhybrid import runtime
+from tfhybrid.layout import layout_of, set_layout
 from tfhybrid.transform.graph import as_functional, describe_graph
 from tfhybrid.transform.options import BUILDABLE, make_options, options_for
 from tfhybrid.transform.planner import make_plan
@@ -83,10 +85,26 @@ def transform(model, strategy="d", **options):
         opts = _oracle_options(model, graph, grid, options)
     plan = make_plan(graph, opts, grid)
     new = rewrite(functional, plan, grid)
+    if plan.batch_split == "data" and grid.model_size > 1:
+        _reduce_replicas_over_data(new)
     source = json.dumps(keras.saving.serialize_keras_object(model))
     object.__setattr__(new, INFO_ATTR, TransformInfo(plan, graph, source, grid))
     object.__setattr__(new, BATCH_SPLIT_ATTR, plan.batch_split)
     return new
+
+
+def _reduce_replicas_over_data(model):
+    """Tag replicated weights: their gradient is identical within a model group.
+
+    With the batch split over the data axis only, every rank of a model group
+    computes on the same rows and replicated layers see replicated
+    activations, so averaging their gradients over the data group suffices
+    (the model axis would average identical copies).
+    """
+    for w in model.trainable_weights:
+        layout = layout_of(w)
+        if layout.kind == "replicated":
+            set_layout(w, dataclasses.replace(layout, group="data"))
 
 
 def _oracle_options(model, graph, grid, options):

@@ -14,7 +14,7 @@ from typing import List, Tuple
 
 import numpy as np
 
-from tfhybrid.layout import layout_of
+from tfhybrid.optimizer.reduction import reduction_of
 from tfhybrid.transform.api import info_of
 
 _F32 = 4
@@ -76,11 +76,13 @@ def describe(model, batch_size=None, print_fn=print) -> Description:
     info = info_of(model)
     plan, grid = info.plan, info.grid
     rows_per_rank = _rows(batch_size, plan, grid)
-    out = []
+    out, graded = [], _tensors_with_gradient(info.graph)
     for np_ in plan.nodes:
         node = info.graph.node(np_.name)
         layer = model.get_layer(np_.name)
         comms = _activation_comms(np_, node, rows_per_rank, plan.context)
+        if not any(t in graded for t in node.inputs):   # back-propagation stops here
+            comms = [c for c in comms if c[0] != "bwd"]
         comms += _gradient_comms(layer, grid)
         shapes = tuple(tuple(int(d) for d in w.shape) for w in layer.weights)
         pbytes = int(sum(_bytes(w) for w in layer.trainable_weights))
@@ -91,6 +93,16 @@ def describe(model, batch_size=None, print_fn=print) -> Description:
     if print_fn is not None:
         print_fn(text)
     return Description(plan.strategy, tuple(out), total, comm, text)
+
+
+def _tensors_with_gradient(graph):
+    """Ids of the tensors that depend on a trainable weight: only those get a
+    gradient in training (the tape never back-propagates into the inputs)."""
+    graded = set()
+    for node in graph.nodes:
+        if node.param_bytes or any(t in graded for t in node.inputs):
+            graded.add(node.output)
+    return graded
 
 
 def _rows(batch_size, plan, grid):
@@ -167,12 +179,12 @@ def _halo_bytes(node, rows, ctx):
 
 
 def _gradient_comms(layer, grid) -> List[tuple]:
-    groups = {"replicated": "world", "partial": "world", "sharded": "data"}
-    size = {"world": grid.size, "data": grid.data_size}
+    """The DistributedOptimizer's reduction of each weight's gradient."""
     out = []
     for w in layer.trainable_weights:
-        group = groups[layout_of(w).kind]
-        if size[group] > 1:
+        ranks = reduction_of(w, grid).ranks
+        if len(ranks) > 1:
+            group = "world" if len(ranks) == grid.size else "data"
             out.append(("grad", "allreduce", group, _bytes(w)))
     return out
 

@@ -97,7 +97,7 @@ def _calibrate_args(ap):
     ap.add_argument("--reps", type=int, default=5, help="repetitions per timing (median)")
     ap.add_argument("--model", help="also time per-layer forward/backward and gamma of "
                     "this model (known name or .keras)")
-    ap.add_argument("--batch", type=int, default=8, help="batch for --model timings")
+    ap.add_argument("--batch", type=int, default=8, help="local batch for --model timings (also timed at batch x world)")
     ap.add_argument("--quick", action="store_true", help="small sizes, 3 reps (tests)")
 
 

@@ -100,3 +100,15 @@ def test_report_table_json_png(tmp_path):
     png = tmp_path / "chart.png"
     report.plot_png(str(png), preds, "t")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fit_line_intercept_and_slope_non_negative():
+    assert cal.fit_line([16, 64], [0.004, 0.010]) == pytest.approx((0.002, 0.000125))
+    assert cal.fit_line([16, 64], [0.010, 0.004]) == pytest.approx((0.007, 0.0))  # no slope < 0
+    assert cal.fit_line([8, 8], [1.0, 3.0]) == (0.0, 0.25)   # one batch size: through 0
+    with pytest.raises(ValueError, match="as many x as y"):
+        cal.fit_line([1, 2], [1.0])
+    m = Machine.from_dict({"alpha": 0, "beta": 0, "flop_rate": 1.0, "compute_fixed_s": 0.5})
+    assert m.compute_fixed_s == 0.5 and Machine.from_dict(m.to_dict()) == m
+    with pytest.raises(ValueError, match="compute_fixed_s"):
+        Machine.from_dict({"alpha": 0, "beta": 0, "flop_rate": 1.0, "compute_fixed_s": -1})

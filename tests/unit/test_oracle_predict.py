@@ -124,6 +124,13 @@ def test_data_spatial_grid():
     assert r.comm_s["halo"] == pytest.approx(2 * (2 + 2 * 0.5 * 24))
 
 
+def test_spatial_gradients_world_for_spatial_layers_data_groups_for_the_rest():
+    prof = ModelProfile("conv_fc", (CONV, FC2), 64)
+    r = predict(prof, "ds", 4, 4, M, grid=(2, 2, 1))
+    # conv (20 params, partial sums) over all 4 ranks; fc2 (10) over the 2 data replicas
+    assert r.comm_s["GE-allreduce"] == pytest.approx(6 * (1 + 20 / 4 * 0.5) + 2 * (1 + 10 / 2 * 0.5))
+
+
 @pytest.mark.parametrize("strategy,p,batch,opts,match", [
     ("d", 8, 4, {}, "p=8 exceeds the batch B=4"),
     ("d", 3, 4, {}, "batch B=4 is not divisible by p=3"),
@@ -206,6 +213,13 @@ def test_oversubscription_and_overhead():
     assert r.compute_s == pytest.approx(12.0 * 2) and r.overhead_s == 0.5
     assert r.total_s == pytest.approx(r.compute_s + r.comm_total_s + 0.5)
     assert predict(PROF, "serial", 4, 4, m).compute_s == 48.0
+
+
+def test_fixed_compute_added_once_per_iteration_and_oversubscribed():
+    m = M.replace(compute_fixed_s=3.0, compute_slots=2)
+    assert predict(PROF, "serial", 1, 4, m).compute_s == pytest.approx(48.0 + 3.0)
+    assert predict(PROF, "f", 2, 4, m).compute_s == pytest.approx(24.0 + 3.0)
+    assert predict(PROF, "d", 4, 4, m).compute_s == pytest.approx((12.0 + 3.0) * 2)
 
 
 def test_layer_times_override_flops():

@@ -15,9 +15,11 @@ What it measures (rank 0 writes the file):
 2. flop_rate: a Dense forward+backward of known FLOPs, timed on rank 0 alone
    while the other ranks wait; the oracle scales compute by
    ranks on the node / ``compute_slots`` (usable cores / intra-op threads).
-3. layer_times (optional ``--model``): per-layer forward and backward seconds
-   per sample: the whole model's forward and backward times split over its
-   layers by FLOPs (rank 0 alone, as 2).
+3. layer_times and compute_fixed_s (optional ``--model``): the whole
+   model's forward and backward times at the local batch and at local batch
+   x world, fitted as ``fixed + batch x slope``; the slope is split over the
+   layers by FLOPs (seconds per sample), the intercept is the
+   batch-independent cost per iteration (rank 0 alone, as 2).
 4. step_overhead_s: the cost of one Keras ``train_on_batch`` of a 1-unit model.
 5. gamma (with ``--model``): peak RSS growth of training the model divided by
    the naive serial memory estimate (ParaDL's memory reuse factor).
@@ -106,6 +108,23 @@ def fit_tiers(samples) -> list:
         a, b, _ = fit_alpha_beta([s for s in samples if s[1] == g])
         tiers.append(Tier(max_ranks=g, alpha=a, beta=b))
     return tiers
+
+
+def fit_line(xs, ys) -> tuple:
+    """Least-squares ``y = a + b x`` with a, b >= 0; one point gives (0, y/x).
+
+    Example:
+        >>> [round(v, 6) for v in fit_line([1, 3], [3.0, 7.0])]
+        [1.0, 2.0]
+    """
+    xs, ys = np.asarray(xs, float), np.asarray(ys, float)
+    if len(xs) != len(ys) or not len(xs):
+        raise ValueError(f"fit_line needs as many x as y values, at least one; received "
+                         f"{len(xs)} and {len(ys)}.")
+    if len(set(xs.tolist())) < 2:
+        return 0.0, float(ys.mean() / xs.mean())
+    a, b = _nnls2(np.stack([np.ones_like(xs), xs], axis=1), ys)
+    return float(a), float(b)
 
 
 def estimate_gamma(measured_bytes: float, naive_bytes: float) -> float:

@@ -39,19 +39,25 @@ def measure_flop_rate(n=512, reps=5) -> float:
     return 3 * 2 * n ** 3 / sec
 
 
-def measure_layer_times(model, batch, reps=7) -> dict:
-    """{layer: (forward_s, backward_s)} per sample, from whole-model timings.
+def measure_layer_times(model, batch, reps=7, batches=None):
+    """Per-layer forward/backward seconds per sample and the fixed part.
 
-    The model's forward and forward+backward at ``batch`` are timed as a
-    whole (minimum of ``reps``) and split over the layers in proportion to
-    their forward / backward FLOPs: on a shared CPU, timing each layer alone
-    is dominated by noise and per-call overhead, while the whole-model time
-    is what training pays.
+    The model's forward and forward+backward are timed as a whole (minimum of
+    ``reps``) at each batch size of ``batches`` (default ``(batch,)``) and
+    split over the layers in proportion to their forward / backward FLOPs:
+    on a shared CPU, timing each layer alone is dominated by noise and
+    per-call overhead, while the whole-model time is what training pays.
+    With two or more batch sizes a line ``t(b) = fixed + b * slope`` is
+    fitted (least squares, both parts >= 0): the slope is split over the
+    layers and the intercept is the batch-independent cost (op dispatch).
+
+    Returns:
+        ``({layer: (forward_s, backward_s)} per sample, fixed_s)``; fixed_s
+        is 0.0 with a single batch size.
     """
     import numpy as np  # noqa: WPS433
     from tfhybrid.oracle.profile import profile  # noqa: WPS433
     tf = _tf()
-    x = tf.constant(np.random.rand(batch, *model.input_shape[1:]).astype("float32"))
     fwd = tf.function(lambda a: model(a, training=True))
 
     @tf.function
@@ -60,14 +66,19 @@ def measure_layer_times(model, batch, reps=7) -> dict:
             s = tf.reduce_sum(model(a, training=True))
         return tape.gradient(s, model.trainable_weights)
 
-    t_f = cal._best_time(lambda: fwd(x).numpy(), reps)
-    t_fb = cal._best_time(lambda: [g.numpy() for g in fwd_bwd(x)], reps)
+    sizes = sorted(set(batches or (batch,)))
+    t_f, t_fb = [], []
+    for b in sizes:
+        x = tf.constant(np.random.rand(b, *model.input_shape[1:]).astype("float32"))
+        t_f.append(cal._best_time(lambda: fwd(x).numpy(), reps))
+        t_fb.append(cal._best_time(lambda: [g.numpy() for g in fwd_bwd(x)], reps))
+    (f0, f1), (fb0, fb1) = cal.fit_line(sizes, t_f), cal.fit_line(sizes, t_fb)
+    b1 = max(fb1 - f1, 0.0)
     rows = profile(model).rows
     f_tot = sum(r.fwd_flops for r in rows) or 1.0
     b_tot = sum(r.bwd_flops for r in rows) or 1.0
-    t_b = max(t_fb - t_f, 0.0)
-    return {r.name: (t_f * r.fwd_flops / f_tot / batch, t_b * r.bwd_flops / b_tot / batch)
-            for r in rows}
+    times = {r.name: (f1 * r.fwd_flops / f_tot, b1 * r.bwd_flops / b_tot) for r in rows}
+    return times, max(fb0, f0, 0.0)
 
 
 def measure_step_overhead(reps=20) -> float:
@@ -113,18 +124,18 @@ def _group_sizes(world):
     return gs + [world] if world > 1 else []
 
 
-def _model_part(model_name, batch, slowdown, log):
+def _model_part(model_name, batches, log):
     from tfhybrid.oracle.models import build_model  # noqa: WPS433
     from tfhybrid.oracle.predict import predict  # noqa: WPS433
     model = build_model(model_name)
-    naive = predict(model, "serial", 1, batch,
+    naive = predict(model, "serial", 1, batches[0],
                     {"alpha": 0, "beta": 0, "flop_rate": 1.0}).memory_bytes
-    gamma, grown = measure_gamma(model, batch, naive)   # first: peak RSS is monotone
+    gamma, grown = measure_gamma(model, batches[0], naive)   # first: peak RSS is monotone
     log(f"  gamma = {gamma:.3g} (RSS grew {grown / 1e6:.1f} MB, naive {naive / 1e6:.1f} MB)")
-    log(f"  timing {model.name} forward/backward at batch {batch}")
-    times = {k: (f * slowdown, b * slowdown)
-             for k, (f, b) in measure_layer_times(model, batch).items()}
-    return times, gamma
+    log(f"  timing {model.name} forward/backward at batches {list(batches)}")
+    times, fixed = measure_layer_times(model, batches[0], batches=batches)
+    log(f"  fixed forward+backward cost {fixed * 1e3:.3g} ms per iteration")
+    return times, gamma, fixed
 
 
 def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=print) -> dict:
@@ -137,19 +148,21 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
     samples = cal.time_collectives(_sizes(max_bytes, n_sizes), _group_sizes(world), reps, say)
     cal.sync(backend)
     slots = cal.compute_slots()
-    rate, overhead, times, gamma = None, 0.0, None, 1.0
+    rate, overhead, times, gamma, fixed = None, 0.0, None, 1.0, 0.0
     if rank == 0:   # compute alone (others wait): prediction scales by compute_slots
         rate = measure_flop_rate()
         say(f"  flop rate {rate / 1e9:.3g} GFLOP/s on one rank ({slots} compute slots)")
         overhead = measure_step_overhead(reps=3 * reps)
         say(f"  step overhead {overhead * 1e3:.3g} ms")
-        times, gamma = _model_part(model, batch, 1.0, say) if model else (None, 1.0)
+        if model:   # from the local batch up to the global one (what serial runs)
+            times, gamma, fixed = _model_part(model, (batch, batch * max(world, 2)), say)
     # Rank 0 alone built Keras objects: reset the auto-name counters on every
     # rank so later models get the same layer (and so collective) names everywhere.
     import keras  # noqa: WPS433
     keras.utils.clear_session()
     cal.sync(backend)
     spec = _spec(samples, rate, times, gamma, overhead, slots, world, backend.local_size())
+    spec["compute_fixed_s"] = fixed
     if rank == 0:
         Machine.from_dict(spec)
         with open(out, "w", encoding="utf-8") as fh:

@@ -31,7 +31,8 @@ import os
 from typing import Any, Mapping
 
 _NUMBER_FIELDS = ("alpha", "beta", "flop_rate", "memory_bytes", "phi", "gamma",
-                  "bytes_per_item", "step_overhead_s", "compute_slots", "wu_flops_per_param")
+                  "bytes_per_item", "step_overhead_s", "compute_slots", "wu_flops_per_param",
+                  "compute_fixed_s")
 
 
 def _check_number(name, value, allow_zero=True, allow_none=False):
@@ -86,6 +87,12 @@ class Machine:
         bytes_per_item: delta, bytes per value (4 for float32).
         step_overhead_s: Fixed framework cost per iteration (measured by
             calibration; 0 in the papers).
+        compute_fixed_s: Forward+backward seconds per iteration that do not
+            grow with the batch (per-op dispatch; the intercept of the
+            model's time against its batch size, measured by calibration
+            with ``--model``; 0 in the papers). ``layer_times`` are then the
+            slope: seconds per additional sample. Added once per iteration
+            on every rank, whatever the strategy.
         compute_slots: Ranks that can compute concurrently on one node without
             slowing each other (cores / threads per rank, or GPUs per node);
             None means never oversubscribed. When more ranks share a node,
@@ -112,6 +119,7 @@ class Machine:
     compute_slots: int | None = None
     ranks_per_node: int | None = None
     wu_flops_per_param: float = 2.0
+    compute_fixed_s: float = 0.0
     source: str = ""
 
     def __post_init__(self):

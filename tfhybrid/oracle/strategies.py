@@ -62,7 +62,9 @@ def _phases(**kw):
 
 
 def _result(ctx, name, p, comp, comm, mem, options, reasons):
+    """The Prediction; adds the machine's batch-independent compute per iteration."""
     reasons = list(reasons) + ctx.memory_reasons(mem)
+    comp += ctx.m.compute_fixed_s * ctx.m.oversubscription(p)
     return Prediction(strategy=name, p=p, batch=ctx.B, compute_s=comp,
                       comm_s=comm, overhead_s=ctx.m.step_overhead_s, memory_bytes=mem,
                       options=options, feasible=not reasons, reasons=tuple(reasons))
@@ -209,7 +211,11 @@ def _spatial_one(ctx, p, p1, grid, name="s"):
     lim, uneven = _spatial_limits(ctx, ctx.spatial_prefix(), grid)
     nb = ctx.B / p1
     comp, halo, gather, mem, idx = _spatial_part(ctx, p_sp, grid, nb, p_sp)
-    ge = ctx.m.t_allreduce(p, sum(r.params for r in ctx.rows) * ctx.delta)
+    # spatial weights are partial sums (world); the rest sees the same rows inside a
+    # spatial group (identical gradients) and is averaged over the data groups only
+    sp_params = sum(ctx.rows[i].params for i in idx)
+    ge = ctx.m.t_allreduce(p, sp_params * ctx.delta) + ctx.m.t_allreduce(
+        p1, (sum(r.params for r in ctx.rows) - sp_params) * ctx.delta, span=p)
     comm = _phases(halo=halo, FB_ag=gather, GE_ar=ge)
     opts = {"grid": {"data": p1, "spatial": list(grid)}, "spatial_layers": len(idx),
             "uneven_layers": uneven}

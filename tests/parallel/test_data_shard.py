@@ -12,9 +12,9 @@ import tensorflow as tf
 
 import tfhybrid
 
-from conftest import model_parallel_values
+from conftest import all_model_parallel_values
 
-MPS = model_parallel_values()
+MPS = all_model_parallel_values()
 BATCH = 8
 
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid.layout import VariableLayout, set_layout
 
-from conftest import model_parallel_values, randn
+from conftest import all_model_parallel_values, randn
 from test_optimizer_fit import (GLOBAL_BATCH, LOSS, STEPS, assert_weights_close, global_dataset,
                                 make_data, make_model, make_optimizer, reference_weights)
 
@@ -43,7 +43,7 @@ def expected_reduction(grid, kind_index, op, grad_of):
     return value * (grid.data_size if op == "sum" else 1)
 
 
-@pytest.mark.parametrize("mp", model_parallel_values(), ids=lambda m: f"mp{m}")
+@pytest.mark.parametrize("mp", all_model_parallel_values(), ids=lambda m: f"mp{m}")
 @pytest.mark.parametrize("op", ["average", "sum"])
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_reduction_rule_per_layout(grid_of, mp, op, mode):

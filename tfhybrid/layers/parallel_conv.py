@@ -45,6 +45,22 @@ class _Conv2DOp:
     _SOURCE = keras.layers.Conv2D
     _OUT_ARG = "filters"
 
+    def __init__(self, filters, kernel_size, strides=(1, 1), padding="valid",
+                 data_format=None, dilation_rate=(1, 1), activation=None, use_bias=True,
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
+                 kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None,
+                 kernel_constraint=None, bias_constraint=None, group="model",
+                 input_layout=REPLICATED, output_layout=REPLICATED, **kwargs):
+        super().__init__(activation, use_bias, kernel_initializer, bias_initializer,
+                         kernel_regularizer, bias_regularizer, activity_regularizer,
+                         kernel_constraint, bias_constraint, group, input_layout,
+                         output_layout, **kwargs)
+        self._set_conv(filters, kernel_size, strides, padding, data_format, dilation_rate)
+        self._init_partition()
+
+    def get_config(self):
+        return self._conv_config(super().get_config())
+
     def _set_conv(self, filters, kernel_size, strides, padding, data_format, dilation_rate):
         if isinstance(filters, bool) or not isinstance(filters, int) or filters < 1:
             raise ValueError(f"Layer '{self.name}': received an invalid value for `filters`, "
@@ -128,22 +144,6 @@ class FilterParallelConv2D(_Conv2DOp, FilterParallel):
         >>> conv = FilterParallelConv2D.from_layer(built_conv2d, output_layout="split")
     """
 
-    def __init__(self, filters, kernel_size, strides=(1, 1), padding="valid",
-                 data_format=None, dilation_rate=(1, 1), activation=None, use_bias=True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
-                 kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None,
-                 kernel_constraint=None, bias_constraint=None, group="model",
-                 input_layout=REPLICATED, output_layout=REPLICATED, **kwargs):
-        super().__init__(activation, use_bias, kernel_initializer, bias_initializer,
-                         kernel_regularizer, bias_regularizer, activity_regularizer,
-                         kernel_constraint, bias_constraint, group, input_layout,
-                         output_layout, **kwargs)
-        self._set_conv(filters, kernel_size, strides, padding, data_format, dilation_rate)
-        self._init_partition()
-
-    def get_config(self):
-        return self._conv_config(super().get_config())
-
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class ChannelParallelConv2D(_Conv2DOp, ChannelParallel):
@@ -180,22 +180,6 @@ class ChannelParallelConv2D(_Conv2DOp, ChannelParallel):
         >>> c = ChannelParallelConv2D(64, 3, padding="same", input_layout="split")
         >>> y = c(f(images))            # == Conv2D(64,3)(Conv2D(32,3)(images)), one allreduce
     """
-
-    def __init__(self, filters, kernel_size, strides=(1, 1), padding="valid",
-                 data_format=None, dilation_rate=(1, 1), activation=None, use_bias=True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
-                 kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None,
-                 kernel_constraint=None, bias_constraint=None, group="model",
-                 input_layout=REPLICATED, output_layout=REPLICATED, **kwargs):
-        super().__init__(activation, use_bias, kernel_initializer, bias_initializer,
-                         kernel_regularizer, bias_regularizer, activity_regularizer,
-                         kernel_constraint, bias_constraint, group, input_layout,
-                         output_layout, **kwargs)
-        self._set_conv(filters, kernel_size, strides, padding, data_format, dilation_rate)
-        self._init_partition()
-
-    def get_config(self):
-        return self._conv_config(super().get_config())
 
 
 __all__ = ["FilterParallelConv2D", "ChannelParallelConv2D"]

@@ -25,6 +25,21 @@ class _DenseOp:
     _SOURCE = keras.layers.Dense
     _OUT_ARG = "units"
 
+    def __init__(self, units, activation=None, use_bias=True,
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
+                 kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None,
+                 kernel_constraint=None, bias_constraint=None, group="model",
+                 input_layout=REPLICATED, output_layout=REPLICATED, **kwargs):
+        super().__init__(activation, use_bias, kernel_initializer, bias_initializer,
+                         kernel_regularizer, bias_regularizer, activity_regularizer,
+                         kernel_constraint, bias_constraint, group, input_layout,
+                         output_layout, **kwargs)
+        self._set_units(units)
+        self._init_partition()
+
+    def get_config(self):
+        return self._dense_config(super().get_config())
+
     def _set_units(self, units):
         if isinstance(units, bool) or not isinstance(units, int) or units < 1:
             raise ValueError(f"Layer '{self.name}': received an invalid value for `units`, "
@@ -96,21 +111,6 @@ class FilterParallelDense(_DenseOp, FilterParallel):
         >>> layer = FilterParallelDense.from_layer(built_dense)   # sliced weights
     """
 
-    def __init__(self, units, activation=None, use_bias=True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
-                 kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None,
-                 kernel_constraint=None, bias_constraint=None, group="model",
-                 input_layout=REPLICATED, output_layout=REPLICATED, **kwargs):
-        super().__init__(activation, use_bias, kernel_initializer, bias_initializer,
-                         kernel_regularizer, bias_regularizer, activity_regularizer,
-                         kernel_constraint, bias_constraint, group, input_layout,
-                         output_layout, **kwargs)
-        self._set_units(units)
-        self._init_partition()
-
-    def get_config(self):
-        return self._dense_config(super().get_config())
-
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class ChannelParallelDense(_DenseOp, ChannelParallel):
@@ -149,21 +149,6 @@ class ChannelParallelDense(_DenseOp, ChannelParallel):
         >>> y = layer(x)                    # same as Dense(10)(x), one allreduce
         >>> layer = ChannelParallelDense.from_layer(built_dense, input_layout="split")
     """
-
-    def __init__(self, units, activation=None, use_bias=True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
-                 kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None,
-                 kernel_constraint=None, bias_constraint=None, group="model",
-                 input_layout=REPLICATED, output_layout=REPLICATED, **kwargs):
-        super().__init__(activation, use_bias, kernel_initializer, bias_initializer,
-                         kernel_regularizer, bias_regularizer, activity_regularizer,
-                         kernel_constraint, bias_constraint, group, input_layout,
-                         output_layout, **kwargs)
-        self._set_units(units)
-        self._init_partition()
-
-    def get_config(self):
-        return self._dense_config(super().get_config())
 
 
 __all__ = ["FilterParallelDense", "ChannelParallelDense"]

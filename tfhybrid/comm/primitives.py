@@ -122,6 +122,21 @@ def _name(name, prim, g):
     return f"{name or prim}.{g.name}"
 
 
+def _conjugate_pair(x, g, name, forward, backward):
+    """``forward(x, name)`` with gradient ``backward(dy, name + ".bwd")``; the
+    identity on a group of one rank (no collective at all)."""
+    if g.size == 1:
+        return tf.identity(x)
+
+    @tf.custom_gradient
+    def _op(t):
+        def grad(dy):
+            return backward(dy, name + ".bwd")
+        return forward(t, name), grad
+
+    return _op(x)
+
+
 # -- the primitives -------------------------------------------------------------
 
 def split(x, axis=0, group="model", name=None):
@@ -144,18 +159,11 @@ def split(x, axis=0, group="model", name=None):
     """
     x = tf.convert_to_tensor(x)
     g, axis = resolve_group(group), _axis(x, axis)
-    if g.size == 1:
-        return tf.identity(x)
-    _check_divisible(x, axis, g.size, "split", g)
-    nm = _name(name, "split", g)
-
-    @tf.custom_gradient
-    def _split(t):
-        def grad(dy):
-            return _allgather(dy, axis, g, nm + ".bwd")
-        return _block(t, axis, g.index, g.size), grad
-
-    return _split(x)
+    if g.size > 1:
+        _check_divisible(x, axis, g.size, "split", g)
+    return _conjugate_pair(x, g, _name(name, "split", g),
+                           lambda t, nm: _block(t, axis, g.index, g.size),
+                           lambda dy, nm: _allgather(dy, axis, g, nm))
 
 
 def gather(x, axis=0, group="model", name=None):
@@ -166,17 +174,9 @@ def gather(x, axis=0, group="model", name=None):
     """
     x = tf.convert_to_tensor(x)
     g, axis = resolve_group(group), _axis(x, axis)
-    if g.size == 1:
-        return tf.identity(x)
-    nm = _name(name, "gather", g)
-
-    @tf.custom_gradient
-    def _gather(t):
-        def grad(dy):
-            return _block(dy, axis, g.index, g.size)
-        return _allgather(t, axis, g, nm), grad
-
-    return _gather(x)
+    return _conjugate_pair(x, g, _name(name, "gather", g),
+                           lambda t, nm: _allgather(t, axis, g, nm),
+                           lambda dy, nm: _block(dy, axis, g.index, g.size))
 
 
 def shard(x, axis=0, group="model", name=None):
@@ -187,51 +187,27 @@ def shard(x, axis=0, group="model", name=None):
     """
     x = tf.convert_to_tensor(x)
     g, axis = resolve_group(group), _axis(x, axis)
-    if g.size == 1:
-        return tf.identity(x)
-    nm = _name(name, "shard", g)
-
-    @tf.custom_gradient
-    def _shard(t):
-        def grad(dy):
-            return _reduce_scatter(dy, axis, g, nm + ".bwd")
-        return _allgather(t, axis, g, nm), grad
-
-    return _shard(x)
+    return _conjugate_pair(x, g, _name(name, "shard", g),
+                           lambda t, nm: _allgather(t, axis, g, nm),
+                           lambda dy, nm: _reduce_scatter(dy, axis, g, nm))
 
 
 def reduce(x, group="model", name=None):
     """P -> R: all-reduce (sum); backward is the identity."""
     x = tf.convert_to_tensor(x)
     g = resolve_group(group)
-    if g.size == 1:
-        return tf.identity(x)
-    nm = _name(name, "reduce", g)
-
-    @tf.custom_gradient
-    def _reduce(t):
-        def grad(dy):
-            return tf.identity(dy)
-        return backend.allreduce(t, g.ranks, nm), grad
-
-    return _reduce(x)
+    return _conjugate_pair(x, g, _name(name, "reduce", g),
+                           lambda t, nm: backend.allreduce(t, g.ranks, nm),
+                           lambda dy, nm: tf.identity(dy))
 
 
 def copy(x, group="model", name=None):
     """R -> R: identity; backward all-reduces (sums) the partial gradient."""
     x = tf.convert_to_tensor(x)
     g = resolve_group(group)
-    if g.size == 1:
-        return tf.identity(x)
-    nm = _name(name, "copy", g)
-
-    @tf.custom_gradient
-    def _copy(t):
-        def grad(dy):
-            return backend.allreduce(dy, g.ranks, nm + ".bwd")
-        return tf.identity(t), grad
-
-    return _copy(x)
+    return _conjugate_pair(x, g, _name(name, "copy", g),
+                           lambda t, nm: tf.identity(t),
+                           lambda dy, nm: backend.allreduce(dy, g.ranks, nm))
 
 
 def batch_gather(x, group="model", name=None):

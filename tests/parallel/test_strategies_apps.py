@@ -292,6 +292,21 @@ def test_fit_evaluate_predict_equal_single_process(grid_of, references, name, st
     assert_predict_and_evaluate_match(pmodel, full)
 
 
+@pytest.mark.skipif(N != 2, reason="B/K needs a local batch divisible by mp: at -np 2 each "
+                                   "rank holds 2 rows of the global batch of 4")
+def test_splitbrain_vgg_gmp_modulo_b_over_k(grid_of, references):
+    """SplitBrain's B/K scheme: FC0-FC2 run in 2 micro-steps of 1 row per rank."""
+    grid_of(2)
+    pmodel, full = train_transformed("splitbrain_vgg", "gmp", references["splitbrain_vgg"],
+                                     modulo="B/K")
+    modulo = [layer for layer in pmodel.layers if isinstance(layer, tfhybrid.layers.ModuloLayer)]
+    assert [m.scheme for m in modulo] == ["B/K"]
+    assert {"fc0", "fc1", "fc2"} <= {layer.name for layer in modulo[0].body.layers}
+    assert_predict_and_evaluate_match(pmodel, full)
+    bk = describe(transform(splitbrain_vgg(), "gmp"), batch_size=BATCH, print_fn=None)
+    assert describe(pmodel, batch_size=BATCH, print_fn=None).param_bytes == bk.param_bytes
+
+
 @pytest.mark.skipif(os.environ.get("TFHYBRID_TEST_RESNET50") != "1" or N != 2,
                     reason="slow (about 80 s per step on 2 cores): set TFHYBRID_TEST_RESNET50=1, "
                            "-np 2")

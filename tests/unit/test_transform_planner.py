@@ -167,6 +167,11 @@ def test_invalid_option_values():
         make_options("gmp", ccr_threshold=-1)
     with pytest.raises(ValueError, match=r"mp=0"):
         make_options("gmp", mp=0)
+    with pytest.raises(ValueError, match=r"modulo='BK2'.*\('BK', 'B/K'\)"):
+        make_options("gmp", modulo="BK2")
+    with pytest.raises(ValueError, match=r"modulo='B/K' does not apply to strategy 'df'.*'gmp'"):
+        make_options("df", modulo="B/K")
+    assert make_options("gmp").modulo == "BK" and make_options("gmp", modulo="B/K").modulo == "B/K"
 
 
 def test_units_not_divisible_names_layer_strategy_and_fix():

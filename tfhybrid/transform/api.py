@@ -54,7 +54,8 @@ def transform(model, strategy="d", **options):
             groups x filter/spatial groups), ``"gmp"`` (SplitBrain: convs data
             parallel over all ranks, FC layers with high CCR partitioned in
             groups of ``mp``) or ``"auto"`` (the oracle's choice).
-        **options: ``mp``, ``ccr_threshold`` (gmp); ``spatial``,
+        **options: ``mp``, ``ccr_threshold``, ``modulo`` (``"BK"`` or
+            ``"B/K"``: the ModuloLayer scheme) (gmp); ``spatial``,
             ``spatial_layers`` (s/ds); ``layers`` (per-layer overrides
             ``{"fc1": "f", "fc2": "c", "conv1": "replicate"}``); ``fallback``
             (``"error"`` or ``"replicate"``). See
@@ -75,6 +76,7 @@ def transform(model, strategy="d", **options):
         >>> tfhybrid.init(model_parallel=2)                # horovodrun -np 4
         >>> pmodel = tfhybrid.transform(model, "df")
         >>> pmodel = tfhybrid.transform(model, "gmp", ccr_threshold=100)
+        >>> pmodel = tfhybrid.transform(model, "gmp", modulo="B/K")   # K micro-steps
         >>> tfhybrid.describe(pmodel)
     """
     opts = make_options(strategy, **options)
@@ -84,7 +86,7 @@ def transform(model, strategy="d", **options):
     if opts.strategy == "auto":
         opts = _oracle_options(model, graph, grid, options)
     plan = make_plan(graph, opts, grid)
-    new = rewrite(functional, plan, grid)
+    new = rewrite(functional, plan, grid, opts.modulo)
     if plan.batch_split == "data" and grid.model_size > 1:
         _reduce_replicas_over_data(new)
     source = json.dumps(keras.saving.serialize_keras_object(model))

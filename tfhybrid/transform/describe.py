@@ -16,6 +16,7 @@ import numpy as np
 
 from tfhybrid.optimizer.reduction import reduction_of
 from tfhybrid.transform.api import info_of
+from tfhybrid.transform.rewrite import find_layer
 
 _F32 = 4
 
@@ -79,7 +80,7 @@ def describe(model, batch_size=None, print_fn=print) -> Description:
     out, graded = [], _tensors_with_gradient(info.graph)
     for np_ in plan.nodes:
         node = info.graph.node(np_.name)
-        layer = model.get_layer(np_.name)
+        layer = find_layer(model, np_.name)
         comms = _activation_comms(np_, node, rows_per_rank, plan.context)
         if not any(t in graded for t in node.inputs):   # back-propagation stops here
             comms = [c for c in comms if c[0] != "bwd"]

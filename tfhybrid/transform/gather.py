@@ -14,6 +14,7 @@ import json
 import keras
 
 from tfhybrid.transform.api import info_of
+from tfhybrid.transform.rewrite import find_layer
 
 _SLICED = ("filter", "channel")
 
@@ -45,7 +46,7 @@ def gather(model):
         target = full.get_layer(np.name)
         if not target.weights:
             continue
-        layer = model.get_layer(np.name)
+        layer = find_layer(model, np.name)
         if np.kind in _SLICED:
             layer = layer.to_layer()
         target.set_weights(layer.get_weights())

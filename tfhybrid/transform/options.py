@@ -13,12 +13,14 @@ from typing import Dict, Optional, Tuple, Union
 STRATEGIES = ("d", "f", "c", "s", "df", "ds", "gmp", "auto")
 FALLBACKS = ("error", "replicate")
 LAYER_KINDS = ("f", "c", "s", "replicate")
+MODULO_SCHEMES = ("BK", "B/K")
 DEFAULT_CCR_THRESHOLD = 64.0
 
 # Options that only some strategies read.
 _APPLIES = {
     "mp": ("gmp",),
     "ccr_threshold": ("gmp",),
+    "modulo": ("gmp",),
     "spatial": ("s", "ds"),
     "spatial_layers": ("s", "ds"),
     "batch_size": ("auto",),
@@ -39,6 +41,12 @@ class TransformOptions:
         ccr_threshold: gmp partitions a Dense layer when its
             computation-to-communication ratio (FLOPs per byte moved, see
             :func:`tfhybrid.transform.strategies.ccr`) is at least this.
+        modulo: gmp's ModuloLayer scheme (SplitBrain): ``"BK"`` (default;
+            the model-parallel region runs once on the group's K*B rows) or
+            ``"B/K"`` (K micro-steps of B rows, each recomputed in the
+            backward pass: activation memory of B rows instead of K*B; needs
+            a local batch divisible by ``mp`` and one model-parallel region
+            that ends at the model's single output).
         spatial: s/ds split: ``"height"``, ``"width"`` or ``(ph, pw)``.
         spatial_layers: s/ds: number of leading Conv2D layers to split
             spatially (default: every Conv2D before the first layer that
@@ -55,6 +63,7 @@ class TransformOptions:
     strategy: str
     mp: Optional[int] = None
     ccr_threshold: float = DEFAULT_CCR_THRESHOLD
+    modulo: str = "BK"
     spatial: Union[str, Tuple[int, int]] = "height"
     spatial_layers: Optional[int] = None
     layers: Dict[str, str] = dataclasses.field(default_factory=dict)
@@ -101,6 +110,10 @@ def _validate(o: TransformOptions):
             or o.ccr_threshold < 0:
         raise ValueError(f"Received an invalid value for `ccr_threshold`, expected a "
                          f"non-negative number. Received: ccr_threshold={o.ccr_threshold!r}")
+    if o.modulo not in MODULO_SCHEMES:
+        raise ValueError(f"Received an invalid value for `modulo`: modulo={o.modulo!r}; "
+                         f"expected one of {MODULO_SCHEMES} (gmp's ModuloLayer scheme: 'BK' "
+                         "gathers the group's K*B rows, 'B/K' runs K micro-steps of B rows).")
     if o.fallback not in FALLBACKS:
         raise ValueError(f"Received an invalid value for `fallback`: fallback={o.fallback!r}; "
                          f"expected one of {FALLBACKS}.")

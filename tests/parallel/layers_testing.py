@@ -107,3 +107,31 @@ def count_horovod_ops(concrete_fn):
 def rank_path(tmp_path, stem):
     """A per-rank file name (every rank of the pytest session saves its own)."""
     return os.path.join(str(tmp_path), f"{stem}.rank{backend.rank()}.keras")
+
+
+def compare_partitioned(cls, ref, in_layout, out_layout, mode, x, u):
+    """``cls.from_layer(ref)`` equals ``ref`` in value, input and weight gradients."""
+    g = comm.resolve_group("model")
+    layer = cls.from_layer(ref, input_layout=in_layout, output_layout=out_layout)
+    y_ref, dx_ref, dw_ref = reference(ref, x, u)
+
+    def call(t):
+        return collect(layer(feed(t, in_layout, g)), u, out_layout, g)
+
+    y, dx, dw = value_and_grads(call, layer.trainable_weights, x, mode)
+    np.testing.assert_allclose(y, y_ref, **FWD)
+    np.testing.assert_allclose(dx, dx_ref, **GRAD)
+    check_weight_grads(layer.trainable_weights, dw, dw_ref, g)
+
+
+def check_save_load(model, x, path):
+    """``model`` saved to ``path`` loads back with the same classes, weights,
+    layouts and outputs."""
+    import keras
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert [type(a) for a in loaded.layers] == [type(b) for b in model.layers]
+    for a, b in zip(loaded.weights, model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+        assert layout_of(a) == layout_of(b)
+    np.testing.assert_allclose(loaded(x), model(x), **FWD)

@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfhybrid import comm
 from tfhybrid.layers import ChannelParallelConv2D, FilterParallelConv2D
 from tfhybrid.layout import layout_of
 
 from conftest import model_parallel_values, randn
-from layers_testing import (FWD, GRAD, block, check_weight_grads, collect,
-                            count_horovod_ops, feed, rank_path, reference, value_and_grads)
+from layers_testing import (FWD, GRAD, block, check_save_load, compare_partitioned, value_and_grads,
+                            count_horovod_ops, rank_path)
 
 MPS = model_parallel_values()
 IN_SHAPE = (2, 9, 9, 4)
@@ -50,19 +49,8 @@ def conv(filters, in_ch, *key, kernel_size=3, strides=1, padding="same", dilatio
 
 
 def compare(cls, ref, in_layout, out_layout, mode):
-    g = comm.resolve_group("model")
-    x = randn(IN_SHAPE, "x")
     u = randn(ref.compute_output_shape(IN_SHAPE), "u", ref.name)
-    layer = cls.from_layer(ref, input_layout=in_layout, output_layout=out_layout)
-    y_ref, dx_ref, dw_ref = reference(ref, x, u)
-
-    def call(t):
-        return collect(layer(feed(t, in_layout, g)), u, out_layout, g)
-
-    y, dx, dw = value_and_grads(call, layer.trainable_weights, x, mode)
-    np.testing.assert_allclose(y, y_ref, **FWD)
-    np.testing.assert_allclose(dx, dx_ref, **GRAD)
-    check_weight_grads(layer.trainable_weights, dw, dw_ref, g)
+    compare_partitioned(cls, ref, in_layout, out_layout, mode, randn(IN_SHAPE, "x"), u)
 
 
 def config_id(c):
@@ -158,14 +146,7 @@ def test_to_layer_and_config(grid):
 def test_save_load_round_trip(grid, tmp_path):
     model = stack_parallel(stack_layers())
     x = randn(IN_SHAPE, "save")
-    path = rank_path(tmp_path, "conv")
-    model.save(path)
-    loaded = keras.models.load_model(path)
-    assert [type(a) for a in loaded.layers] == [type(b) for b in model.layers]
-    for a, b in zip(loaded.weights, model.weights):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
-        assert layout_of(a) == layout_of(b)
-    np.testing.assert_allclose(loaded(x), model(x), **FWD)
+    check_save_load(model, x, rank_path(tmp_path, "conv"))
 
 
 # -- errors ---------------------------------------------------------------------

@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfhybrid import comm
 from tfhybrid.layers import ChannelParallelDense, FilterParallelDense
 from tfhybrid.layout import layout_of
 
 from conftest import model_parallel_values, randn
-from layers_testing import (FWD, GRAD, block, check_weight_grads, collect,
-                            count_horovod_ops, feed, rank_path, reference, value_and_grads)
+from layers_testing import (FWD, GRAD, block, check_save_load, compare_partitioned,
+                            count_horovod_ops, rank_path, value_and_grads)
 
 MPS = model_parallel_values()
 MODES = ["eager", "function"]
@@ -43,18 +42,7 @@ def dense(units, in_dim, *key, activation=None, use_bias=True):
     return layer
 
 
-def compare(cls, ref, in_layout, out_layout, mode, x, u):
-    g = comm.resolve_group("model")
-    layer = cls.from_layer(ref, input_layout=in_layout, output_layout=out_layout)
-    y_ref, dx_ref, dw_ref = reference(ref, x, u)
-
-    def call(t):
-        return collect(layer(feed(t, in_layout, g)), u, out_layout, g)
-
-    y, dx, dw = value_and_grads(call, layer.trainable_weights, x, mode)
-    np.testing.assert_allclose(y, y_ref, **FWD)
-    np.testing.assert_allclose(dx, dx_ref, **GRAD)
-    check_weight_grads(layer.trainable_weights, dw, dw_ref, g)
+compare = compare_partitioned
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -175,14 +163,7 @@ def test_save_load_round_trip(grid, tmp_path):
     _, layers = stack_reference()
     model = stack_parallel(layers)
     x = randn((BATCH, 8), "save")
-    path = rank_path(tmp_path, "dense")
-    model.save(path)
-    loaded = keras.models.load_model(path)
-    assert [type(a) for a in loaded.layers] == [type(b) for b in model.layers]
-    for a, b in zip(loaded.weights, model.weights):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
-        assert layout_of(a) == layout_of(b), a.path
-    np.testing.assert_allclose(loaded(x), model(x), **FWD)
+    check_save_load(model, x, rank_path(tmp_path, "dense"))
 
 
 # -- errors ---------------------------------------------------------------------

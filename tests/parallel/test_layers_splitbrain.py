@@ -11,10 +11,9 @@ import pytest
 import tensorflow as tf
 
 from tfhybrid.layers import ModuloInverseLayer, ModuloLayer, ShardLayer
-from tfhybrid.layout import layout_of
 
 from conftest import model_parallel_values, randn
-from layers_testing import FWD, GRAD, block, rank_path, value_and_grads
+from layers_testing import FWD, GRAD, block, check_save_load, rank_path, value_and_grads
 from splitbrain_net import B, CLASSES, IMG, LOSS, PG, R, global_batch, splitbrain_model
 
 MPS = model_parallel_values()
@@ -102,14 +101,7 @@ def test_save_load_round_trip(grid, tmp_path):
     for scheme in ("BK", "B/K"):
         model = splitbrain_model(scheme, PG, "shard")
         x = randn((B,) + IMG, "save", grid.rank)
-        path = rank_path(tmp_path, f"splitbrain_{scheme.replace('/', '')}")
-        model.save(path)
-        loaded = keras.models.load_model(path)
-        assert [type(a) for a in loaded.layers] == [type(b) for b in model.layers]
-        for a, b in zip(loaded.weights, model.weights):
-            np.testing.assert_array_equal(a.numpy(), b.numpy())
-            assert layout_of(a) == layout_of(b)
-        np.testing.assert_allclose(loaded(x), model(x), **FWD)
+        check_save_load(model, x, rank_path(tmp_path, f"splitbrain_{scheme.replace('/', '')}"))
 
 
 # -- errors ---------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Subcommands register themselves in ``COMMANDS`` as (help, add_arguments, run);
 other modules may add theirs the same way.
 
-    tfhybrid plan MODEL --np N --batch B --machine m.json [--json out.json] [--png out.png]
+    tfhybrid plan MODEL --np N --batch B [--machine m.json] [--json out.json] [--png out.png]
     tfhybrid plan --paradl-net F [--paradl-lc F] --paradl-plat F [--paradl-tiers F] --np N --batch B
     horovodrun -np N tfhybrid calibrate -o machine.json [--model NAME] [--quick]
 
@@ -31,7 +31,9 @@ def _plan_args(ap):
                     "vgg16, resnet50, alexnet, splitbrain_vgg, cosmoflow")
     ap.add_argument("--np", dest="p", type=int, required=True, help="world size p")
     ap.add_argument("--batch", type=int, required=True, help="global mini-batch B")
-    ap.add_argument("--machine", help="machine JSON (see tfhybrid.oracle.default_machine_path())")
+    ap.add_argument("--machine", help="machine JSON (default: the shipped ParaDL ABCI V100 "
+                    "cluster, tfhybrid/oracle/machines/abci_v100.json; this CPU box: "
+                    "machines/cpu_box.json; yours: `tfhybrid calibrate`)")
     ap.add_argument("--strategies", help="comma-separated subset (default: all)")
     ap.add_argument("--dataset-size", type=int, help="add per-epoch times to the JSON")
     ap.add_argument("--json", help="write the ranked predictions as JSON")
@@ -59,13 +61,14 @@ def _load_plan_inputs(args):
         return model.profile, machine, model.profile.name
     if not args.model:
         raise ValueError("Give a MODEL (.keras file or known name) or --paradl-net FILE.")
-    if not args.machine:
-        raise ValueError("--machine is required: the oracle never assumes a machine. For this "
-                         "development box pass --machine " + mach.default_machine_path()
-                         + " or create one with `horovodrun -np N tfhybrid calibrate -o m.json`.")
+    machine = args.machine
+    if not machine:
+        machine = mach.cluster_machine_path()
+        print(f"no --machine: using {machine} (ParaDL's ABCI V100 cluster); plan for yours "
+              "with --machine m.json from `horovodrun -np N tfhybrid calibrate -o m.json`")
     from tfhybrid.oracle.models import build_model  # noqa: WPS433
     model = build_model(args.model)
-    return profile(model), mach.as_machine(args.machine), model.name
+    return profile(model), mach.as_machine(machine), model.name
 
 
 @command("plan", "predict time and memory per strategy, ranked")

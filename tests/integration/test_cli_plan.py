@@ -39,10 +39,15 @@ def test_plan_vgg16_table_json_png(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_plan_requires_machine():
-    proc = _run("plan", "alexnet", "--np", "4", "--batch", "32")
-    assert proc.returncode == 2
-    assert "--machine is required" in proc.stderr and "cpu_box.json" in proc.stderr
+def test_plan_without_machine_uses_the_shipped_cluster_and_says_so():
+    proc = _run("plan", "vgg16", "--np", "64", "--batch", "2048")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert "no --machine: using" in lines[0] and "abci_v100.json" in lines[0]
+    assert lines[1].startswith("vgg16: p=64, B=2048, machine: ParaDL ABCI platform")
+    ranked = [ln.split()[1] for ln in lines[4:14]]
+    assert set(ranked) == {"serial", "d", "f", "c", "s", "p", "df", "ds", "gmp", "ls"}
+    assert "yes" in lines[4]   # the first-ranked strategy is feasible
 
 
 @pytest.mark.skipif(not os.path.isdir(PARADL), reason="ParaDL data not present")

@@ -278,6 +278,14 @@ def as_machine(machine) -> Machine:
     return Machine.from_dict(machine)
 
 
+def cluster_machine_path() -> str:
+    """Path of the shipped GPU-cluster machine: ParaDL's ABCI platform (V100
+    16 GB, 7.8 TFLOP/s, 4 GPUs per node) with its per-tier alpha/beta. The
+    default of ``tfhybrid plan`` when no ``--machine`` is given.
+    """
+    return os.path.join(os.path.dirname(__file__), "machines", "abci_v100.json")
+
+
 def default_machine_path() -> str:
     """Path of the calibrated machine JSON shipped for the development CPU box.
 

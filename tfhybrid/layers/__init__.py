@@ -4,7 +4,7 @@
 from tfhybrid.layers.spatial import (SpatialAveragePooling2D, SpatialAveragePooling3D,  # noqa: F401
                                      SpatialConv2D, SpatialConv3D, SpatialGather,
                                      SpatialMaxPooling2D, SpatialMaxPooling3D,
-                                     SpatialScatter)
+                                     SpatialScatter, SpatialZeroPadding2D)
 # -- end spatial ------------------------------------------------------------------
 
 # -- model parallelism (filter/channel), SplitBrain boundaries, sync batch norm --

@@ -20,9 +20,10 @@ Modules: :mod:`spatial_plan` (geometry, pure Python), :mod:`spatial_core`
 """
 from tfhybrid.layers.spatial_conv import SpatialConv2D, SpatialConv3D
 from tfhybrid.layers.spatial_io import SpatialGather, SpatialScatter
+from tfhybrid.layers.spatial_pad import SpatialZeroPadding2D
 from tfhybrid.layers.spatial_pool import (SpatialAveragePooling2D, SpatialAveragePooling3D,
                                           SpatialMaxPooling2D, SpatialMaxPooling3D)
 
 __all__ = ["SpatialConv2D", "SpatialConv3D", "SpatialMaxPooling2D", "SpatialMaxPooling3D",
            "SpatialAveragePooling2D", "SpatialAveragePooling3D", "SpatialScatter",
-           "SpatialGather"]
+           "SpatialGather", "SpatialZeroPadding2D"]

@@ -33,8 +33,15 @@ from tfhybrid.grid import Group, _ravel, _unravel
 SPATIAL_AXES = {2: ("height", "width"), 3: ("depth", "height", "width")}
 
 
-def window_output(size: int, window: int, stride: int, padding: str):
-    """(output size, rows of padding before the first row) of one axis."""
+def window_output(size: int, window: int, stride: int, padding):
+    """(output size, rows of padding before the first row) of one axis.
+
+    ``padding`` is ``"valid"``, ``"same"`` or explicit rows ``(before, after)``
+    (zero padding at the global border, as ``ZeroPadding2D`` adds).
+    """
+    if isinstance(padding, tuple):
+        lo, hi = padding
+        return max((size + lo + hi - window) // stride + 1, 0), lo
     if padding == "valid":
         return max((size - window) // stride + 1, 0), 0
     out = -(-size // stride)

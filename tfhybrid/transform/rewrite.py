@@ -75,6 +75,8 @@ def _spatial(layer, np, grid):
     split = _split_arg(np.params["split"])
     if np.cls == "Conv2D":
         return P.SpatialConv2D.from_layer(layer, split=split, group=GROUP)
+    if np.cls == "ZeroPadding2D":
+        return P.SpatialZeroPadding2D.from_layer(layer, split=split, group=GROUP)
     config = {k: v for k, v in layer.get_config().items() if k != "data_format"}
     return getattr(P, _SPATIAL_POOLS[np.cls])(split=split, group=GROUP, **config)
 

@@ -8,7 +8,8 @@ output. Rules are small classes in a registry keyed by Keras class name:
 
 * :class:`Elementwise` (ReLU, Dropout, ...): any layout passes through.
 * :class:`Channelwise` (pooling, padding): keep ``channel`` splits; a
-  ``space`` split becomes a spatial pooling layer or is gathered first.
+  ``space`` split becomes a spatial pooling / zero-padding layer or is
+  gathered first.
 * :class:`Merge` (Add, Multiply, ...): inputs share one layout.
 * :class:`BatchNorm`: ``SyncBatchNormalization`` over every rank that holds
   part of the same batch statistics.
@@ -36,6 +37,8 @@ CHANNEL_MIXING = ("softmax", "log_softmax")
 CHANNELWISE = ("MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
                "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D", "UpSampling2D")
 SPATIAL_POOLS = ("MaxPooling2D", "AveragePooling2D")
+# Shape-only layers with a spatial counterpart (pooling; ZeroPadding2D padding the global border).
+SPATIAL_WINDOWED = SPATIAL_POOLS + ("ZeroPadding2D",)
 MERGES = ("Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum")
 LINEAR = ("Dense", "Conv2D")
 # Layers with weights that are correct replicated on full rows (no partitioning needed).
@@ -115,7 +118,7 @@ class Channelwise(Rule):
         lay = layouts[0]
         if lay.kind != "space":
             return Decision((None,), "replicate", lay)
-        if node.cls in SPATIAL_POOLS and _space_divisible(node, ctx.spatial):
+        if spatial_window(node, ctx.spatial):
             return Decision((None,), "spatial", lay, {"split": ctx.spatial})
         return Decision(("replicated",), "replicate", lay.with_kind("replicated"))
 
@@ -181,6 +184,37 @@ class Linear(Rule):
         paired = kind == "channel_split" and lay.kind == "channel"
         return Decision(("channel" if paired else "replicated",), "channel", rows,
                         {"input_layout": "split" if paired else "replicated"})
+
+
+def spatial_window(node, spatial) -> bool:
+    """True when a pooling or ZeroPadding2D layer can run on ``spatial`` blocks.
+
+    Its input and output height/width must split evenly; for zero padding,
+    the rows by which the border padding shifts the block boundaries must
+    also fit in one block (they come from the neighbour).
+
+    Example:
+        >>> spatial_window(node_of(ZeroPadding2D(3), in_hw=(32, 32)), (2, 1))
+        True
+    """
+    if node.cls not in SPATIAL_WINDOWED or not _space_divisible(node, spatial):
+        return False
+    if node.cls != "ZeroPadding2D":
+        return True
+    pads = node.attr("padding")
+    for axis, parts in zip((1, 2), spatial):
+        (lo, hi), size = pads[axis - 1], node.in_shapes[0][axis]
+        if _reblock_rows(size, parts, lo, hi) > size // parts:
+            return False
+    return True
+
+
+def _reblock_rows(size, parts, lo, hi) -> int:
+    """Most rows a rank receives from a neighbour when padding (lo, hi) re-blocks an axis."""
+    n, m = size // parts, (size + lo + hi) // parts
+    before = [i * n - (i * m - lo) for i in range(1, parts)]
+    after = [(i + 1) * m - lo - (i + 1) * n for i in range(parts - 1)]
+    return max([0] + before + after)
 
 
 def _space_divisible(node, spatial) -> bool:

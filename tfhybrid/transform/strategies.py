@@ -174,7 +174,7 @@ def _default_region(graph, ctx):
         divisible = rules.space_divisible(node, ctx.spatial)
         if node.cls == "Conv2D" and divisible and node.attr("groups", 1) == 1:
             region.append(node.name)
-        elif node.cls in rules.SPATIAL_POOLS and divisible:
+        elif rules.spatial_window(node, ctx.spatial):
             continue
         elif not _spatial_capable(node):
             break
@@ -191,7 +191,7 @@ def _explicit_region(graph, ctx, count):
             if not rules.space_divisible(node, ctx.spatial):
                 raise ValueError(_space_message(node, ctx, count))
             region.append(node.name)
-        elif not (_spatial_capable(node) or node.cls in rules.SPATIAL_POOLS):
+        elif not (_spatial_capable(node) or node.cls in rules.SPATIAL_WINDOWED):
             raise ValueError(
                 f"Layer {node.name!r} ({node.cls}) comes before Conv2D layer number "
                 f"{len(region) + 1} of spatial_layers={count} under strategy {ctx.strategy!r}, "

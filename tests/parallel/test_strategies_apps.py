@@ -50,9 +50,7 @@ Cost: VGG16 under df and gmp at -np 4 is opt-in (TFHYBRID_TEST_APPS_SLOW=1,
 see SLOW); SplitBrain-VGG covers those strategies at -np 4 by default.
 gmp with ``modulo="B/K"`` is tested at -np 2 (local batch 2, K=2).
 
-ResNet50 is slow on the shared 2-core machine (about 80 s for the
-single-process reference step alone), so its test runs only when
-``TFHYBRID_TEST_RESNET50=1`` is set, only for strategy df and in float64.
+ResNet50 under every strategy is tested in ``test_strategies_resnet.py``.
 
 SplitBrain memory arithmetic (Table 1, no biases): convolutions 1,734,336
 parameters (24.83%), FC0+FC1+FC2 5,253,120 (75.17%). Under gmp with model
@@ -78,7 +76,7 @@ from tfhybrid.transform import describe, gather, transform
 from conftest import randn, rng, world_size
 
 N = world_size()
-BATCH, STEPS, LR = 4, 2, 0.01
+BATCH, STEPS = 4, 2
 RTOL = 1e-4
 LOSS = "sparse_categorical_crossentropy"
 
@@ -86,21 +84,9 @@ CONV_PARAMS = [1728, 36864, 73728, 147456, 294912, 589824, 589824]   # Table 1
 FC_PARAMS = [4194304, 1048576, 10240]
 
 
-@pytest.fixture
-def float64():
-    keras.config.set_floatx("float64")
-    yield
-    keras.config.set_floatx("float32")
-
-
 def vgg16():
     keras.utils.set_random_seed(1)
     return keras.applications.VGG16(weights=None, input_shape=(32, 32, 3), classes=10)
-
-
-def resnet50():
-    keras.utils.set_random_seed(1)
-    return keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
 
 
 def splitbrain_vgg():
@@ -119,45 +105,6 @@ def splitbrain_vgg():
     x = keras.layers.Dense(1024, activation="relu", use_bias=False, name="fc1")(x)
     x = keras.layers.Dense(10, activation="softmax", use_bias=False, name="fc2")(x)
     return keras.Model(i, x, name="splitbrain_vgg")
-
-
-def data(steps=1):
-    x = randn((steps * BATCH, 32, 32, 3), "apps", "x").astype(keras.config.floatx())
-    y = rng("apps", "y").integers(0, 10, size=steps * BATCH).astype(np.int32)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
-
-
-def fit(model, ds, optimizer):
-    model.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
-    model.fit(ds, epochs=1, shuffle=False, verbose=0)
-    return model
-
-
-_REFS = {}
-
-
-def reference(make):
-    if make not in _REFS:
-        model = make()
-        initial = model.get_weights()
-        fit(model, data(), keras.optimizers.SGD(LR))
-        _REFS[make] = (initial, model.get_weights())
-    return _REFS[make]
-
-
-def check(make, strategy, **options):
-    initial, expected = reference(make)
-    pmodel = transform(make(), strategy, **options)
-    fit(pmodel, tfhybrid.data.shard(data(), model=pmodel),
-        tfhybrid.DistributedOptimizer(keras.optimizers.SGD(LR)))
-    actual = gather(pmodel).get_weights()
-    assert max(float(np.max(np.abs(e - i))) for e, i in zip(expected, initial)) > 1e-4
-    for k, (a, e, i) in enumerate(zip(actual, expected, initial)):
-        # relative to the update: conv biases before BN get pure-roundoff gradients
-        scale = max(float(np.max(np.abs(e - i))), 1e-8)
-        np.testing.assert_allclose(a - i, e - i, rtol=1e-4, atol=1e-4 * scale,
-                                   err_msg=f"weight {k}")
-    return pmodel
 
 
 # -- float32 exactness of VGG16 and SplitBrain-VGG under every strategy -------------
@@ -341,14 +288,6 @@ def test_splitbrain_vgg_gmp_modulo_b_over_k(grid_of, references):
     assert_predict_and_evaluate_match(pmodel, full)
     bk = describe(transform(splitbrain_vgg(), "gmp"), batch_size=BATCH, print_fn=None)
     assert describe(pmodel, batch_size=BATCH, print_fn=None).param_bytes == bk.param_bytes
-
-
-@pytest.mark.skipif(os.environ.get("TFHYBRID_TEST_RESNET50") != "1" or N != 2,
-                    reason="slow (about 80 s per step on 2 cores): set TFHYBRID_TEST_RESNET50=1, "
-                           "-np 2")
-def test_resnet50_df(grid_of, float64):
-    grid_of(2)
-    check(resnet50, "df", fallback="replicate")
 
 
 def test_splitbrain_vgg_parameters_match_table_1():

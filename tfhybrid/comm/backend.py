@@ -47,9 +47,17 @@ def _import_horovod():
 
 
 def init():
-    """Initialise Horovod once (dynamic process sets). Returns (size, rank, local_rank)."""
+    """Initialise Horovod once (dynamic process sets). Returns (size, rank, local_rank).
+
+    Whoever initialises first (``tfhybrid.init``, ``tfhybrid calibrate`` or a
+    direct call) gets tfhybrid's default Horovod settings (Gloo timeout 600 s
+    instead of 30 s, stall shutdown) unless already exported: Horovod reads
+    them once, at this point.
+    """
     with _LOCK:
         if not _STATE["initialized"]:
+            from tfhybrid.config import Config  # pure Python
+            Config().apply()
             hvd, mpi_ops = _import_horovod()
             if hvd is not None:
                 hvd.init(process_sets="dynamic")

@@ -234,7 +234,6 @@ def _measure(np_, args, log):
             if ok and os.path.exists(out):
                 with open(out, encoding="utf-8") as fh:
                     for name, m in json.load(fh).items():
-                        m.setdefault("rounds", [])
                         old = measured.get(name)
                         rounds = (old["rounds"] if old else []) + [m["seconds"]]
                         best = m if old is None or m["seconds"] < old["seconds"] else old

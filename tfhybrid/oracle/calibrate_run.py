@@ -39,11 +39,11 @@ def measure_flop_rate(n=512, reps=5) -> float:
     return 3 * 2 * n ** 3 / sec
 
 
-def measure_layer_times(model, batch, reps=7, batches=None):
+def measure_layer_times(model, batches, reps=7):
     """Per-layer forward/backward seconds per sample and the fixed part.
 
     The model's forward and forward+backward are timed as a whole (minimum of
-    ``reps``) at each batch size of ``batches`` (default ``(batch,)``) and
+    ``reps``) at each batch size of ``batches`` (a sequence of ints) and
     split over the layers in proportion to their forward / backward FLOPs:
     on a shared CPU, timing each layer alone is dominated by noise and
     per-call overhead, while the whole-model time is what training pays.
@@ -66,7 +66,7 @@ def measure_layer_times(model, batch, reps=7, batches=None):
             s = tf.reduce_sum(model(a, training=True))
         return tape.gradient(s, model.trainable_weights)
 
-    sizes = sorted(set(batches or (batch,)))
+    sizes = sorted(set(batches))
     t_f, t_fb = [], []
     for b in sizes:
         x = tf.constant(np.random.rand(b, *model.input_shape[1:]).astype("float32"))
@@ -133,7 +133,7 @@ def _model_part(model_name, batches, log):
     gamma, grown = measure_gamma(model, batches[0], naive)   # first: peak RSS is monotone
     log(f"  gamma = {gamma:.3g} (RSS grew {grown / 1e6:.1f} MB, naive {naive / 1e6:.1f} MB)")
     log(f"  timing {model.name} forward/backward at batches {list(batches)}")
-    times, fixed = measure_layer_times(model, batches[0], batches=batches)
+    times, fixed = measure_layer_times(model, batches)
     log(f"  fixed forward+backward cost {fixed * 1e3:.3g} ms per iteration")
     return times, gamma, fixed
 

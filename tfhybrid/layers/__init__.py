@@ -2,7 +2,8 @@
 
 # -- spatial (domain) parallelism: tfhybrid/layers/spatial*.py ------------------
 from tfhybrid.layers.spatial import (SpatialAveragePooling2D, SpatialAveragePooling3D,  # noqa: F401
-                                     SpatialConv2D, SpatialConv3D, SpatialGather,
+                                     SpatialConv2D, SpatialConv3D, SpatialCropping2D,
+                                     SpatialCropping3D, SpatialGather,
                                      SpatialMaxPooling2D, SpatialMaxPooling3D,
                                      SpatialScatter, SpatialZeroPadding2D)
 # -- end spatial ------------------------------------------------------------------

@@ -16,9 +16,11 @@ weights are partial over the group (``VariableLayout("partial", group)``).
 
 Modules: :mod:`spatial_plan` (geometry, pure Python), :mod:`spatial_core`
 (halo assembly and overlapped execution), :mod:`spatial_conv`,
-:mod:`spatial_pool`, :mod:`spatial_io`.
+:mod:`spatial_pool`, :mod:`spatial_io`, :mod:`spatial_pad` (zero padding),
+:mod:`spatial_crop` (cropping).
 """
 from tfhybrid.layers.spatial_conv import SpatialConv2D, SpatialConv3D
+from tfhybrid.layers.spatial_crop import SpatialCropping2D, SpatialCropping3D
 from tfhybrid.layers.spatial_io import SpatialGather, SpatialScatter
 from tfhybrid.layers.spatial_pad import SpatialZeroPadding2D
 from tfhybrid.layers.spatial_pool import (SpatialAveragePooling2D, SpatialAveragePooling3D,
@@ -26,4 +28,4 @@ from tfhybrid.layers.spatial_pool import (SpatialAveragePooling2D, SpatialAverag
 
 __all__ = ["SpatialConv2D", "SpatialConv3D", "SpatialMaxPooling2D", "SpatialMaxPooling3D",
            "SpatialAveragePooling2D", "SpatialAveragePooling3D", "SpatialScatter",
-           "SpatialGather", "SpatialZeroPadding2D"]
+           "SpatialGather", "SpatialZeroPadding2D", "SpatialCropping2D", "SpatialCropping3D"]

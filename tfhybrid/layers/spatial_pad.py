@@ -1,4 +1,5 @@
-"""Spatially parallel zero padding: ``SpatialZeroPadding2D``.
+"""Spatially parallel zero padding: ``SpatialZeroPadding2D``, and the shared
+border re-blocking of padding and cropping layers (:class:`BorderReblocking`).
 
 ``keras.layers.ZeroPadding2D`` on a tensor split into blocks over a group
 of ranks (as for :class:`tfhybrid.layers.SpatialConv2D`). Zeros are added
@@ -12,6 +13,10 @@ after)``: a rank gives up or receives the rows by which the border padding
 shifts the block boundaries (none for symmetric padding over two ranks,
 e.g. ResNet-50's stem). Zero padding has no weights; the backward of the
 halo exchange returns every row's gradient to the rank that owns the row.
+
+Cropping (:mod:`tfhybrid.layers.spatial_crop`) is the same operation with
+negative border rows: the first rank drops the top rows, the last rank the
+bottom rows, and the blocks are re-blocked the same way.
 """
 from __future__ import annotations
 
@@ -23,8 +28,104 @@ from tfhybrid.layers import spatial_plan as sp
 _SPATIAL_KEYS = ("split", "group")
 
 
+class BorderReblocking(core.SpatialMixin):
+    """Rows added (positive) or removed (negative) at the global border, then re-blocked.
+
+    Subclasses also derive from the Keras layer they parallelise (which
+    validates and stores its own arguments), set ``_ndim`` and
+    ``_keras_class`` and implement :meth:`_border`.
+    """
+
+    supports_jit = False
+    _keras_class = None
+
+    def _init_border(self, split, group):
+        # keras.layers.Layer.__init__ sets the instance attribute to True, which would
+        # shadow the class attribute that Keras' jit_compile="auto" reads.
+        self.supports_jit = False
+        if self.data_format != "channels_last":
+            raise ValueError(f"{self._label()}: only data_format='channels_last' is supported; "
+                             f"received data_format={self.data_format!r}.")
+        self._init_spatial(split, group)
+
+    def _border(self):
+        """Per spatial axis, rows (before, after) added at the global border."""
+        raise NotImplementedError
+
+    def build(self, input_shape):
+        self._spatial_groups()  # collective: registers the block grid's groups
+        super().build(input_shape)
+
+    def _axis_plans(self, local_shape):
+        """One validated :class:`AxisPlan` per spatial axis (cached per shape)."""
+        key = tuple(local_shape[1:1 + self._ndim])
+        if key not in self._plans:
+            dims = self._static_spatial(local_shape)
+            plans = []
+            for d, (n, g) in enumerate(zip(dims, self._spatial_groups())):
+                geom = sp.AxisGeometry(n * g.size, g.size, 1, 1, self._border()[d])
+                if geom.problem():
+                    raise ValueError(self._problem_message(local_shape, d, geom))
+                plans.append(sp.AxisPlan(geom, g.index))
+            self._plans[key] = tuple(plans)
+        return self._plans[key]
+
+    def _problem_message(self, local_shape, d, geom):
+        """ValueError text for an axis whose border rows cannot be re-blocked."""
+        axis, (lo, hi) = sp.SPATIAL_AXES[self._ndim][d], self._border()[d]
+        if (lo + hi) % geom.parts == 0:   # sizes exist that split: name the nearest ones
+            return sp.axis_problem_message(self._label(), self._global_shape(local_shape),
+                                           self._grid_shape(), axis, geom)
+        what = "padding" if lo + hi > 0 else "cropping"
+        return (f"{self._label()}: the input of global shape "
+                f"{self._global_shape(local_shape)} cannot be split over the "
+                f"{'x'.join(map(str, self._grid_shape()))} grid along {axis}: {what} "
+                f"({abs(lo)}, {abs(hi)}) rows changes its size {geom.size} to "
+                f"{geom.out_size}, which does not split evenly over {geom.parts} ranks, nor "
+                f"does it for any input size (the change, {lo + hi:+d} rows, is not a "
+                f"multiple of {geom.parts}). Change the {what} along {axis}, the split or the "
+                "number of ranks.")
+
+    def call(self, inputs):
+        plans = self._axis_plans(inputs.shape)
+        return core.windowed(inputs, plans, self._spatial_groups(), lambda x, _ranges: x, 0.0,
+                             f"{self.name}.halo", False)
+
+    def compute_output_shape(self, input_shape):
+        input_shape = tuple(input_shape)
+        dims = input_shape[1:1 + self._ndim]
+        if any(v is None for v in dims):   # call() needs static sizes; nothing to plan yet
+            return (input_shape[0],) + (None,) * self._ndim + input_shape[1 + self._ndim:]
+        plans = self._axis_plans(input_shape)
+        return (input_shape[0],) + tuple(p.geometry.out_block for p in plans) + \
+            input_shape[1 + self._ndim:]
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"split": self.split, "group": self.group})
+        return config
+
+    @classmethod
+    def from_layer(cls, layer, split="height", group="model"):
+        """A spatial copy of the Keras layer it parallelises (same arguments and name).
+
+        Raises:
+            TypeError: if ``layer`` is not an instance of that Keras class.
+        """
+        keras_class = cls._keras_class
+        if not isinstance(layer, keras_class):
+            raise TypeError(f"{cls.__name__}.from_layer: Received layer={layer!r}; expected a "
+                            f"keras.layers.{keras_class.__name__}.")
+        config = {k: v for k, v in layer.get_config().items() if k not in _SPATIAL_KEYS}
+        return cls.from_config({**config, "split": split, "group": group})
+
+
+def _rows(pairs):
+    return tuple((int(lo), int(hi)) for lo, hi in pairs)
+
+
 @keras.saving.register_keras_serializable(package="tfhybrid")
-class SpatialZeroPadding2D(core.SpatialMixin, keras.layers.ZeroPadding2D):
+class SpatialZeroPadding2D(BorderReblocking, keras.layers.ZeroPadding2D):
     """Zero padding of an NHWC input split into blocks over a group of ranks.
 
     Equals ``keras.layers.ZeroPadding2D`` on the full input, block by block:
@@ -49,67 +150,15 @@ class SpatialZeroPadding2D(core.SpatialMixin, keras.layers.ZeroPadding2D):
         >>> y = pad(x_block)      # (B, 16, 32, C) -> (B, 19, 38, C): 3 rows on one side
     """
 
-    supports_jit = False
     _ndim = 2
+    _keras_class = keras.layers.ZeroPadding2D
 
     def __init__(self, padding=(1, 1), split="height", group="model", **kwargs):
         super().__init__(padding=padding, **kwargs)
-        if self.data_format != "channels_last":
-            raise ValueError(f"{self._label()}: only data_format='channels_last' is supported; "
-                             f"received data_format={self.data_format!r}.")
-        self._init_spatial(split, group)
+        self._init_border(split, group)
 
-    def build(self, input_shape):
-        self._spatial_groups()  # collective: registers the block grid's groups
-        super().build(input_shape)
-
-    def _axis_plans(self, local_shape):
-        """One validated :class:`AxisPlan` per spatial axis (cached per shape)."""
-        key = tuple(local_shape[1:3])
-        if key not in self._plans:
-            dims = self._static_spatial(local_shape)
-            plans = []
-            for d, (n, g) in enumerate(zip(dims, self._spatial_groups())):
-                lo, hi = (int(v) for v in self.padding[d])
-                geom = sp.AxisGeometry(n * g.size, g.size, 1, 1, (lo, hi))
-                if geom.problem():
-                    raise ValueError(sp.axis_problem_message(
-                        self._label(), self._global_shape(local_shape), self._grid_shape(),
-                        sp.SPATIAL_AXES[2][d], geom))
-                plans.append(sp.AxisPlan(geom, g.index))
-            self._plans[key] = tuple(plans)
-        return self._plans[key]
-
-    def call(self, inputs):
-        plans = self._axis_plans(inputs.shape)
-        return core.windowed(inputs, plans, self._spatial_groups(), lambda x, _ranges: x, 0.0,
-                             f"{self.name}.halo", False)
-
-    def compute_output_shape(self, input_shape):
-        input_shape = tuple(input_shape)
-        if any(v is None for v in input_shape[1:3]):
-            return super().compute_output_shape(input_shape)
-        plans = self._axis_plans(input_shape)
-        return (input_shape[0],) + tuple(p.geometry.out_block for p in plans) + \
-            (input_shape[3],)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update({"split": self.split, "group": self.group})
-        return config
-
-    @classmethod
-    def from_layer(cls, layer, split="height", group="model"):
-        """A spatial copy of a ``keras.layers.ZeroPadding2D`` (same padding and name).
-
-        Raises:
-            TypeError: if ``layer`` is not a ``keras.layers.ZeroPadding2D``.
-        """
-        if not isinstance(layer, keras.layers.ZeroPadding2D):
-            raise TypeError(f"{cls.__name__}.from_layer: Received layer={layer!r}; expected a "
-                            "keras.layers.ZeroPadding2D.")
-        config = {k: v for k, v in layer.get_config().items() if k not in _SPATIAL_KEYS}
-        return cls.from_config({**config, "split": split, "group": group})
+    def _border(self):
+        return _rows(self.padding)
 
 
-__all__ = ["SpatialZeroPadding2D"]
+__all__ = ["BorderReblocking", "SpatialZeroPadding2D"]

@@ -178,7 +178,7 @@ def test_units_not_divisible_names_layer_strategy_and_fix():
     with pytest.raises(ValueError, match=r"Layer 'out' \(Dense\) cannot be made filter-parallel "
                                          r"under strategy 'f': units=6 .* model group size 4"
                                          r".*fallback='replicate'"):
-        plan_of(cnn(classes=6, units=12), "f", size=4, m=4, layers={"out": "f"})
+        plan_of(cnn(classes=6, units=12), "f", size=4, m=4)
 
 
 def test_gmp_suggests_valid_mp():

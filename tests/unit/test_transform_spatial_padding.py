@@ -87,19 +87,37 @@ def test_ds_spatial_layers_counts_only_convolutions():
     assert plan.node("conv2").conversions == ("space_gather",)
 
 
-def test_padding_that_does_not_split_ends_the_default_region():
-    # 4 ranks along height: conv1_pad's 38 rows do not split, so nothing is spatial.
-    plan = plan_of(stem(), "s", size=4, m=4)
-    assert all(n.kind != "spatial" for n in plan.nodes)
+def test_padding_that_does_not_split_leaves_nothing_spatial_and_raises():
+    # 4 ranks along height: conv1_pad (before the region, on the full input) makes
+    # conv1_conv's input 38 rows, which do not split: nothing would be spatial.
+    with pytest.raises(ValueError, match=r"Strategy 's' would split no layer spatially "
+                                         r"\(spatial='height', a 4x1 grid\): the first Conv2D, "
+                                         r"'conv1_conv', cannot be split: its input 38x38 .*"
+                                         r"along height, size 38 does not split evenly over 4 "
+                                         r"ranks.*strategy='d'.*or spatial=\(2, 2\)\.$"):
+        plan_of(stem(), "s", size=4, m=4)
     # A 2x2 block grid splits every axis in two: the stem runs spatially.
     plan = plan_of(stem(), "s", size=4, m=4, spatial=(2, 2))
     assert plan.node("pool1_pad").kind == "spatial"
 
 
 def test_explicit_region_names_the_convolution_a_padding_leaves_unsplittable():
-    with pytest.raises(ValueError, match=r"Layer 'conv1_conv' \(Conv2D\) cannot be split "
-                                         r"spatially under strategy 's': its input 38x38"):
+    with pytest.raises(ValueError, match=r"Strategy 's' would split no layer spatially.*"
+                                         r"'conv1_conv', cannot be split: its input 38x38"):
         plan_of(stem(), "s", size=4, m=4, spatial_layers=1)
+
+
+def test_shape_only_layers_before_the_first_convolution_run_on_the_full_input():
+    # 30 rows do not split over 4 ranks, but the padding runs before the region (on the
+    # replicated input); the convolution's 32 input rows split.
+    i = keras.Input((30, 30, 3))
+    x = keras.layers.ZeroPadding2D(1, name="pad")(i)
+    x = keras.layers.Conv2D(4, 3, padding="same", name="conv")(x)
+    model = keras.Model(i, keras.layers.Dense(2, name="out")(keras.layers.Flatten()(x)))
+    plan = plan_of(model, "s", size=4, m=4)
+    assert plan.node("pad").kind == "replicate"
+    assert plan.node("conv").kind == "spatial"
+    assert plan.node("conv").conversions == ("space_scatter",)
 
 
 def test_space_split_padding_that_does_not_split_is_gathered():

@@ -69,8 +69,9 @@ def transform(model, strategy="d", **options):
     Raises:
         ValueError: subclassed/unbuilt models, unknown strategy or options,
             options that do not apply to the strategy, a grid the strategy
-            cannot use, or a layer that cannot be partitioned (the message
-            names the layer, the strategy and the fix).
+            cannot use, a layer that cannot be partitioned, or s/ds on a
+            model with no Conv2D they can split (the message names the
+            layer, the strategy and the fix).
 
     Example:
         >>> tfhybrid.init(model_parallel=2)                # horovodrun -np 4

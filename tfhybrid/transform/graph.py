@@ -18,7 +18,8 @@ from typing import Dict, Optional, Tuple
 import keras
 
 _ATTRS = ("units", "filters", "kernel_size", "strides", "padding", "dilation_rate", "groups",
-          "data_format", "activation", "use_bias", "pool_size", "rate", "seed", "axis")
+          "data_format", "activation", "use_bias", "pool_size", "rate", "seed", "axis",
+          "cropping")
 
 
 @dataclasses.dataclass(frozen=True)

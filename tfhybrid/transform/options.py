@@ -50,7 +50,8 @@ class TransformOptions:
         spatial: s/ds split: ``"height"``, ``"width"`` or ``(ph, pw)``.
         spatial_layers: s/ds: number of leading Conv2D layers to split
             spatially (default: every Conv2D before the first layer that
-            cannot run on a spatial block).
+            cannot run on a spatial block; s/ds raise when that leaves
+            none).
         layers: Per-layer overrides ``{"name": "f"|"c"|"s"|"replicate"}``.
         fallback: ``"error"`` (default) raises for a layer the strategy
             cannot partition; ``"replicate"`` keeps it replicated.

@@ -6,8 +6,10 @@ Three passes over the layer calls in topological order:
 1. **assign** — the strategy's kinds, then per-layer overrides, then a
    feasibility check of every partitioned layer (group size divides
    units/filters/channels/height; ``fallback`` decides between an error and
-   replication), and a check that no weighted layer the strategy would
-   partition lacks a rule.
+   replication), a check that no weighted layer the strategy would
+   partition lacks a rule, and the strategy's own check of the result
+   (s/ds: at least one layer is spatial, else the strategy would only
+   replicate).
 2. **pair** — a filter-parallel layer whose output reaches exactly one
    Dense/Conv2D through channel-preserving layers keeps its output split
    and that consumer becomes channel-parallel on the split input (one
@@ -104,6 +106,7 @@ def make_plan(graph, opts, grid) -> Plan:
     kinds = _apply_overrides(graph, kinds, opts, ctx)
     kinds = _check_feasible(graph, kinds, opts, ctx)
     _check_rules(graph, kinds, opts, ctx)
+    strategy.check(graph, kinds, ctx, opts)
     kinds = _pair(graph, kinds, set(opts.layers), ctx)
     nodes, layouts = _propagate(graph, kinds, strategy.layout, ctx)
     outputs = tuple(convert(layouts[t], strategy.layout.kind)[0] for t in graph.outputs)
@@ -146,7 +149,9 @@ def _check_feasible(graph, kinds, opts, ctx):
         if opts.fallback == "replicate" and node.name not in opts.layers:
             out[node.name] = "replicate"
             continue
-        raise ValueError(problem + _fix(node, ctx, opts))
+        if node.name in opts.layers:
+            raise ValueError(problem + _override_fix(node, kind, ctx, opts))
+        raise ValueError(problem + _fix(node, kind, ctx))
     return out
 
 
@@ -154,7 +159,7 @@ def _infeasible(node, kind, ctx) -> Optional[str]:
     k = ctx.model_size
     head = f"Layer {node.name!r} ({node.cls}) cannot be made {kind}-parallel under strategy " \
            f"{ctx.strategy!r}"
-    if kind in ("filter", "channel") and node.attr("groups", 1) != 1:
+    if kind in ("filter", "channel", "spatial") and node.attr("groups", 1) != 1:
         return f"{head}: it is a grouped convolution (groups={node.attr('groups')})."
     if kind in ("filter", "channel") and node.attr("data_format", "channels_last") != \
             "channels_last":
@@ -167,21 +172,40 @@ def _infeasible(node, kind, ctx) -> Optional[str]:
     if kind == "channel" and (node.in_channels or 0) % k:
         return (f"{head}: its {node.in_channels} input channels are not divisible by the "
                 f"model group size {k}.")
-    if kind == "spatial" and not rules.space_divisible(node, ctx.spatial):
-        return (f"{head}: input {node.in_shapes[0][1:3]} / output {node.out_shape[1:3]} "
-                f"(height, width) do not divide over the spatial grid {ctx.spatial}.")
+    if kind == "spatial":
+        problem = rules.spatial_problem(node, ctx.spatial)
+        return f"{head}: {problem}." if problem else None
     return None
 
 
-def _fix(node, ctx, opts) -> str:
-    sizes = [node.attr("units"), node.attr("filters"), node.in_channels]
-    n = next((s for s in sizes if s), 0)
-    world = ctx.model_size * ctx.data_size
-    good = [m for m in range(2, world + 1) if world % m == 0 and n and n % m == 0]
-    arg = "mp" if ctx.strategy == "gmp" else "model_parallel"
-    hint = f", or use {arg}={' or '.join(map(str, good))}" if good else ""
+def _override_fix(node, kind, ctx, opts) -> str:
+    """The fix for an explicitly overridden layer (``fallback`` does not apply to it)."""
+    return (f" Remove the override layers={{{node.name!r}: {opts.layers[node.name]!r}}} or "
+            f"set it to 'replicate' (fallback='replicate' does not apply to layers named in "
+            f"layers=){_size_hint(node, kind, ctx)}.")
+
+
+def _fix(node, kind, ctx) -> str:
     return (f" Use fallback='replicate' (or layers={{{node.name!r}: 'replicate'}}) to keep "
-            f"it replicated{hint}.")
+            f"it replicated{_size_hint(node, kind, ctx)}.")
+
+
+def _size_hint(node, kind, ctx) -> str:
+    """", or use mp=2": model group sizes that divide the size the layer splits."""
+    if kind not in ("filter", "channel") or node.attr("groups", 1) != 1:
+        return ""
+    n = node.in_channels if kind == "channel" else node.attr("units") or node.attr("filters")
+    world = ctx.model_size * ctx.data_size
+    good = " or ".join(str(m) for m in range(2, world + 1) if world % m == 0 and n
+                       and n % m == 0 and m != ctx.model_size)
+    if not good:
+        return ""
+    if ctx.strategy == "gmp":
+        return f", or use mp={good}"
+    if ctx.strategy in ("f", "c"):   # every rank in one model group
+        return f", or run on {good} ranks" + (
+            f" (or strategy='df' with model_parallel={good})" if ctx.strategy == "f" else "")
+    return f", or use model_parallel={good}"
 
 
 _NO_RULE_STRATEGIES = ("f", "df", "c")

@@ -69,14 +69,15 @@ def _channel(layer, np, grid):
 
 
 _SPATIAL_POOLS = {"MaxPooling2D": "SpatialMaxPooling2D", "AveragePooling2D": "SpatialAveragePooling2D"}
+# Layers with a from_layer constructor (same arguments and name as the original).
+_SPATIAL_COPIES = {"Conv2D": P.SpatialConv2D, "ZeroPadding2D": P.SpatialZeroPadding2D,
+                   "Cropping2D": P.SpatialCropping2D}
 
 
 def _spatial(layer, np, grid):
     split = _split_arg(np.params["split"])
-    if np.cls == "Conv2D":
-        return P.SpatialConv2D.from_layer(layer, split=split, group=GROUP)
-    if np.cls == "ZeroPadding2D":
-        return P.SpatialZeroPadding2D.from_layer(layer, split=split, group=GROUP)
+    if np.cls in _SPATIAL_COPIES:
+        return _SPATIAL_COPIES[np.cls].from_layer(layer, split=split, group=GROUP)
     config = {k: v for k, v in layer.get_config().items() if k != "data_format"}
     return getattr(P, _SPATIAL_POOLS[np.cls])(split=split, group=GROUP, **config)
 

@@ -7,9 +7,9 @@ they differ), how the layer is rewritten (its *kind*) and the layout of its
 output. Rules are small classes in a registry keyed by Keras class name:
 
 * :class:`Elementwise` (ReLU, Dropout, ...): any layout passes through.
-* :class:`Channelwise` (pooling, padding): keep ``channel`` splits; a
-  ``space`` split becomes a spatial pooling / zero-padding layer or is
-  gathered first.
+* :class:`Channelwise` (pooling, padding, cropping): keep ``channel``
+  splits; a ``space`` split becomes a spatial pooling / zero-padding /
+  cropping layer or is gathered first.
 * :class:`Merge` (Add, Multiply, ...): inputs share one layout.
 * :class:`BatchNorm`: ``SyncBatchNormalization`` over every rank that holds
   part of the same batch statistics.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Tuple
 
+from tfhybrid.layers.spatial_plan import AxisGeometry
 from tfhybrid.transform.layouts import Layout
 
 # Layers computed independently per element (or per example): any layout passes.
@@ -37,8 +38,10 @@ CHANNEL_MIXING = ("softmax", "log_softmax")
 CHANNELWISE = ("MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
                "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D", "UpSampling2D")
 SPATIAL_POOLS = ("MaxPooling2D", "AveragePooling2D")
-# Shape-only layers with a spatial counterpart (pooling; ZeroPadding2D padding the global border).
-SPATIAL_WINDOWED = SPATIAL_POOLS + ("ZeroPadding2D",)
+# Layers that add (padding) or remove (cropping) rows at the global border, then re-block.
+SPATIAL_BORDER = ("ZeroPadding2D", "Cropping2D")
+# Shape-only layers with a spatial counterpart (pooling, padding and cropping the global border).
+SPATIAL_WINDOWED = SPATIAL_POOLS + SPATIAL_BORDER
 MERGES = ("Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum")
 LINEAR = ("Dense", "Conv2D")
 # Layers with weights that are correct replicated on full rows (no partitioning needed).
@@ -187,46 +190,86 @@ class Linear(Rule):
 
 
 def spatial_window(node, spatial) -> bool:
-    """True when a pooling or ZeroPadding2D layer can run on ``spatial`` blocks.
+    """True when a pooling, ZeroPadding2D or Cropping2D layer can run on ``spatial`` blocks.
 
-    Its input and output height/width must split evenly; for zero padding,
-    the rows by which the border padding shifts the block boundaries must
-    also fit in one block (they come from the neighbour).
+    Its input and output height/width must split evenly, and the rows a
+    block needs from a neighbour (a pooling window's halo; the rows by
+    which padding or cropping at the global border shifts the block
+    boundaries) must fit in one block.
 
     Example:
         >>> spatial_window(node_of(ZeroPadding2D(3), in_hw=(32, 32)), (2, 1))
         True
     """
-    if node.cls not in SPATIAL_WINDOWED or not _space_divisible(node, spatial):
-        return False
-    if node.cls != "ZeroPadding2D":
-        return True
-    pads = node.attr("padding")
-    for axis, parts in zip((1, 2), spatial):
-        (lo, hi), size = pads[axis - 1], node.in_shapes[0][axis]
-        if _reblock_rows(size, parts, lo, hi) > size // parts:
-            return False
-    return True
+    return node.cls in SPATIAL_WINDOWED and spatial_problem(node, spatial) is None
 
 
-def _reblock_rows(size, parts, lo, hi) -> int:
-    """Most rows a rank receives from a neighbour when padding (lo, hi) re-blocks an axis."""
-    n, m = size // parts, (size + lo + hi) // parts
-    before = [i * n - (i * m - lo) for i in range(1, parts)]
-    after = [(i + 1) * m - lo - (i + 1) * n for i in range(parts - 1)]
-    return max([0] + before + after)
+def border_rows(node):
+    """Rows ((top, bottom), (left, right)) a padding (+) or cropping (-) layer adds."""
+    if node.cls == "Cropping2D":
+        return tuple((-int(lo), -int(hi)) for lo, hi in node.attr("cropping"))
+    return tuple((int(lo), int(hi)) for lo, hi in node.attr("padding"))
 
 
-def _space_divisible(node, spatial) -> bool:
-    """True when the node's input and output height/width split over ``spatial``."""
+def _pair2(value, default):
+    value = default if value is None else value
+    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+
+
+def _windows(node):
+    """Per axis (height, width): (window, stride, padding) of a sliding-window layer."""
+    if node.cls in SPATIAL_BORDER:
+        return [(1, 1, rows) for rows in border_rows(node)]
+    if node.cls == "Conv2D":
+        sizes = [d * (k - 1) + 1 for k, d in zip(_pair2(node.attr("kernel_size"), 1),
+                                                 _pair2(node.attr("dilation_rate"), 1))]
+        strides = _pair2(node.attr("strides"), 1)
+    else:
+        sizes = _pair2(node.attr("pool_size"), 2)
+        strides = _pair2(node.attr("strides"), sizes)
+    return [(w, s, node.attr("padding", "valid")) for w, s in zip(sizes, strides)]
+
+
+def spatial_problem(node, spatial) -> Optional[str]:
+    """Why a Conv2D, pooling, padding or cropping layer cannot run on ``spatial``
+    (ph, pw) blocks of its input, or None when it can.
+
+    Uses the geometry of the spatial layers
+    (:class:`tfhybrid.layers.spatial_plan.AxisGeometry`): both sizes of
+    every split axis divide, and the halo fits in one block.
+
+    Example:
+        >>> conv = node_of(Conv2D(8, 3, padding="same"), in_hw=(6, 6))
+        >>> spatial_problem(conv, (4, 1)).split(": ")[-1]
+        'along height, size 6 does not split evenly over 4 ranks'
+        >>> spatial_problem(conv, (2, 2)) is None
+        True
+    """
     if not spatial:
-        return False
-    for shape in (node.in_shapes[0], node.out_shape):
-        for axis, parts in zip((1, 2), spatial):
-            size = shape[axis] if len(shape) > axis else None
-            if size is None or size % parts:
-                return False
-    return True
+        return "the strategy has no spatial grid"
+    shape_in, shape_out = node.in_shapes[0], node.out_shape
+    head = (f"its input {_hw(shape_in)} / output {_hw(shape_out)} (height x width) do not "
+            f"split over the {spatial[0]}x{spatial[1]} spatial grid")
+    if len(shape_in) != 4 or len(shape_out) != 4:
+        return f"{head}: it is not an image-shaped (NHWC) layer"
+    if node.attr("data_format", "channels_last") != "channels_last":
+        return f"data_format={node.attr('data_format')!r} (channels_last needed)"
+    for axis, parts, (window, stride, padding) in zip(("height", "width"), spatial,
+                                                      _windows(node)):
+        size = shape_in[1 if axis == "height" else 2]
+        if size is None:
+            return f"{head}: its {axis} is unknown (None)"
+        geometry = AxisGeometry(size, parts, window, stride, padding)
+        problem = geometry.problem()
+        if problem is None and geometry.out_size != shape_out[1 if axis == "height" else 2]:
+            problem = "tfhybrid's geometry does not reproduce its output size"
+        if problem:
+            return f"{head}: along {axis}, {problem}"
+    return None
+
+
+def _hw(shape):
+    return "x".join(str(v) for v in shape[1:3]) if len(shape) >= 3 else str(shape)
 
 
 _RULES = {}
@@ -241,8 +284,3 @@ _DEFAULT = FullInput()
 def rule_for(cls_name: str) -> Rule:
     """The rule of a Keras layer class (FullInput for unknown classes)."""
     return _RULES.get(cls_name, _DEFAULT)
-
-
-def space_divisible(node, spatial) -> bool:
-    """Public form of the spatial divisibility test (used by strategies)."""
-    return _space_divisible(node, spatial)

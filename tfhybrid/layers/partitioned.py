@@ -38,6 +38,7 @@ from keras import activations, constraints, initializers, regularizers, ops
 from tfhybrid import comm
 from tfhybrid.comm import resolve_group
 from tfhybrid.grid import Group
+from tfhybrid.layers.no_xla import NoXLA
 from tfhybrid.layout import VariableLayout, set_layout
 
 REPLICATED = "replicated"
@@ -187,7 +188,7 @@ def split_partial_grad(x, axis, group, name=None):
 
 # -- the base layer ---------------------------------------------------------------
 
-class PartitionedLayer(keras.layers.Layer):
+class PartitionedLayer(NoXLA, keras.layers.Layer):
     """Base of the parallel Dense/Conv2D layers: options, weights, config.
 
     Subclasses set ``INPUT_LAYOUTS``/``OUTPUT_LAYOUTS`` and implement
@@ -195,7 +196,6 @@ class PartitionedLayer(keras.layers.Layer):
     ``_source_input_shape`` and the class attribute ``_SOURCE``.
     """
 
-    supports_jit = False
     INPUT_LAYOUTS = ()
     OUTPUT_LAYOUTS = ()
     _SOURCE = None

@@ -28,7 +28,6 @@ _SPATIAL_KEYS = ("split", "group", "overlap")
 class _SpatialConv(core.SpatialMixin):
     """Shared implementation of SpatialConv2D/3D (mixed into keras ConvND)."""
 
-    supports_jit = False
     _keras_class = None
     _default_split = "height"
 

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfhybrid import comm, runtime
 from tfhybrid.layers import spatial_plan as sp
+from tfhybrid.layers.no_xla import NoXLA
 
 
 # -- moving rows -----------------------------------------------------------------
@@ -114,7 +115,7 @@ def windowed(x, plans, groups, op, pad_value, name, overlap):
 
 # -- the shared layer machinery ---------------------------------------------------
 
-class SpatialMixin:
+class SpatialMixin(NoXLA):
     """Split/group handling shared by every spatial layer.
 
     Subclasses set ``_ndim`` (2 or 3) and call :meth:`_init_spatial` from

@@ -20,8 +20,6 @@ from tfhybrid.layers import spatial_plan as sp
 class _SpatialIO(core.SpatialMixin, keras.layers.Layer):
     """Shared parts of SpatialScatter and SpatialGather."""
 
-    supports_jit = False
-
     def __init__(self, split="height", group="model", **kwargs):
         super().__init__(**kwargs)
         split = sp.normalize_split(split)

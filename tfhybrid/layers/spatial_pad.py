@@ -36,13 +36,9 @@ class BorderReblocking(core.SpatialMixin):
     ``_keras_class`` and implement :meth:`_border`.
     """
 
-    supports_jit = False
     _keras_class = None
 
     def _init_border(self, split, group):
-        # keras.layers.Layer.__init__ sets the instance attribute to True, which would
-        # shadow the class attribute that Keras' jit_compile="auto" reads.
-        self.supports_jit = False
         if self.data_format != "channels_last":
             raise ValueError(f"{self._label()}: only data_format='channels_last' is supported; "
                              f"received data_format={self.data_format!r}.")

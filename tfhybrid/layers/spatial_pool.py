@@ -21,7 +21,6 @@ from tfhybrid.layers.spatial_plan import window_output
 class _SpatialPool(core.SpatialMixin):
     """Shared implementation of the spatial pooling layers."""
 
-    supports_jit = False
     _default_split = "height"
     _mode = "max"
 

@@ -48,6 +48,7 @@ import tensorflow as tf
 
 from tfhybrid import comm
 from tfhybrid.comm import resolve_group
+from tfhybrid.layers.no_xla import NoXLA
 from tfhybrid.layers.partitioned import (PARTIAL_GRAD, REPLICATED, check_choice,
                                          collective_base, deserialize_group,
                                          keep_grad_shape, scale_grad,
@@ -61,10 +62,8 @@ def _times(n, k):
     return None if n is None else n * k
 
 
-class _GroupLayer(keras.layers.Layer):
+class _GroupLayer(NoXLA, keras.layers.Layer):
     """A weightless layer acting over ``group``."""
-
-    supports_jit = False
 
     def __init__(self, group="model", **kwargs):
         super().__init__(**kwargs)

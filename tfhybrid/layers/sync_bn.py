@@ -30,6 +30,7 @@ import tensorflow as tf
 from tfhybrid.comm import backend, resolve_group
 from tfhybrid.layers.partitioned import (collective_base, deserialize_group, layout_group,
                                          serialize_group)
+from tfhybrid.layers.no_xla import NoXLA
 from tfhybrid.layout import VariableLayout, set_layout
 
 _PACKAGE = "tfhybrid"
@@ -62,7 +63,7 @@ def _input_shape(bn):
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class SyncBatchNormalization(keras.layers.BatchNormalization):
+class SyncBatchNormalization(NoXLA, keras.layers.BatchNormalization):
     """Batch normalization with moments reduced over process-grid groups.
 
     Same arguments and behaviour as ``keras.layers.BatchNormalization``
@@ -94,8 +95,6 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         >>> y = bn(x, training=True)   # normalized with the 4 ranks' batch moments
         >>> bn = SyncBatchNormalization.from_layer(keras_bn, groups=("world",))
     """
-
-    supports_jit = False
 
     def __init__(self, groups=("data",), spatial_group=None, **kwargs):
         if kwargs.get("synchronized"):

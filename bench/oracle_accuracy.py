@@ -1,27 +1,30 @@
 """Oracle accuracy on this machine: predicted vs measured step time per strategy.
 
-Driver (one process) does, for N in --nps (default 2 4):
+Driver (one process) does, for N in --nps (default 2 4), one job
+``horovodrun -np N python bench/oracle_accuracy.py --worker all`` in which
+every rank
 
-1. ``horovodrun -np N python bench/oracle_accuracy.py --worker``: calibrates
-   the machine in the same job (what ``tfhybrid calibrate --model`` does,
-   right before measuring, so both see the same load on this shared box),
-2. then every rank builds the bench CNN, and for each strategy it can run (serial on rank 0
-   alone, d, df, gmp, f, c, s, ds through ``tfhybrid.transform`` +
-   ``tfhybrid.DistributedOptimizer``; d falls back to a hand-written
-   allreduce loop if those fail) times ``--steps`` training steps after
-   warm-up (the minimum step time, as calibration uses minima: this box is
-   shared and noisy; ParaDL also compares against the best measured times).
-   Strategies that fail are skipped with one line saying why. All jobs are
-   run ``--rounds`` times (default 2), interleaved, and each case keeps its
-   best round: one job hit by outside load does not decide its accuracy.
-3. predicts each measured case with :func:`tfhybrid.oracle.predict` on the
-   calibrated machine and reports accuracy = 1 - |pred - meas| / meas per
-   strategy and the mean, to ``bench/results/oracle_accuracy.json`` and
-   ``bench/results/oracle_accuracy.md``.
+1. calibrates the machine (what ``tfhybrid calibrate --model`` does: alpha/beta
+   per group size, per-layer compute of the bench CNN, step overhead), right
+   before measuring, so calibration and measurement see the same load;
+2. builds and traces every case: serial (the unmodified model on rank 0
+   alone, global batch) and d, df, gmp, f, c, s, ds through
+   ``tfhybrid.transform`` + ``tfhybrid.DistributedOptimizer``;
+3. times them in ``--rounds`` interleaved rounds of ``--steps`` steps each
+   (serial, d, df, ... serial, d, df, ...), so a burst of outside load on
+   this shared box hits every strategy alike instead of deciding one job's
+   result; each case keeps its minimum step time, as the calibration keeps
+   minima (ParaDL also compares against the best measured times).
+
+Then it predicts each measured case with :func:`tfhybrid.oracle.predict` on
+the calibrated machine and reports accuracy = 1 - |pred - meas| / meas per
+strategy and the mean, to ``bench/results/oracle_accuracy.json`` and
+``bench/results/oracle_accuracy.md``. If one strategy raises, the job fails
+and the driver says so (run the others with ``--only``).
 
 Usage:
-    .venv/bin/python bench/oracle_accuracy.py [--nps 2 4] [--batch 64] [--steps 8] [--rounds 2]
-        [--machine m.json]
+    .venv/bin/python bench/oracle_accuracy.py [--nps 2 4] [--batch 64] [--steps 8]
+        [--rounds 5] [--only d f] [--machine m.json] [--repredict]
 """
 from __future__ import annotations
 
@@ -65,15 +68,10 @@ def _data(batch):
             rng.integers(0, 10, batch).astype("int64"))
 
 
-def _time_steps(step, steps):
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return min(times)   # as the calibration: best of the repetitions (shared machine)
+def _time_once(step):
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
 
 
 def _compile(model, optimizer):
@@ -83,11 +81,12 @@ def _compile(model, optimizer):
     return model
 
 
-def _serial(batch, steps):
+def _serial_step(batch):
+    """rank 0 alone: one train_on_batch of the unmodified model on the global batch."""
     import keras  # noqa: WPS433
     m = _compile(make_model(), keras.optimizers.SGD(0.01))
     x, y = _data(batch)
-    return _time_steps(lambda: m.train_on_batch(x, y), steps)
+    return lambda: m.train_on_batch(x, y)
 
 
 def _sync():
@@ -96,7 +95,8 @@ def _sync():
     backend.allreduce(tf.zeros([1]), tuple(range(backend.size())), "bench.sync").numpy()
 
 
-def _via_tfhybrid(name, mp, opts, batch, steps):
+def _tfhybrid_step(name, mp, opts, batch):
+    """One train_on_batch of the bench CNN transformed by ``name`` (this rank's rows)."""
     import keras  # noqa: WPS433
     import tfhybrid  # noqa: WPS433
     tfhybrid.shutdown()
@@ -109,63 +109,66 @@ def _via_tfhybrid(name, mp, opts, batch, steps):
     pm = transform(make_model(), strategy=name, **opts)
     _compile(pm, tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)))
     x, y = tfhybrid.data.shard(_data(batch), model=pm, batch_size=batch)
-    return _time_steps(lambda: pm.train_on_batch(x, y), steps)
+    return lambda: pm.train_on_batch(x, y)
 
 
-def _hand_d(batch, steps):
-    """Plain data parallelism: local gradients + one grouped allreduce (average)."""
-    import keras  # noqa: WPS433
-    import tensorflow as tf  # noqa: WPS433
+def _build_steps(names, n, batch):
+    """{strategy: (step callable, info)}; rank 0 also gets ``serial``.
+
+    Every model is built and traced (3 warm-up steps) before any timing, so
+    the timed rounds below only run already-traced steps.
+    """
     from tfhybrid.comm import backend  # noqa: WPS433
-    n, r = backend.size(), backend.rank()
-    m, opt = make_model(), keras.optimizers.SGD(0.01)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    x, y = _data(batch)
-    x, y = x[r * batch // n:(r + 1) * batch // n], y[r * batch // n:(r + 1) * batch // n]
-    ranks = tuple(range(n))
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, m(x, training=True))
-        grads = tape.gradient(loss, m.trainable_variables)
-        grads = backend.grouped_allreduce(grads, ranks, "bench.d", average=True)
-        opt.apply(grads, m.trainable_variables)
-        return loss
-
-    return _time_steps(lambda: step().numpy(), steps)
-
-
-def worker(args):
-    """One job: ``calib`` (calibration + serial + d) or one transform strategy."""
-    from tfhybrid.comm import backend  # noqa: WPS433
-    n, rank = backend.init()[:2]
-    out = {}
-    if args.worker == "calib":
-        from tfhybrid.oracle import calibrate_run  # noqa: WPS433
-        # calibrate in the same job, right before measuring: same load on this shared box
-        calibrate_run.run(args.machine_out, max_bytes=2 << 20, n_sizes=5, reps=5,
-                          model=MODEL_PATH, batch=args.batch // n,
-                          log=lambda s: print(s, flush=True))
-        _sync()
-        if rank == 0:
-            out["serial"] = {"seconds": _serial(args.batch, args.steps), "path": "keras"}
-        _sync()
-        names = ["d"]
-    else:
-        names = [args.worker]
+    # every rank holds every key in the same order (serial's step is None off rank 0)
+    steps = {"serial": (_serial_step(batch) if backend.rank() == 0 else None, {"path": "keras"})}
     for name in names:
         mp, opts = STRATEGIES[name]
         mp = n if mp == "world" else mp
-        try:
-            sec = _via_tfhybrid(name, mp, opts, args.batch, args.steps)
-            out[name] = {"seconds": sec, "path": "tfhybrid.transform", "model_parallel": mp}
-        except Exception as err:  # noqa: BLE001 (report and go on)
-            msg = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
-            if name != "d":
-                raise
-            out[name] = {"seconds": _hand_d(args.batch, args.steps),
-                         "path": "hand-written allreduce loop", "note": msg}
+        steps[name] = (_tfhybrid_step(name, mp, opts, batch),
+                       {"path": "tfhybrid.transform", "model_parallel": mp})
+    for step, _ in steps.values():
+        for _ in range(3 if step else 0):
+            step()
+        _sync()
+    return steps
+
+
+def _interleaved(steps, rounds, per_round, log):
+    """Minimum step time per strategy over ``rounds`` x ``per_round`` steps.
+
+    The strategies take turns, round after round, in one job: a burst of
+    outside load on this shared box hits every strategy alike instead of
+    deciding one job's result. Serial runs on rank 0 while the others wait.
+    """
+    times = {name: [] for name in steps}
+    for rnd in range(rounds):
+        for name, (step, _) in steps.items():
+            _sync()
+            if step is not None:
+                times[name] += [_time_once(step) for _ in range(per_round)]
+        _sync()
+        log(f"  round {rnd + 1}/{rounds}: " + ", ".join(
+            f"{k} {min(v) * 1e3:.1f}" for k, v in times.items() if v) + " ms (best so far)")
+    return times
+
+
+def worker(args):
+    """One job at one world size: calibration, then every strategy, interleaved."""
+    from tfhybrid.comm import backend  # noqa: WPS433
+    n, rank = backend.init()[:2]
+    say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+    from tfhybrid.oracle import calibrate_run  # noqa: WPS433
+    # calibrate in the same job, right before measuring: same load on this shared box
+    calibrate_run.run(args.machine_out, max_bytes=2 << 20, n_sizes=5, reps=5,
+                      model=MODEL_PATH, batch=args.batch // n, log=say)
+    _sync()
+    names = [s for s in STRATEGIES if not args.only or s in args.only or s == "d"]
+    steps = _build_steps(names, n, args.batch)
+    say(f"built and traced {len(steps)} steps; timing {args.rounds} interleaved rounds "
+        f"of {args.steps} steps each")
+    times = _interleaved(steps, args.rounds, args.steps, say)
+    out = {name: dict(info, seconds=min(times[name]), rounds=times[name])
+           for name, (_, info) in steps.items() if times[name]}
     if rank == 0:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=1)
@@ -213,42 +216,32 @@ def _accuracy(pred, meas):
 
 
 def _measure(np_, args, log):
-    """Run the calib job and one job per strategy at np_, ``--rounds`` times
-    interleaved; each case keeps its best (minimum) step time over the rounds
-    (a job that hit a burst of outside load on this shared box is retried).
-    The machine is the first round's calibration."""
+    """One horovodrun job at np_: calibration, then every strategy in interleaved
+    rounds; each case keeps its best step. A failed job is reported and skipped."""
     hvd = [os.path.join(VENV_BIN, "horovodrun"), "-np", str(np_), "--gloo",
            os.path.join(VENV_BIN, "python"), __file__, "--batch", str(args.batch),
-           "--steps", str(args.steps)]
+           "--steps", str(args.steps), "--rounds", str(args.rounds)]
     machine = os.path.join(HERE, "results", f"machine_np{np_}.json")
-    measured = {}
-    others = [s for s in STRATEGIES if s != "d" and (not args.only or s in args.only)]
-    for rnd in range(args.rounds):
-        for job in ["calib"] + others:
-            out = os.path.join(HERE, "results", f"oracle_measured_np{np_}_{job}.json")
-            if os.path.exists(out):
-                os.remove(out)
-            mach_out = machine if rnd == 0 else machine + f".round{rnd}"
-            ok, msg = _run(hvd + ["--worker", job, "--out", out, "--machine-out", mach_out],
-                           log, args.timeout)
-            if ok and os.path.exists(out):
-                with open(out, encoding="utf-8") as fh:
-                    for name, m in json.load(fh).items():
-                        old = measured.get(name)
-                        rounds = (old["rounds"] if old else []) + [m["seconds"]]
-                        best = m if old is None or m["seconds"] < old["seconds"] else old
-                        measured[name] = dict(best, rounds=rounds)
-            elif rnd == 0:
-                line = f"SKIP {job} at np={np_}: {msg}"
-                print(line, flush=True)
-                log.append(line)
-    return measured, machine
+    out = os.path.join(HERE, "results", f"oracle_measured_np{np_}.json")
+    for old in glob.glob(os.path.join(HERE, "results", f"oracle_measured_np{np_}*.json")):
+        os.remove(old)
+    only = ["--only", *args.only] if args.only else []
+    ok, msg = _run(hvd + ["--worker", "all", "--out", out, "--machine-out", machine] + only,
+                   log, args.timeout)
+    if not ok:
+        line = f"SKIP the interleaved job at np={np_}: {msg}"
+        print(line, flush=True)
+        log.append(line)
+        return {}, machine
+    with open(out, encoding="utf-8") as fh:
+        return json.load(fh), machine
 
 
 def _reload(np_):
     """Measurements and machine of an earlier run (``--repredict``)."""
     measured = {}
-    for path in sorted(glob.glob(os.path.join(HERE, "results", f"oracle_measured_np{np_}_*.json"))):
+    path = os.path.join(HERE, "results", f"oracle_measured_np{np_}.json")
+    if os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
             measured.update(json.load(fh))
     return measured, os.path.join(HERE, "results", f"machine_np{np_}.json")
@@ -313,8 +306,9 @@ def main(argv=None):
     ap.add_argument("--nps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="measure every job this many times, keep each case's best")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved rounds (every strategy takes --steps steps per round); "
+                         "each case keeps its best step")
     ap.add_argument("--machine", help="use this machine JSON instead of calibrating")
     args = ap.parse_args(argv)
     if args.worker:

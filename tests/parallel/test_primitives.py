@@ -226,3 +226,24 @@ def test_layer_called_twice_in_one_graph_gets_distinct_names(grid_of):
     ref = np.concatenate([randn((2, 3), "s", i) for i in range(g.size)])
     close(ya.numpy(), ref)
     close(yb.numpy(), ref)
+
+
+@pytest.mark.parametrize("rows", [8, 7, 1])
+@pytest.mark.parametrize("group", ["model", "world"])
+def test_backend_reducescatter_blocks(grid_of, group, rows):
+    """backend.reducescatter (alltoall + local sum): group rank i gets block i of the
+    group's sum, the first ``rows % k`` ranks one row more (Horovod's blocks); eagerly
+    and traced with an unknown first axis."""
+    from tfhybrid.comm import backend
+
+    g = grid_of(2).group(group)   # -np 4: model group {0, 1} or {2, 3}, not the world
+    k, i = g.size, g.index
+    total = sum(randn((rows, 3, 2), "backend-rs", r) for r in g.ranks)
+    counts = [rows // k + (j < rows % k) for j in range(k)]
+    want = total[sum(counts[:i]):sum(counts[:i + 1])]
+    x = tf.constant(randn((rows, 3, 2), "backend-rs", g.ranks[i]))
+    close(backend.reducescatter(x, g.ranks, f"test.rs.{group}.{rows}").numpy(), want)
+    traced = tf.function(lambda t: backend.reducescatter(t, g.ranks, f"test.rsf.{group}.{rows}"),
+                         input_signature=[tf.TensorSpec([None, 3, 2], tf.float32)])
+    assert traced.get_concrete_function().structured_outputs.shape.as_list() == [None, 3, 2]
+    close(traced(x).numpy(), want)

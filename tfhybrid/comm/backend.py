@@ -8,6 +8,22 @@ collective names, and thin wrappers around ``horovod.tensorflow``'s raw ops
 When Horovod is not installed or the job was not started by ``horovodrun``,
 the world is a single process and every collective is the identity, so the
 rest of the package runs and tests in one process.
+
+Reduce-scatter avoids Horovod's own reducescatter. Under Gloo (the CPU path,
+``horovodrun --gloo``) horovod 0.28.1 runs it with Gloo's legacy
+``ReduceScatterHalvingDoubling``, the only bound-buffer algorithm Horovod
+uses. Its sends size the connection's socket send buffer to the message
+(``SO_SNDBUF`` = min(bytes, 32 MiB); Gloo only ever raises it, and an explicit
+``SO_SNDBUF`` turns off the kernel's autotuning for good). A small first
+reduce-scatter on a process set (an activation gradient of a few KB) thus
+locks the sockets to the halving/doubling partners at a few KB (4.6 KB, the
+kernel minimum, and 8.3 KB seen). Every later large collective on those
+connections (gradient-bucket allreduces, weight allgathers) then moves one
+64 KB loopback segment at a time, each waiting ~200 ms for the delayed ACK /
+tail-loss probe, with all ranks idle and no stall warning: 40 MB allreduce
+0.8 s -> 38 s after one 16-float reducescatter (plain Horovod, -np 4).
+:func:`reducescatter` uses an alltoall (Gloo's unbound buffers never touch
+``SO_SNDBUF``) and a local sum.
 """
 from __future__ import annotations
 
@@ -172,14 +188,41 @@ def grouped_allreduce(tensors, ranks, name, average=False, prescale=1.0, postsca
 
 
 def reducescatter(x, ranks, name):
-    m = _STATE["mpi_ops"]
-    return m._reducescatter(x, name=collective_name(name), op=m.Sum, ignore_name_scope=True,
-                            process_set=process_set(ranks))
+    """Sum of ``x`` over ``ranks``, scattered along axis 0: group rank i gets block i.
+
+    Blocks as Horovod's reducescatter (the first ``n % k`` ranks get one more
+    row). Implemented as one :func:`alltoall` of the blocks and a local sum in
+    group-rank order, not with Horovod's reducescatter: see the module
+    docstring (Gloo's legacy reduce-scatter shrinks the socket send buffers
+    and every later large collective crawls). Each rank sends the same
+    (k-1)/k of ``x`` as a reduce-scatter does.
+    """
+    x = tf.convert_to_tensor(x)
+    ranks = tuple(ranks)
+    k, index = len(ranks), ranks.index(rank())
+    n = x.shape[0]
+    if n is not None:
+        rows = n // k + (index < n % k)
+        splits = [n // k + (i < n % k) for i in range(k)]
+    else:
+        n = tf.shape(x, out_type=tf.int32)[0]
+        splits = n // k + tf.cast(tf.range(k) < n % k, tf.int32)
+        rows = splits[index]
+    blocks = alltoall(x, splits, ranks, name)   # k blocks of `rows` rows, in group order
+    shape = tf.concat([tf.stack([k, rows]), tf.shape(x, out_type=tf.int32)[1:]], 0)
+    out = tf.reduce_sum(tf.reshape(blocks, shape), axis=0)
+    out.set_shape(tf.TensorShape([rows if isinstance(rows, int) else None])
+                  .concatenate(x.shape[1:]))
+    return out
 
 
 def alltoall(x, splits, ranks, name):
+    """Send rows ``splits[i]`` of ``x`` (consecutive blocks along axis 0) to group
+    rank i; return the blocks received from every rank, concatenated along axis 0
+    in group-rank order. ``splits``: a list or an int32 tensor."""
     m = _STATE["mpi_ops"]
-    out, _ = m.alltoall(x, splits=tf.constant(splits, tf.int32), name=collective_name(name),
+    splits = splits if tf.is_tensor(splits) else tf.constant(splits, tf.int32)
+    out, _ = m.alltoall(x, splits=splits, name=collective_name(name),
                         ignore_name_scope=True, process_set=process_set(ranks))
     return out
 

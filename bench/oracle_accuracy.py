@@ -42,7 +42,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 VENV_BIN = os.path.join(ROOT, ".venv", "bin")
 MODEL_PATH = os.path.join(HERE, "results", "oracle_bench_model.keras")
-STRATEGIES = {"d": (1, {}), "df": (2, {}), "gmp": (2, {"mp": 2}), "f": ("world", {}),
+STRATEGIES = {"d": (1, {}), "df": (2, {}), "gmp": (2, {"mp": 2}),
+              "f": ("world", {"fallback": "replicate"}),
               "c": ("world", {"fallback": "replicate"}), "s": ("world", {}), "ds": (2, {})}
 
 

@@ -96,12 +96,22 @@ def _sync():
     backend.allreduce(tf.zeros([1]), tuple(range(backend.size())), "bench.sync").numpy()
 
 
+def _use_grid(mp):
+    """Make ``model_parallel=mp`` the current grid (tfhybrid layers resolve their
+    groups from the current grid when a step is traced, so each model must be
+    traced, and stepped, under the grid it was built for)."""
+    import tfhybrid  # noqa: WPS433
+    if mp is None or (tfhybrid.runtime.is_initialized() and tfhybrid.grid().model_size == mp):
+        return
+    tfhybrid.shutdown()
+    tfhybrid.init(model_parallel=mp)
+
+
 def _tfhybrid_step(name, mp, opts, batch):
     """One train_on_batch of the bench CNN transformed by ``name`` (this rank's rows)."""
     import keras  # noqa: WPS433
     import tfhybrid  # noqa: WPS433
-    tfhybrid.shutdown()
-    tfhybrid.init(model_parallel=mp)
+    _use_grid(mp)
     # same Keras auto-names on every rank (rank 0 built extra models for serial):
     # collective names derive from layer/variable names and must match
     keras.backend.clear_session()
@@ -116,20 +126,23 @@ def _tfhybrid_step(name, mp, opts, batch):
 def _build_steps(names, n, batch):
     """{strategy: (step callable, info)}; rank 0 also gets ``serial``.
 
-    Every model is built and traced (3 warm-up steps) before any timing, so
-    the timed rounds below only run already-traced steps.
+    Every model is built and traced (3 warm-up steps) under its own grid
+    before any timing, so the timed rounds below only run already-traced steps.
     """
     from tfhybrid.comm import backend  # noqa: WPS433
     # every rank holds every key in the same order (serial's step is None off rank 0)
     steps = {"serial": (_serial_step(batch) if backend.rank() == 0 else None, {"path": "keras"})}
-    for name in names:
-        mp, opts = STRATEGIES[name]
-        mp = n if mp == "world" else mp
-        steps[name] = (_tfhybrid_step(name, mp, opts, batch),
-                       {"path": "tfhybrid.transform", "model_parallel": mp})
     for step, _ in steps.values():
         for _ in range(3 if step else 0):
             step()
+    _sync()
+    for name in names:
+        mp, opts = STRATEGIES[name]
+        mp = n if mp == "world" else mp
+        step = _tfhybrid_step(name, mp, opts, batch)
+        for _ in range(3):   # trace now, under this model's grid
+            step()
+        steps[name] = (step, {"path": "tfhybrid.transform", "model_parallel": mp})
         _sync()
     return steps
 
@@ -143,7 +156,8 @@ def _interleaved(steps, rounds, per_round, log):
     """
     times = {name: [] for name in steps}
     for rnd in range(rounds):
-        for name, (step, _) in steps.items():
+        for name, (step, info) in steps.items():
+            _use_grid(info.get("model_parallel"))
             _sync()
             if step is not None:
                 times[name] += [_time_once(step) for _ in range(per_round)]

@@ -74,6 +74,42 @@ def test_inverse_keeps_own_rows_and_scales_gradient_by_1_over_k(grid, in_layout,
     np.testing.assert_allclose(dx, want / g.size, **GRAD)
 
 
+# -- Keras logits behind a softmax output ---------------------------------------------
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("scheme", ["BK", "B/K"])
+def test_softmax_rows_carry_keras_logits_to_the_loss(grid, scheme, mode):
+    """Keras' crossentropy of a softmax output reads its ``_keras_logits``, not the
+    probabilities clipped to [1e-7, 1 - 1e-7]; the rows leaving the region carry
+    them, so confidently wrong rows keep their true loss and gradient."""
+    g = grid.group("model")
+    dense = keras.layers.Dense(CLASSES, activation="softmax")
+    dense.build((None, 3))
+    dense.set_weights([10 * randn((3, CLASSES), "logits-w"), randn((CLASSES,), "logits-b")])
+    own = randn((B * g.size, 3), "logits-x", g.ranks)[g.index * B:(g.index + 1) * B]
+    labels = np.arange(B) % CLASSES
+    if scheme == "BK":
+        model = keras.Sequential([ModuloLayer("BK", output_layout=R), dense,
+                                  ModuloInverseLayer()])
+    else:
+        model = ModuloLayer("B/K", body=dense, output_layout=R)
+
+    def call(t):
+        loss = keras.losses.sparse_categorical_crossentropy(labels, model(t))
+        return loss, tf.reduce_sum(loss)
+
+    def logits_call(t):
+        logits = tf.matmul(t, dense.kernel) + dense.bias
+        loss = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+        return loss, tf.reduce_sum(loss)
+
+    loss, dx, _ = value_and_grads(call, [], own, mode)
+    want, want_dx, _ = value_and_grads(logits_call, [], own, "eager")
+    assert want.max() > 20, "no probability below 1e-7: the comparison would be vacuous"
+    np.testing.assert_allclose(loss, want, **FWD)
+    np.testing.assert_allclose(dx, want_dx, **GRAD)
+
+
 # -- a SplitBrain network against single-process training --------------------------
 
 

@@ -130,7 +130,22 @@ def _enter(x, g, output_layout, name):
 
 
 def _leave(y, g, input_layout, name):
-    """The group's rows (R) -> own rows; gradient scaled by 1/K (see module doc)."""
+    """The group's rows (R) -> own rows; gradient scaled by 1/K (see module doc).
+
+    When ``y`` is a softmax/sigmoid output carrying Keras' ``_keras_logits``
+    (which Keras' crossentropy losses use instead of the clipped
+    probabilities), the logits' own rows are carried along, so the loss of
+    the transformed model is the original's even where a probability falls
+    below Keras' epsilon (1e-7).
+    """
+    out = _own_rows(y, g, input_layout, name)
+    logits = getattr(y, "_keras_logits", None)
+    if logits is not None:
+        _attach_logits(out, _own_rows(logits, g, input_layout, f"{name}.logits"))
+    return out
+
+
+def _own_rows(y, g, input_layout, name):
     name, rows = collective_base(name), y.shape[0]
     if input_layout == PARTIAL_GRAD:
         out = split_partial_grad(y, 0, g, name)
@@ -140,6 +155,25 @@ def _leave(y, g, input_layout, name):
     # dimension; restore them (Keras losses and optimizers need the static shape).
     out.set_shape([None if rows is None else rows // g.size] + y.shape[1:].as_list())
     return scale_grad(out, 1.0 / g.size)
+
+
+def _attach_logits(y, logits):
+    """``y._keras_logits = logits`` (as keras.activations.softmax does)."""
+    try:
+        y._keras_logits = logits
+    except AttributeError:  # a C-type tensor (as Keras itself tolerates)
+        pass
+
+
+def _stack_logits(y):
+    """``y`` and, when it carries them, its Keras logits, stacked along a new axis 0.
+
+    One tensor, so ``tf.recompute_grad`` (which drops Python attributes)
+    returns both. (The backward then also runs the unused half's collective,
+    on zeros: one extra all-gather of the output's size per micro-step.)
+    """
+    logits = getattr(y, "_keras_logits", None)
+    return tf.stack([y] if logits is None else [y, logits])
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -254,13 +288,16 @@ class ModuloLayer(_GroupLayer):
         if b is None:
             tf.debugging.assert_equal(tf.shape(inputs)[0] % k, 0, message=(
                 f"Layer '{self.name}': scheme='B/K' needs a local batch divisible by {k}"))
-        outputs = []
+        parts = []
         for i, chunk in enumerate(tf.split(inputs, k, axis=0)):
-            step = lambda c, i=i: self._step(c, training, i)  # noqa: E731
+            step = lambda c, i=i: _stack_logits(self._step(c, training, i))  # noqa: E731
             if self.recompute and k > 1:
                 step = tf.recompute_grad(step)
-            outputs.append(step(chunk))
-        return tf.concat(outputs, axis=0)
+            parts.append(step(chunk))
+        out = tf.concat([p[0] for p in parts], axis=0)
+        if parts[0].shape[0] == 2:   # the body's output carried Keras logits (see _leave)
+            _attach_logits(out, tf.concat([p[1] for p in parts], axis=0))
+        return out
 
     def compute_output_shape(self, input_shape):
         if self.body is None:

@@ -87,7 +87,9 @@ def test_softmax_rows_carry_keras_logits_to_the_loss(grid, scheme, mode):
     dense.build((None, 3))
     dense.set_weights([10 * randn((3, CLASSES), "logits-w"), randn((CLASSES,), "logits-b")])
     own = randn((B * g.size, 3), "logits-x", g.ranks)[g.index * B:(g.index + 1) * B]
-    labels = np.arange(B) % CLASSES
+    # each row's label is its least likely class: confidently wrong on every rank
+    kernel, bias = dense.get_weights()
+    labels = np.argmin(own @ kernel + bias, axis=-1)
     if scheme == "BK":
         model = keras.Sequential([ModuloLayer("BK", output_layout=R), dense,
                                   ModuloInverseLayer()])

@@ -9,8 +9,10 @@ global batches, the predictions the single-process predictions of the same
 rows and the world-averaged ``evaluate`` the single-process one.
 
 Several steps, float64 (issue 6, item 4): STEP_CASES, STEPS64 = 3 steps at
-lr 0.1. -np 2: d, s (width split), gmp, f, c; -np 4: df, ds and gmp with
-model groups of 2, s on a 2x2 block grid. Criteria:
+lr 0.1. -np 2: d, s (width split), gmp, f, c; -np 4: df and ds with model
+groups of 2, s on a 2x2 block grid (gmp at -np 4, 59 s, was dropped to keep
+``make test`` within its budget: gmp over 4 ranks trains VGG16 and the
+SplitBrain VGG in test_strategies_apps.py, with model groups of 4). Criteria:
 
 * every weight to rtol 1e-4 (atol 1e-10 x the tensor's largest weight, for
   elements that cross zero), and, beyond the issue's criterion, every
@@ -299,7 +301,6 @@ STEP_CASES = {
         ("c", 2, {"fallback": "replicate"}, "channel")],
     4: [("df", 2, {"fallback": "replicate"}, "filter"),
         ("ds", 2, {}, "spatial"),
-        ("gmp", 2, {"ccr_threshold": 0}, "filter"),
         ("s", 4, {"spatial": (2, 2)}, "spatial")],
 }.get(N, [])
 

@@ -174,7 +174,7 @@ def worker(args):
     say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     from tfhybrid.oracle import calibrate_run  # noqa: WPS433
     # calibrate in the same job, right before measuring: same load on this shared box
-    calibrate_run.run(args.machine_out, max_bytes=2 << 20, n_sizes=5, reps=5,
+    calibrate_run.run(args.machine_out, max_bytes=2 << 20, n_sizes=5, reps=8,
                       model=MODEL_PATH, batch=args.batch // n, log=say)
     _sync()
     names = [s for s in STRATEGIES if not args.only or s in args.only or s == "d"]

@@ -216,8 +216,11 @@ Its ds log shows the halo exchanges, the spatial allgather and an all-to-all
 scatter of the samples priced with MPI without GPUDirect: alpha = 3.00011e-3 s
 and beta = 5e-10 s/B (300x the NCCL tier's latency), and pooling layers are
 charged 2 alpha of halo even with 0 bytes. Our machine prices every collective
-with the same tiers (calibration measures the path tfhybrid really uses), so
-our ds Tcomm is 10-25x lower. To reproduce the tool, give the machine a tier
+with the same tiers (calibration measures the path tfhybrid really uses), the
+first layer exchanges no backward halo (the input needs no gradient, as
+tfhybrid's SpatialConv), and a data group whose ranks sit in one node is priced
+with its own size's tier rather than its span's, so our ds Tcomm is 6-140x
+lower (most at small batches, where latency dominates). To reproduce the tool, give the machine a tier
 with that alpha/beta; we did not add a separate p2p network to the model.
 
 **6. Memory: the tool does not store ReLU and batch-norm outputs.** Ours

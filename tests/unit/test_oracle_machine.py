@@ -66,6 +66,41 @@ def test_fit_alpha_beta_recovers_parameters():
     assert tiers[1].beta == pytest.approx(beta)
 
 
+def test_fit_collective_costs_recovers_latency_alpha_beta():
+    lat, alpha, beta = 1.5e-3, 2e-4, 3e-9
+    samples = []
+    for kind in cal.KINDS:
+        for m in (4e3, 1e5, 2e6):
+            ca, cb = cal.design_row(kind, 4, m)
+            samples.append((kind, 4, m, lat + ca * alpha + cb * beta))
+    got = cal.fit_collective_costs(samples)
+    assert got == (pytest.approx(lat), pytest.approx(alpha), pytest.approx(beta),
+                   pytest.approx(1.0))
+    tier = cal.fit_tiers(samples)[0]
+    assert (tier.max_ranks, tier.latency) == (4, pytest.approx(lat))
+    with pytest.raises(ValueError, match="at least 3 timing samples"):
+        cal.fit_collective_costs(samples[:2])
+
+
+def test_latency_is_paid_once_per_collective():
+    m = Machine.from_dict({**BASE, "latency": 1e-3,
+                           "tiers": [{"max_ranks": 2, "alpha": 0, "beta": 0, "latency": 2e-3}]})
+    assert m.t_allreduce(2, 1e6) == pytest.approx(2e-3)
+    assert m.t_allgather(4, 0) == pytest.approx(1e-3 + 3 * 1e-5)
+    assert m.t_p2p(0, span=2) == pytest.approx(2e-3)
+    assert m.t_allreduce(1, 1e6) == 0.0 and Machine.from_dict(m.to_dict()) == m
+
+
+def test_tier_by_span_only_across_nodes():
+    tiers = [{"max_ranks": 2, "alpha": 1.0, "beta": 0}, {"max_ranks": 8, "alpha": 5.0, "beta": 0}]
+    m = Machine.from_dict({**BASE, "tiers": tiers, "ranks_per_node": 4})
+    # a 2-rank group of stride 2 (span 4) stays inside a 4-rank node: the 2-rank tier
+    assert m.t_allgather(2, 0, span=4) == 1.0
+    # span 8 crosses nodes: the wider tier
+    assert m.t_allgather(2, 0, span=8) == 5.0
+    assert m.replace(ranks_per_node=None).t_allgather(2, 0, span=4) == 5.0
+
+
 def test_fit_is_non_negative_and_validates():
     # decreasing time with size would need beta < 0: clamp to beta = 0
     samples = [("allgather", 2, 1e3, 2e-3), ("allgather", 2, 1e6, 1e-3)]

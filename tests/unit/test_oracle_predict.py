@@ -1,5 +1,7 @@
 """Strategy models on a hand-made two-layer profile, computed by hand; feasibility
 reasons; choose/rank; argument validation."""
+import dataclasses
+
 import pytest
 
 from tfhybrid.oracle import (LayerRow, Machine, ModelProfile, Prediction, choose, predict,
@@ -81,8 +83,8 @@ def test_gmp_hand():
     assert r.options["pairs"] == [("fc1", "fc2")]
     assert r.compute_s == pytest.approx(24.0)
     # B/K: 2 micro-steps of 1 sample per rank: modulo (x=2) and its adjoint, the pair's
-    # allreduce of y_fc2 for 2 samples, then the batch_scatter adjoint (2 samples x 2)
-    assert r.comm_s["FB-allgather"] == pytest.approx(4 * (1 + 1) + (1 + 2))
+    # allreduce of y_fc2 for 2 samples; leaving the region is a slice (no collective)
+    assert r.comm_s["FB-allgather"] == pytest.approx(4 * (1 + 1))
     assert r.comm_s["FB-allreduce"] == pytest.approx(2 * 2 * (1 + 4 / 2 * 0.5))
     assert r.comm_s["GE-allreduce"] == 0.0
     assert r.options["param_memory_bytes"] == pytest.approx(22 / 2)
@@ -92,7 +94,7 @@ def test_gmp_bk_scheme_default():
     r = predict(PROF, "gmp", 2, 4, M, mp=2, ccr_threshold=0)
     assert r.options["scheme"] == "BK"
     # one step of 2 samples per rank: modulo (x=2) + adjoint, pair allreduce of y_fc2 for 4
-    assert r.comm_s["FB-allgather"] == pytest.approx(2 * (1 + 2 * 2 * 0.5) + (1 + 2))
+    assert r.comm_s["FB-allgather"] == pytest.approx(2 * (1 + 2 * 2 * 0.5))
     assert r.comm_s["FB-allreduce"] == pytest.approx(2 * (1 + 8 / 2 * 0.5))
 
 
@@ -113,7 +115,13 @@ def test_layer_separation_hand():
 def test_spatial_hand():
     r = predict(CPROF, "s", 2, 4, M, grid=(2, 1))
     assert r.compute_s == pytest.approx(4 * 24 * 0.5)
-    assert r.comm_s["halo"] == pytest.approx(2 * (2 + 4 * 0.5 * (8 + 16)))
+    # the first layer (the model input's) exchanges forward only: 2 (alpha + h_x beta)
+    assert r.comm_s["halo"] == pytest.approx(2 * (1 + 4 * 0.5 * 8))
+    two = ModelProfile("conv2", (CONV, dataclasses.replace(CONV, name="c2")), 64)
+    r2 = predict(two, "s", 2, 4, M.replace(latency=0.25), grid=(2, 1))
+    # + the second layer's forward and backward (h_dy = 16), 0.25 latency per exchange
+    assert r2.comm_s["halo"] == pytest.approx(
+        3 * 0.25 + 2 * (1 + 4 * 0.5 * 8) * 2 + 2 * (1 + 4 * 0.5 * 16))
     assert r.comm_s["GE-allreduce"] == pytest.approx(2 * (1 + 10 * 0.5))
     assert r.options["grid"] == {"data": 1, "spatial": [2, 1]}
 
@@ -121,7 +129,7 @@ def test_spatial_hand():
 def test_data_spatial_grid():
     r = predict(CPROF, "ds", 4, 4, M, grid=(2, 2, 1))
     assert r.compute_s == pytest.approx(2 * 24 * 0.5)
-    assert r.comm_s["halo"] == pytest.approx(2 * (2 + 2 * 0.5 * 24))
+    assert r.comm_s["halo"] == pytest.approx(2 * (1 + 2 * 0.5 * 8))
 
 
 def test_spatial_gradients_world_for_spatial_layers_data_groups_for_the_rest():
@@ -210,9 +218,23 @@ def test_prediction_per_epoch_and_validation():
 def test_oversubscription_and_overhead():
     m = M.replace(compute_slots=2, step_overhead_s=0.5)
     r = predict(PROF, "d", 4, 4, m)
-    assert r.compute_s == pytest.approx(12.0 * 2) and r.overhead_s == 0.5
-    assert r.total_s == pytest.approx(r.compute_s + r.comm_total_s + 0.5)
+    assert r.compute_s == pytest.approx(12.0 * 2) and r.overhead_s == 0.5 * 2
+    assert r.total_s == pytest.approx(r.compute_s + r.comm_total_s + 1.0)
     assert predict(PROF, "serial", 4, 4, m).compute_s == 48.0
+    assert predict(PROF, "serial", 4, 4, m).overhead_s == 0.5
+
+
+def test_measured_contention_replaces_the_slots_model():
+    m = M.replace(compute_slots=2, step_overhead_s=0.5, compute_contention={"4": 2.5})
+    r = predict(PROF, "d", 4, 4, m)
+    assert r.compute_s == pytest.approx(12.0 * 2.5) and r.overhead_s == pytest.approx(1.25)
+    # a rank count calibration did not measure falls back to ranks / slots
+    assert predict(PROF, "d", 2, 4, m).compute_s == pytest.approx(24.0)
+    assert Machine.from_dict(m.to_dict()) == m
+    for bad, msg in (({"x": 2.0}, "not a positive rank count"), ({"4": 0}, "positive finite"),
+                     ([2.0], "must map ranks")):
+        with pytest.raises(ValueError, match=msg):
+            M.replace(compute_contention=bad)
 
 
 def test_fixed_compute_added_once_per_iteration_and_oversubscribed():

@@ -8,7 +8,8 @@ What it measures (rank 0 writes the file):
 
 1. alpha/beta: Horovod allreduce, allgather and alltoall (through
    :mod:`tfhybrid.comm.backend`, on process sets of the first g ranks for
-   g = 2, 4, ..., N) over a range of message sizes; for each group size a
+   g = 2, 4, ..., N) over a range of message sizes, each timed as a traced
+   chain of dependent collectives (what a step's layers run); for each group size a
    least-squares fit of the ring cost models of :mod:`machine` gives one tier
    ``{max_ranks: g, alpha, beta}``; the largest group gives the top-level
    alpha/beta.
@@ -23,6 +24,10 @@ What it measures (rank 0 writes the file):
 4. step_overhead_s: the cost of one Keras ``train_on_batch`` of a 1-unit model.
 5. gamma (with ``--model``): peak RSS growth of training the model divided by
    the naive serial memory estimate (ParaDL's memory reuse factor).
+6. compute_contention (with ``--model`` on N > 1 ranks): the slowest rank's
+   forward+backward at the local batch with every rank computing at once,
+   over rank 0's alone; it replaces the ``compute_slots`` estimate of 2 for
+   the ranks per node it was measured at.
 
 The fitting functions are pure numpy and unit-tested without Horovod.
 Approximations: one latency/bandwidth per group size (no small/large message
@@ -71,42 +76,71 @@ def fit_alpha_beta(samples) -> tuple:
     Raises:
         ValueError: fewer than two samples.
     """
+    _, alpha, beta, r2 = _fit(samples, latency=False)
+    return alpha, beta, r2
+
+
+def fit_collective_costs(samples) -> tuple:
+    """Non-negative least squares of (latency, alpha, beta): each collective
+    costs ``latency`` once plus its ring cost (:func:`design_row`).
+
+    Returns:
+        (latency, alpha, beta, r2).
+
+    Raises:
+        ValueError: fewer than three samples.
+
+    Example:
+        >>> rows = [(k, 2, m, 1e-3 + design_row(k, 2, m)[0] * 1e-4
+        ...          + design_row(k, 2, m)[1] * 1e-9)
+        ...         for k in KINDS for m in (1e3, 1e6)]
+        >>> [round(v, 10) for v in fit_collective_costs(rows)[:3]]
+        [0.001, 0.0001, 1e-09]
+    """
+    return _fit(samples, latency=True)
+
+
+def _fit(samples, latency):
     samples = list(samples)
-    if len(samples) < 2:
-        raise ValueError(f"Need at least 2 timing samples to fit alpha and beta; "
+    need = 3 if latency else 2
+    if len(samples) < need:
+        raise ValueError(f"Need at least {need} timing samples to fit "
+                         f"{'latency, ' if latency else ''}alpha and beta; "
                          f"received {len(samples)}.")
-    A = np.array([design_row(k, p, m) for k, p, m, _ in samples], dtype=float)
+    A = np.array([((1.0,) if latency else ()) + design_row(k, p, m)
+                  for k, p, m, _ in samples], dtype=float)
     t = np.array([s for *_, s in samples], dtype=float)
-    sol = _nnls2(A, t)
-    pred = A @ sol
+    sol = _nnls(A, t)
     ss = float(((t - t.mean()) ** 2).sum())
-    r2 = 1.0 - float(((t - pred) ** 2).sum()) / ss if ss > 0 else 1.0
-    return float(sol[0]), float(sol[1]), r2
+    r2 = 1.0 - float(((t - A @ sol) ** 2).sum()) / ss if ss > 0 else 1.0
+    lat = float(sol[0]) if latency else 0.0
+    return lat, float(sol[-2]), float(sol[-1]), r2
 
 
-def _nnls2(A, t):
-    sol = np.linalg.lstsq(A, t, rcond=None)[0]
-    if (sol >= 0).all():
-        return sol
-    best = None
-    for keep in (0, 1):
-        col = A[:, keep]
-        denom = float(col @ col)
-        x = max(0.0, float(col @ t) / denom) if denom else 0.0
-        cand = np.zeros(2)
-        cand[keep] = x
-        err = float(((A @ cand - t) ** 2).sum())
-        if best is None or err < best[0]:
-            best = (err, cand)
-    return best[1]
+def _nnls(A, t):
+    """argmin |A x - t| with x >= 0, by least squares on every subset of columns
+    (A has 2 or 3 columns); columns are scaled to unit norm first."""
+    import itertools  # noqa: WPS433
+    norms = np.linalg.norm(A, axis=0)
+    norms[norms == 0] = 1.0
+    B = A / norms
+    best_err, best = float("inf"), np.zeros(A.shape[1])
+    for k in range(A.shape[1], 0, -1):
+        for cols in itertools.combinations(range(A.shape[1]), k):
+            x = np.zeros(A.shape[1])
+            x[list(cols)] = np.linalg.lstsq(B[:, cols], t, rcond=None)[0]
+            err = float(((B @ x - t) ** 2).sum())
+            if (x >= 0).all() and err < best_err:
+                best_err, best = err, x
+    return best / norms
 
 
 def fit_tiers(samples) -> list:
-    """One :class:`Tier` per group size found in the samples (sorted)."""
+    """One :class:`Tier` (latency, alpha, beta) per group size in the samples (sorted)."""
     tiers = []
     for g in sorted({p for _, p, _, _ in samples}):
-        a, b, _ = fit_alpha_beta([s for s in samples if s[1] == g])
-        tiers.append(Tier(max_ranks=g, alpha=a, beta=b))
+        lat, a, b, _ = fit_collective_costs([s for s in samples if s[1] == g])
+        tiers.append(Tier(max_ranks=g, alpha=a, beta=b, latency=lat))
     return tiers
 
 
@@ -123,7 +157,7 @@ def fit_line(xs, ys) -> tuple:
                          f"{len(xs)} and {len(ys)}.")
     if len(set(xs.tolist())) < 2:
         return 0.0, float(ys.mean() / xs.mean())
-    a, b = _nnls2(np.stack([np.ones_like(xs), xs], axis=1), ys)
+    a, b = _nnls(np.stack([np.ones_like(xs), xs], axis=1), ys)
     return float(a), float(b)
 
 
@@ -160,13 +194,32 @@ def _best_time(fn, reps):
     return min(times)
 
 
-def _collective(kind, x, ranks, backend):
+def _collective(kind, x, ranks, backend, n):
+    """One collective of the ``n`` items of ``x`` whose output has ``n`` items
+    again (allgather: the first block of the result)."""
     if kind == "allreduce":
         return backend.allreduce(x, ranks, f"calib.ar.{len(ranks)}")
     if kind == "allgather":
-        return backend.allgather(x, ranks, f"calib.ag.{len(ranks)}")
-    splits = [int(x.shape[0]) // len(ranks)] * len(ranks)
-    return backend.alltoall(x, splits, ranks, f"calib.a2a.{len(ranks)}")
+        return backend.allgather(x, ranks, f"calib.ag.{len(ranks)}")[:n]
+    return backend.alltoall(x, [n // len(ranks)] * len(ranks), ranks, f"calib.a2a.{len(ranks)}")
+
+
+def collective_chain(kind, ranks, backend, chain, n):
+    """A traced function running ``chain`` dependent collectives of one kind.
+
+    Each takes the previous one's output, as a forward pass feeds one
+    layer's collective into the next: what a step pays per collective
+    (graph dispatch, Horovod's negotiation and the transfer, one after the
+    other), which eager calls one at a time do not show.
+    """
+    import tensorflow as tf  # noqa: WPS433
+
+    @tf.function(input_signature=[tf.TensorSpec([n], tf.float32)])
+    def run(x):
+        for _ in range(chain):
+            x = tf.ensure_shape(_collective(kind, x, ranks, backend, n), [n])
+        return x
+    return run
 
 
 def sync(backend):
@@ -177,10 +230,12 @@ def sync(backend):
         backend.allreduce(tf.zeros([1]), tuple(range(backend.size())), "calib.sync").numpy()
 
 
-def time_collectives(sizes, group_sizes, reps=5, log=print) -> list:
+def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4) -> list:
     """(kind, g, bytes, seconds) for every kind, group size and message size (rank 0's view).
 
-    Collective: every rank must call it with the same arguments.
+    Seconds are per collective: the best of ``reps`` runs of a traced chain
+    of ``chain`` dependent collectives (:func:`collective_chain`), divided
+    by ``chain``. Collective: every rank must call it with the same arguments.
     """
     import tensorflow as tf  # noqa: WPS433
     from tfhybrid.comm import backend  # noqa: WPS433
@@ -195,7 +250,8 @@ def time_collectives(sizes, group_sizes, reps=5, log=print) -> list:
                 n = max(g, int(nbytes) // 4 // g * g)
                 if backend.rank() < g:
                     x = tf.ones([n], tf.float32)
-                    sec = _best_time(lambda: _collective(kind, x, ranks, backend).numpy(), reps)
+                    run = collective_chain(kind, ranks, backend, chain, n)
+                    sec = _best_time(lambda: run(x).numpy(), reps) / chain
                     samples.append((kind, g, 4 * n, sec))
                 sync(backend)
             if backend.rank() == 0:

@@ -55,23 +55,16 @@ def measure_layer_times(model, batches, reps=7):
         ``({layer: (forward_s, backward_s)} per sample, fixed_s)``; fixed_s
         is 0.0 with a single batch size.
     """
-    import numpy as np  # noqa: WPS433
     from tfhybrid.oracle.profile import profile  # noqa: WPS433
     tf = _tf()
     fwd = tf.function(lambda a: model(a, training=True))
-
-    @tf.function
-    def fwd_bwd(a):
-        with tf.GradientTape() as tape:
-            s = tf.reduce_sum(model(a, training=True))
-        return tape.gradient(s, model.trainable_weights)
-
+    fwd_bwd = _fwd_bwd(model)
     sizes = sorted(set(batches))
     t_f, t_fb = [], []
     for b in sizes:
-        x = tf.constant(np.random.rand(b, *model.input_shape[1:]).astype("float32"))
+        x = _inputs(model, b)
         t_f.append(cal._best_time(lambda: fwd(x).numpy(), reps))
-        t_fb.append(cal._best_time(lambda: [g.numpy() for g in fwd_bwd(x)], reps))
+        t_fb.append(cal._best_time(lambda: fwd_bwd(x), reps))
     (f0, f1), (fb0, fb1) = cal.fit_line(sizes, t_f), cal.fit_line(sizes, t_fb)
     b1 = max(fb1 - f1, 0.0)
     rows = profile(model).rows
@@ -79,6 +72,62 @@ def measure_layer_times(model, batches, reps=7):
     b_tot = sum(r.bwd_flops for r in rows) or 1.0
     times = {r.name: (f1 * r.fwd_flops / f_tot, b1 * r.bwd_flops / b_tot) for r in rows}
     return times, max(fb0, f0, 0.0)
+
+
+def _inputs(model, batch):
+    import numpy as np  # noqa: WPS433
+    return _tf().constant(np.random.rand(batch, *model.input_shape[1:]).astype("float32"))
+
+
+def _fwd_bwd(model):
+    """A callable running one traced forward+backward of ``model`` to completion."""
+    tf = _tf()
+
+    @tf.function
+    def fwd_bwd(a):
+        with tf.GradientTape() as tape:
+            s = tf.reduce_sum(model(a, training=True))
+        return tape.gradient(s, model.trainable_weights)
+
+    return lambda a: [g.numpy() for g in fwd_bwd(a)]
+
+
+def measure_contention(model, batch, reps=20):
+    """Compute slowdown when every rank computes at once (collective).
+
+    Rank 0 first times ``model``'s forward+backward at ``batch`` alone (the
+    others wait). Then every rank runs ``reps`` iterations of that
+    forward+backward followed by a 1-item world allreduce, as training steps
+    alternate compute and collectives (ranks drift apart as in training
+    instead of all starting at one barrier), and ``reps`` of the allreduce
+    alone. The difference of the best iterations is the slowest rank's
+    compute under contention; best single iterations, as the step times
+    they are compared with.
+
+    Returns:
+        ``(factor, alone_s, together_s)`` on rank 0 (factor >= 1);
+        ``(None, None, None)`` on the other ranks.
+    """
+    from tfhybrid.comm import backend  # noqa: WPS433
+    run, x = _fwd_bwd(model), _inputs(model, batch)
+    world = tuple(range(backend.size()))
+    one = _tf().zeros([1])
+
+    def sync():
+        backend.allreduce(one, world, "calib.contention").numpy()
+
+    def step():
+        run(x)
+        sync()
+
+    alone = cal._best_time(lambda: run(x), reps) if backend.rank() == 0 else None
+    cal.sync(backend)
+    t_sync = cal._best_time(sync, reps)
+    t_step = cal._best_time(step, reps)
+    if backend.rank():
+        return None, None, None
+    together = max(t_step - t_sync, alone)
+    return together / alone, alone, together
 
 
 def measure_step_overhead(reps=20) -> float:
@@ -124,7 +173,7 @@ def _group_sizes(world):
     return gs + [world] if world > 1 else []
 
 
-def _model_part(model_name, batches, log):
+def _model_part(model_name, batches, log, reps=5):
     from tfhybrid.oracle.models import build_model  # noqa: WPS433
     from tfhybrid.oracle.predict import predict  # noqa: WPS433
     model = build_model(model_name)
@@ -133,7 +182,7 @@ def _model_part(model_name, batches, log):
     gamma, grown = measure_gamma(model, batches[0], naive)   # first: peak RSS is monotone
     log(f"  gamma = {gamma:.3g} (RSS grew {grown / 1e6:.1f} MB, naive {naive / 1e6:.1f} MB)")
     log(f"  timing {model.name} forward/backward at batches {list(batches)}")
-    times, fixed = measure_layer_times(model, batches)
+    times, fixed = measure_layer_times(model, batches, reps=4 * reps)
     log(f"  fixed forward+backward cost {fixed * 1e3:.3g} ms per iteration")
     return times, gamma, fixed
 
@@ -154,8 +203,20 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
         say(f"  flop rate {rate / 1e9:.3g} GFLOP/s on one rank ({slots} compute slots)")
         overhead = measure_step_overhead(reps=3 * reps)
         say(f"  step overhead {overhead * 1e3:.3g} ms")
-        if model:   # from the local batch up to the global one (what serial runs)
-            times, gamma, fixed = _model_part(model, (batch, batch * max(world, 2)), say)
+        if model:   # from half the local batch up to the global one (what serial runs):
+            # four sizes, so one noisy timing cannot tilt the fixed/per-sample split
+            sizes = sorted({max(1, batch // 2), batch, 2 * batch, batch * max(world, 2)})
+            times, gamma, fixed = _model_part(model, sizes, say, reps)
+    cal.sync(backend)
+    contention = None
+    if model and world > 1:   # every rank computes at once: the measured slowdown
+        from tfhybrid.oracle.models import build_model  # noqa: WPS433
+        factor, alone, together = measure_contention(build_model(model), batch, 4 * reps)
+        if rank == 0:
+            contention = {str(backend.local_size()): factor}
+            say(f"  {backend.local_size()} ranks computing at once: {together * 1e3:.3g} ms "
+                f"for the slowest vs {alone * 1e3:.3g} ms alone (x{factor:.2f}; "
+                f"{slots} compute slots would say x{max(1.0, backend.local_size() / slots):.2f})")
     # Rank 0 alone built Keras objects: reset the auto-name counters on every
     # rank so later models get the same layer (and so collective) names everywhere.
     import keras  # noqa: WPS433
@@ -163,6 +224,7 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
     cal.sync(backend)
     spec = _spec(samples, rate, times, gamma, overhead, slots, world, backend.local_size())
     spec["compute_fixed_s"] = fixed
+    spec["compute_contention"] = contention
     if rank == 0:
         Machine.from_dict(spec)
         with open(out, "w", encoding="utf-8") as fh:
@@ -177,10 +239,13 @@ def _spec(samples, rate, times, gamma, overhead, slots, world, local):
     top = tiers[-1] if tiers else None
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, local)
     return {
-        "comment": "tfhybrid calibrate: alpha/beta per group size (tiers) fitted to Horovod "
-                   "allreduce/allgather/alltoall; flop_rate per compute slot.",
+        "comment": "tfhybrid calibrate: latency/alpha/beta per group size (tiers) fitted to "
+                   "traced chains of Horovod allreduce/allgather/alltoall; flop_rate per "
+                   "compute slot.",
         "alpha": top.alpha if top else 0.0, "beta": top.beta if top else 0.0,
-        "tiers": [{"max_ranks": t.max_ranks, "alpha": t.alpha, "beta": t.beta} for t in tiers],
+        "latency": top.latency if top else 0.0,
+        "tiers": [{"max_ranks": t.max_ranks, "alpha": t.alpha, "beta": t.beta,
+                   "latency": t.latency} for t in tiers],
         "flop_rate": rate, "layer_times": {k: list(v) for k, v in times.items()} if times else None,
         "memory_bytes": mem, "phi": 1.0, "gamma": gamma, "bytes_per_item": 4,
         "step_overhead_s": overhead, "compute_slots": slots, "ranks_per_node": local,

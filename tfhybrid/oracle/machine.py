@@ -10,12 +10,20 @@ Hockney alpha-beta cost of the collectives that ParaDL (Section 4.3) uses:
 * ``T_rs(p, m) = (p - 1) (alpha + m / p beta)``    (ring reduce-scatter of m bytes)
 * ``T_a2a(p, m) = (p - 1) (alpha + m / p beta)``   (pairwise all-to-all of m bytes)
 
+Each collective (and each peer-to-peer exchange) also pays ``latency``
+(lambda) once: the runtime's fixed cost per collective, whatever its size or
+ring length (Horovod's negotiation between ranks, dispatch from the graph).
+It is 0 in the papers and for ParaDL's tiers; calibration fits it beside
+alpha and beta, and on an oversubscribed CPU node it dominates (lambda
+about 1 ms, alpha about 0.1 ms at 2 ranks).
+
 Approximations (what this model ignores): the collective algorithm switch
 (tree for small messages), link topology other than through tiers, external
 congestion (only self-contention via ``phi``), and overlap of communication
 with computation. Tiers pick alpha/beta by the number of consecutive ranks a
 group spans (``group size x stride``), so a data group whose members sit on
-different nodes pays the inter-node tier even when it has few members.
+different nodes pays the inter-node tier even when it has few members; a
+group whose span fits in one node (``ranks_per_node``) uses its size.
 
 Example:
     >>> m = Machine(alpha=1e-5, beta=1e-9, flop_rate=1e10)
@@ -30,7 +38,7 @@ import math
 import os
 from typing import Any, Mapping
 
-_NUMBER_FIELDS = ("alpha", "beta", "flop_rate", "memory_bytes", "phi", "gamma",
+_NUMBER_FIELDS = ("alpha", "beta", "latency", "flop_rate", "memory_bytes", "phi", "gamma",
                   "bytes_per_item", "step_overhead_s", "compute_slots", "wu_flops_per_param",
                   "compute_fixed_s")
 
@@ -57,6 +65,7 @@ class Tier:
     max_ranks: int
     alpha: float
     beta: float
+    latency: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.max_ranks, bool) or not isinstance(self.max_ranks, int) \
@@ -65,6 +74,7 @@ class Tier:
                              "expected a positive integer.")
         _check_number("tiers[].alpha", self.alpha)
         _check_number("tiers[].beta", self.beta)
+        _check_number("tiers[].latency", self.latency)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +84,8 @@ class Machine:
     Attributes:
         alpha: Latency per message (s); used for groups beyond every tier.
         beta: Time per byte (s/B); used for groups beyond every tier.
+        latency: Fixed cost per collective (s), added once to each
+            collective's ring cost; used for groups beyond every tier.
         tiers: Optional alpha/beta by group span, sorted by ``max_ranks``.
         flop_rate: Sustained FLOP/s of one rank (needed unless ``layer_times``
             covers every layer).
@@ -97,6 +109,14 @@ class Machine:
             slowing each other (cores / threads per rank, or GPUs per node);
             None means never oversubscribed. When more ranks share a node,
             compute time is scaled by ``ranks_on_node / compute_slots``.
+        compute_contention: Measured slowdown of compute when a number of
+            ranks run at once on one node, ``{ranks_on_node: factor}`` (JSON
+            keys may be strings): the slowest rank's forward+backward with
+            every rank computing, over one rank computing alone. Calibration
+            measures it at its own world size; where it names the ranks on
+            the node it replaces the ``compute_slots`` model (which ignores
+            memory bandwidth, Horovod's background threads and the
+            scheduler).
         ranks_per_node: Ranks placed on one node (None: all ranks on one node).
         wu_flops_per_param: FLOPs of the weight update per parameter (SGD: 2).
         source: Free text saying where the numbers come from.
@@ -108,6 +128,7 @@ class Machine:
 
     alpha: float
     beta: float
+    latency: float = 0.0
     tiers: tuple = ()
     flop_rate: float | None = None
     layer_times: Mapping[str, tuple] | None = None
@@ -118,6 +139,7 @@ class Machine:
     step_overhead_s: float = 0.0
     compute_slots: int | None = None
     ranks_per_node: int | None = None
+    compute_contention: Mapping[int, float] | None = None
     wu_flops_per_param: float = 2.0
     compute_fixed_s: float = 0.0
     source: str = ""
@@ -136,6 +158,9 @@ class Machine:
         object.__setattr__(self, "tiers", tuple(sorted(tiers, key=lambda t: t.max_ranks)))
         if self.layer_times is not None:
             object.__setattr__(self, "layer_times", _check_layer_times(self.layer_times))
+        if self.compute_contention is not None:
+            object.__setattr__(self, "compute_contention",
+                               _check_contention(self.compute_contention))
 
     # -- construction ------------------------------------------------------
     @classmethod
@@ -158,7 +183,7 @@ class Machine:
             raise ValueError(f"The machine spec lacks required keys {missing} "
                              "(latency alpha in s, inverse bandwidth beta in s/byte).")
         kwargs = {k: v for k, v in spec.items() if k in known}
-        for k in ("flop_rate", "memory_bytes", "alpha", "beta"):
+        for k in ("flop_rate", "memory_bytes", "alpha", "beta", "latency"):
             if isinstance(kwargs.get(k), int) and not isinstance(kwargs.get(k), bool):
                 kwargs[k] = float(kwargs[k])
         kwargs["tiers"] = tuple(kwargs.get("tiers") or ())
@@ -176,6 +201,8 @@ class Machine:
         out["tiers"] = [dataclasses.asdict(t) for t in self.tiers]
         if self.layer_times is not None:
             out["layer_times"] = {k: list(v) for k, v in self.layer_times.items()}
+        if self.compute_contention is not None:
+            out["compute_contention"] = {str(k): v for k, v in self.compute_contention.items()}
         return out
 
     def replace(self, **changes) -> "Machine":
@@ -185,15 +212,30 @@ class Machine:
     # -- network -----------------------------------------------------------
     def alpha_beta(self, span: int) -> tuple:
         """(alpha, beta) of the first tier whose ``max_ranks`` >= ``span``."""
+        return self._tier(span)[1:]
+
+    def latency_of(self, span: int) -> float:
+        """The fixed cost per collective (lambda) of groups spanning ``span`` ranks."""
+        return self._tier(span)[0]
+
+    def _span(self, p, span):
+        """The tier key of a group of ``p`` ranks spanning ``span`` consecutive ranks:
+        the span when the group may cross nodes, its size when the span fits in
+        one node of ``ranks_per_node`` (no inter-node link is used)."""
+        if span is None or (self.ranks_per_node and span <= self.ranks_per_node):
+            return p
+        return span
+
+    def _tier(self, span):
         for tier in self.tiers:
             if span <= tier.max_ranks:
-                return tier.alpha, tier.beta
-        return self.alpha, self.beta
+                return tier.latency, tier.alpha, tier.beta
+        return self.latency, self.alpha, self.beta
 
     def t_p2p(self, nbytes: float, span: int = 2) -> float:
-        """Point-to-point message of ``nbytes``: alpha + m beta."""
-        a, b = self.alpha_beta(span)
-        return a + nbytes * b
+        """Point-to-point message of ``nbytes``: lambda + alpha + m beta."""
+        lat, a, b = self._tier(span)
+        return lat + a + nbytes * b
 
     def t_allreduce(self, p: int, nbytes: float, span: int | None = None, phi: float = 1.0):
         """Ring allreduce of ``nbytes`` over ``p`` ranks: 2(p-1)(alpha + m/p beta phi).
@@ -202,22 +244,22 @@ class Machine:
         """
         if p <= 1 or nbytes <= 0:
             return 0.0
-        a, b = self.alpha_beta(span or p)
-        return 2 * (p - 1) * (a + nbytes / p * b * phi)
+        lat, a, b = self._tier(self._span(p, span))
+        return lat + 2 * (p - 1) * (a + nbytes / p * b * phi)
 
     def t_allgather(self, p: int, nbytes_per_rank: float, span: int | None = None):
         """Ring allgather, ``nbytes_per_rank`` from each rank: (p-1)(alpha + m beta)."""
         if p <= 1:
             return 0.0
-        a, b = self.alpha_beta(span or p)
-        return (p - 1) * (a + nbytes_per_rank * b)
+        lat, a, b = self._tier(self._span(p, span))
+        return lat + (p - 1) * (a + nbytes_per_rank * b)
 
     def t_reducescatter(self, p: int, nbytes: float, span: int | None = None):
         """Ring reduce-scatter of ``nbytes`` (result m/p per rank): (p-1)(alpha + m/p beta)."""
         if p <= 1:
             return 0.0
-        a, b = self.alpha_beta(span or p)
-        return (p - 1) * (a + nbytes / p * b)
+        lat, a, b = self._tier(self._span(p, span))
+        return lat + (p - 1) * (a + nbytes / p * b)
 
     def t_alltoall(self, p: int, nbytes: float, span: int | None = None):
         """Pairwise all-to-all of ``nbytes`` per rank: (p-1)(alpha + m/p beta)."""
@@ -225,21 +267,32 @@ class Machine:
 
     # -- compute -----------------------------------------------------------
     def oversubscription(self, p: int) -> float:
-        """Compute slowdown when more ranks than ``compute_slots`` share a node."""
+        """Compute slowdown of ``p`` ranks: the measured ``compute_contention``
+        for the ranks on one node when calibration measured that count, else
+        ``ranks_on_node / compute_slots`` (at least 1).
+
+        Example:
+            >>> m = Machine(alpha=0, beta=0, flop_rate=1.0, compute_slots=2)
+            >>> m.oversubscription(4), m.replace(compute_contention={4: 2.5}).oversubscription(4)
+            (2.0, 2.5)
+        """
+        on_node = min(p, self.ranks_per_node) if self.ranks_per_node else p
+        if self.compute_contention and on_node in self.compute_contention:
+            return self.compute_contention[on_node]
         if not self.compute_slots:
             return 1.0
-        on_node = min(p, self.ranks_per_node) if self.ranks_per_node else p
         return max(1.0, on_node / self.compute_slots)
 
 
 def _tier_from(t) -> Tier:
-    if not isinstance(t, Mapping) or set(t) - {"max_ranks", "alpha", "beta"} \
+    if not isinstance(t, Mapping) or set(t) - {"max_ranks", "alpha", "beta", "latency"} \
             or not {"max_ranks", "alpha", "beta"} <= set(t):
         raise ValueError(f"Received an invalid tier {t!r}; expected "
-                         "{'max_ranks': int, 'alpha': float, 'beta': float}.")
+                         "{'max_ranks': int, 'alpha': float, 'beta': float} and optionally "
+                         "'latency': float.")
     return Tier(int(t["max_ranks"]) if isinstance(t["max_ranks"], float)
                 and t["max_ranks"].is_integer() else t["max_ranks"],
-                float(t["alpha"]), float(t["beta"]))
+                float(t["alpha"]), float(t["beta"]), float(t.get("latency", 0.0)))
 
 
 def _check_layer_times(times) -> dict:
@@ -254,6 +307,23 @@ def _check_layer_times(times) -> dict:
         for v in value:
             _check_number(f"layer_times[{name!r}]", v)
         out[str(name)] = (float(value[0]), float(value[1]))
+    return out
+
+
+def _check_contention(table) -> dict:
+    if not isinstance(table, Mapping):
+        raise ValueError(f"`compute_contention` must map ranks on a node to a slowdown factor, "
+                         f"e.g. {{'4': 2.3}}; received {type(table).__name__}.")
+    out = {}
+    for ranks, factor in table.items():
+        try:
+            n = int(ranks)
+        except (TypeError, ValueError):
+            n = 0
+        if n < 1 or str(n) != str(ranks).strip():
+            raise ValueError(f"`compute_contention` key {ranks!r} is not a positive rank count.")
+        _check_number(f"compute_contention[{ranks!r}]", factor, allow_zero=False)
+        out[n] = float(factor)
     return out
 
 

@@ -8,8 +8,8 @@
 * ``cosmoflow``: a small CosmoFlow-like Conv3D network (64^3 x 4 input).
 
 Example:
-    >>> build_model("splitbrain_vgg").count_params() > 7_000_000
-    True
+    >>> build_model("splitbrain_vgg").count_params()   # Table 1: 6.99 M
+    6990666
 """
 from __future__ import annotations
 

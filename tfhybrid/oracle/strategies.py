@@ -62,11 +62,13 @@ def _phases(**kw):
 
 
 def _result(ctx, name, p, comp, comm, mem, options, reasons):
-    """The Prediction; adds the machine's batch-independent compute per iteration."""
+    """The Prediction; adds the machine's batch-independent compute and framework
+    overhead per iteration (both CPU work, so both slowed by oversubscription)."""
     reasons = list(reasons) + ctx.memory_reasons(mem)
-    comp += ctx.m.compute_fixed_s * ctx.m.oversubscription(p)
+    slow = ctx.m.oversubscription(p)
+    comp += ctx.m.compute_fixed_s * slow
     return Prediction(strategy=name, p=p, batch=ctx.B, compute_s=comp,
-                      comm_s=comm, overhead_s=ctx.m.step_overhead_s, memory_bytes=mem,
+                      comm_s=comm, overhead_s=ctx.m.step_overhead_s * slow, memory_bytes=mem,
                       options=options, feasible=not reasons, reasons=tuple(reasons))
 
 
@@ -161,9 +163,11 @@ def _spatial_part(ctx, p_sp, grid, nb, span):
         for axis, parts in enumerate(grid):
             if parts > 1 and axis < len(r.kernel):
                 hx, hdy = r.halo_for(tuple(parts if a == axis else 1 for a in range(len(grid))))
-                if hx or hdy:
-                    halo += 2 * (2 * m.alpha_beta(span)[0]
-                                 + nb * d * m.alpha_beta(span)[1] * (hx + hdy))
+                if hx or hdy:   # ParaDL: 2(alpha + |h_x| beta) fwd, 2(alpha + |h_dy| beta) bwd
+                    lat, (a, b) = m.latency_of(span), m.alpha_beta(span)
+                    halo += lat + 2 * (a + nb * d * b * hx)
+                    if i > 0:   # the model input's gradient is never computed: no bwd halo
+                        halo += lat + 2 * (a + nb * d * b * hdy)
     rest = [i for i in range(len(ctx.rows)) if i not in set(idx)]
     comp += sum(nb * ctx.fb[i] for i in rest) + sum(ctx.wu)
     gather = 0.0
@@ -404,6 +408,7 @@ def _pipe_one(ctx, p, stages, S):
     wu = [sum(ctx.wu[i] for i in st) for st in stages]
     comp = B / S * (p + S - 1) * (max(fw) + max(bw)) + max(wu)
     a, beta = m.alpha_beta(2)
+    a += m.latency_of(2)        # each send is one runtime call
     outs = [ctx.rows[st[-1]].y for st in stages[:-1]]
     p2p = 2 * (p + S - 2) * max(a + B / S * y * d * beta for y in outs) if outs else 0.0
     mem = max(ctx.mem((ctx.rows[i], B, 1, 1) for i in st) for st in stages)

@@ -73,9 +73,9 @@ def _gmp_comm(ctx, p, mp, part, b, scheme):
             ar += steps * m.t_allreduce(mp, mp * piece * ctx.rows[bb].y * d)
             if a != part[0]:
                 ar += steps * m.t_allreduce(mp, mp * piece * ctx.rows[a].x * d)
-        for i in (i for i in part if i not in paired):
-            ag += steps * 2 * m.t_allgather(mp, piece * ctx.rows[i].y * d)  # shard + adjoint
-        ag += m.t_allgather(mp, b * ctx.rows[-1].y * d)               # batch_scatter adjoint
+        for i in (i for i in part if i not in paired):   # shards: the adjoint is a slice
+            ag += steps * m.t_allgather(mp, piece * ctx.rows[i].y * d)
+        # leaving the region each rank keeps its own rows: a slice both ways
     pset = set(part)
     w_rep = sum(r.params for i, r in enumerate(ctx.rows) if i not in pset)
     w_part = sum(ctx.rows[i].params for i in part) / mp
@@ -148,6 +148,7 @@ def _ls_one(ctx, p, n_f):
     comp = formulas.stanza_compute(T_c, T_f, n_c, n_f) + wu_fc
     A = ctx.rows[split - 1].y if split > 0 else ctx.prof.input_items
     alpha, beta = m.alpha_beta(p)
+    alpha += m.latency_of(p)    # each message is one runtime call
     per_fc = n_c / n_f
     p2p = 2 * math.ceil(per_fc) * alpha + 2 * per_fc * K * A * d * beta
     P_c = sum(ctx.rows[i].params for i in conv)

@@ -40,6 +40,10 @@ def test_machine_file_is_valid(spec):
     assert {"cv", "fc"} <= set(m.layer_times)
     assert all(f >= 0 and b >= 0 for f, b in m.layer_times.values())
     assert m.step_overhead_s > 0 and m.gamma >= 0
+    # fitted to a data-parallel step of the model on every rank (all on this node)
+    assert list(m.compute_contention) == [backend.local_size()]
+    assert m.compute_contention[backend.local_size()] >= 1.0
+    assert all(t.latency >= 0 for t in m.tiers)
 
 
 def test_fits_cover_every_collective_and_group(spec):

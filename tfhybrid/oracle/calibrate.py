@@ -24,7 +24,8 @@ What it measures (rank 0 writes the file):
 4. step_overhead_s: the cost of one Keras ``train_on_batch`` of a 1-unit model.
 5. gamma (with ``--model``): peak RSS growth of training the model divided by
    the naive serial memory estimate (ParaDL's memory reuse factor).
-6. compute_contention (with ``--model`` on N > 1 ranks): the slowest rank's
+6. compute_contention (with ``--model`` on N > 1 ranks; median of three
+   estimates): the slowest rank's
    forward+backward at the local batch with every rank computing at once,
    over rank 0's alone; it replaces the ``compute_slots`` estimate of 2 for
    the ranks per node it was measured at.
@@ -235,20 +236,25 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4) -> list:
 
     Seconds are per collective: the best of ``reps`` runs of a traced chain
     of ``chain`` dependent collectives (:func:`collective_chain`), divided
-    by ``chain``. Collective: every rank must call it with the same arguments.
+    by ``chain``. Groups smaller than the world run side by side, one per
+    block of g consecutive ranks (as a hybrid strategy's model groups all
+    communicate at once), so their timings include that contention.
+    Collective: every rank must call it with the same arguments.
     """
     import tensorflow as tf  # noqa: WPS433
     from tfhybrid.comm import backend  # noqa: WPS433
 
-    world = backend.size()
-    backend.register_groups([tuple(range(g)) for g in group_sizes if 1 < g < world])
+    world, me = backend.size(), backend.rank()
+    blocks = {g: [tuple(range(s, s + g)) for s in range(0, world - g + 1, g)]
+              for g in group_sizes if 1 < g <= world}
+    backend.register_groups([b for g, bs in blocks.items() if g < world for b in bs])
     samples = []
     for g in group_sizes:
-        ranks = tuple(range(g))
+        ranks = next((b for b in blocks.get(g, ()) if me in b), None)
         for kind in KINDS:
             for nbytes in sizes:
                 n = max(g, int(nbytes) // 4 // g * g)
-                if backend.rank() < g:
+                if ranks is not None:
                     x = tf.ones([n], tf.float32)
                     run = collective_chain(kind, ranks, backend, chain, n)
                     sec = _best_time(lambda: run(x).numpy(), reps) / chain

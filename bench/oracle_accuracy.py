@@ -24,7 +24,7 @@ and the driver says so (run the others with ``--only``).
 
 Usage:
     .venv/bin/python bench/oracle_accuracy.py [--nps 2 4] [--batch 64] [--steps 8]
-        [--rounds 5] [--only d f] [--machine m.json] [--repredict]
+        [--rounds 8] [--only d f] [--machine m.json] [--repredict]
 """
 from __future__ import annotations
 
@@ -321,7 +321,7 @@ def main(argv=None):
     ap.add_argument("--nps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=5,
+    ap.add_argument("--rounds", type=int, default=8,
                     help="interleaved rounds (every strategy takes --steps steps per round); "
                          "each case keeps its best step")
     ap.add_argument("--machine", help="use this machine JSON instead of calibrating")

@@ -25,10 +25,11 @@ to restrict it to the initialised model-group size, plus ``batch`` and
 strategy's reasons when none is feasible.
 
 ``machine`` is always explicit: a :class:`Machine`, a dict or a JSON file with
-``alpha``, ``beta``, optional ``tiers`` ([{max_ranks, alpha, beta}]),
-``flop_rate`` and/or ``layer_times``, ``memory_bytes``, ``phi``, ``gamma``,
-``bytes_per_item`` (plus ``step_overhead_s``, ``compute_slots``,
-``ranks_per_node``). ``default_machine_path()`` is the calibrated spec of the
+``alpha``, ``beta``, optional ``latency`` (per collective) and ``tiers``
+([{max_ranks, alpha, beta[, latency]}]), ``flop_rate`` and/or
+``layer_times``, ``memory_bytes``, ``phi``, ``gamma``, ``bytes_per_item``
+(plus ``step_overhead_s``, ``compute_fixed_s``, ``compute_slots``,
+``compute_contention``, ``ranks_per_node``). ``default_machine_path()`` is the calibrated spec of the
 development CPU box; it is never used unless passed.
 
 What the model ignores (see each module): overlap of communication with

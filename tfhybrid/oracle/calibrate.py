@@ -7,8 +7,8 @@ Run under the launcher on every rank::
 What it measures (rank 0 writes the file):
 
 1. alpha/beta: Horovod allreduce, allgather and alltoall (through
-   :mod:`tfhybrid.comm.backend`, on process sets of the first g ranks for
-   g = 2, 4, ..., N) over a range of message sizes, each timed as a traced
+   :mod:`tfhybrid.comm.backend`, on process sets of g consecutive ranks, all
+   such groups at once, for g = 2, 4, ..., N) over a range of message sizes, each timed as a traced
    chain of dependent collectives (what a step's layers run); for each group size a
    least-squares fit of the ring cost models of :mod:`machine` gives one tier
    ``{max_ranks: g, alpha, beta}``; the largest group gives the top-level
@@ -25,10 +25,10 @@ What it measures (rank 0 writes the file):
 5. gamma (with ``--model``): peak RSS growth of training the model divided by
    the naive serial memory estimate (ParaDL's memory reuse factor).
 6. compute_contention (with ``--model`` on N > 1 ranks; median of three
-   estimates): the slowest rank's
-   forward+backward at the local batch with every rank computing at once,
-   over rank 0's alone; it replaces the ``compute_slots`` estimate of 2 for
-   the ranks per node it was measured at.
+   estimates): the best step of forward+backward then a 1-item world
+   allreduce on every rank, minus the allreduce alone, over rank 0's
+   forward+backward alone (calibrate_run.measure_contention); it replaces
+   the ``compute_slots`` estimate for the ranks per node it was measured at.
 
 The fitting functions are pure numpy and unit-tested without Horovod.
 Approximations: one latency/bandwidth per group size (no small/large message

@@ -159,8 +159,9 @@ def test_spatial_layers_on_a_model_without_an_image_part():
 
 
 def test_invalid_spatial_options():
-    with pytest.raises(ValueError, match=r"invalid value for `spatial`: spatial='depth'; "
-                                         r"expected 'height', 'width' or a pair"):
+    with pytest.raises(ValueError, match=r"invalid value for `spatial`: spatial='depth' for an "
+                                         r"image \(4-D input\) model; expected one of "
+                                         r"'height', 'width' or a tuple \(ph, pw\)"):
         plan_of(cnn(), "s", spatial="depth")
     with pytest.raises(ValueError, match=r"Received spatial=\(2, 1\) \(2 ranks\) for strategy "
                                          r"'ds' on model groups of 4 ranks.*spatial=\(4, 1\)"):

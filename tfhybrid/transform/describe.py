@@ -10,6 +10,7 @@ per rank (what this rank contributes or receives, not link traffic).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import List, Tuple
 
 import numpy as np
@@ -151,7 +152,7 @@ def _activation_comms(np_, node, rows, ctx):
         out.append(("fwd", "allreduce", "model", y))
         if np_.params.get("input_layout") != "split" and not entry:
             out.append(("bwd", "allgather", "model", x))
-    elif np_.kind == "spatial" and np_.cls == "Conv2D":
+    elif np_.kind == "spatial" and np_.cls in ("Conv2D", "Conv3D"):
         halo = _halo_bytes(node, group_rows, ctx)
         out += [("fwd", "halo", "model", halo), ("bwd", "halo", "model", halo)]
     elif np_.kind == "syncbn":
@@ -170,13 +171,22 @@ _BOUNDARY_COMMS = {
 
 
 def _halo_bytes(node, rows, ctx):
-    kh, kw = node.attr("kernel_size", (1, 1))
-    dh, dw = node.attr("dilation_rate", (1, 1))
-    h, w, c = node.in_shapes[0][1:4]
-    ph, pw = ctx.spatial
-    halo_h = (kh - 1) * dh * (w // pw) if ph > 1 else 0
-    halo_w = (kw - 1) * dw * (h // ph) if pw > 1 else 0
-    return rows * (halo_h + halo_w) * c * _F32
+    """Bytes a rank sends per halo exchange of a spatial Conv2D/Conv3D: per split
+    axis, (kernel - 1) * dilation slices of the local block's other axes."""
+    ndim = len(ctx.spatial)
+    kernel = _per_axis(node.attr("kernel_size", 1), ndim)
+    dilation = _per_axis(node.attr("dilation_rate", 1), ndim)
+    sizes, c = node.in_shapes[0][1:ndim + 1], node.in_shapes[0][-1]
+    local = [size // parts for size, parts in zip(sizes, ctx.spatial)]
+    halo = 0
+    for d, parts in enumerate(ctx.spatial):
+        if parts > 1:
+            halo += (kernel[d] - 1) * dilation[d] * math.prod(local[:d] + local[d + 1:])
+    return rows * halo * c * _F32
+
+
+def _per_axis(value, ndim):
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * ndim
 
 
 def _gradient_comms(layer, grid) -> List[tuple]:

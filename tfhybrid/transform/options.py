@@ -8,7 +8,10 @@ misplaced option fails loudly instead of being ignored.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, Optional, Tuple, Union
+
+from tfhybrid.layers.spatial_plan import SPATIAL_AXES
 
 STRATEGIES = ("d", "f", "c", "s", "df", "ds", "gmp", "auto")
 FALLBACKS = ("error", "replicate")
@@ -47,8 +50,11 @@ class TransformOptions:
             backward pass: activation memory of B rows instead of K*B; needs
             a local batch divisible by ``mp`` and one model-parallel region
             that ends at the model's single output).
-        spatial: s/ds split: ``"height"``, ``"width"`` or ``(ph, pw)``.
-        spatial_layers: s/ds: number of leading Conv2D layers to split
+        spatial: s/ds split: ``"height"``, ``"width"`` or ``(ph, pw)`` for
+            image models; ``"depth"``, ``"height"``, ``"width"`` or
+            ``(pd, ph, pw)`` for volume (Conv3D) models. Default: the first
+            spatial axis (height, or depth for volumes).
+        spatial_layers: s/ds: number of leading Conv2D/Conv3D layers to split
             spatially (default: every Conv2D before the first layer that
             cannot run on a spatial block; s/ds raise when that leaves
             none).
@@ -65,7 +71,7 @@ class TransformOptions:
     mp: Optional[int] = None
     ccr_threshold: float = DEFAULT_CCR_THRESHOLD
     modulo: str = "BK"
-    spatial: Union[str, Tuple[int, int]] = "height"
+    spatial: Union[None, str, Tuple[int, ...]] = None
     spatial_layers: Optional[int] = None
     layers: Dict[str, str] = dataclasses.field(default_factory=dict)
     fallback: str = "error"
@@ -148,29 +154,43 @@ def options_for(strategy: str, options: dict) -> TransformOptions:
     return make_options(strategy, **kept)
 
 
-def spatial_grid(spatial, model_size: int, strategy: str) -> Tuple[int, int]:
-    """(ph, pw) for the ``spatial`` option over a model group of ``model_size``.
+def default_spatial(ndim: int = 2) -> str:
+    """The split s/ds use when ``spatial`` is not given: the first spatial axis
+    (``"height"`` for images, ``"depth"`` for volumes)."""
+    return SPATIAL_AXES[ndim][0]
+
+
+def spatial_grid(spatial, model_size: int, strategy: str, ndim: int = 2) -> Tuple[int, ...]:
+    """The block grid for the ``spatial`` option over a model group of ``model_size``:
+    (ph, pw) for image models (``ndim=2``), (pd, ph, pw) for volumes (``ndim=3``).
 
     Raises:
-        ValueError: when the grid does not have ``model_size`` ranks.
+        ValueError: when the grid does not have ``model_size`` ranks or does
+            not fit the model's number of spatial axes.
 
     Example:
         >>> spatial_grid("height", 4, "s")
         (4, 1)
+        >>> spatial_grid(None, 2, "ds", ndim=3)
+        (2, 1, 1)
     """
-    if spatial == "height":
-        return (model_size, 1)
-    if spatial == "width":
-        return (1, model_size)
-    if isinstance(spatial, (tuple, list)) and len(spatial) == 2 and all(
+    names = SPATIAL_AXES[ndim]
+    if spatial is None:
+        spatial = default_spatial(ndim)
+    if isinstance(spatial, str) and spatial in names:
+        return tuple(model_size if n == spatial else 1 for n in names)
+    if isinstance(spatial, (tuple, list)) and len(spatial) == ndim and all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in spatial):
-        ph, pw = spatial
-        if ph * pw != model_size:
+        if math.prod(spatial) != model_size:
+            what = " * ".join("p" + n[0] for n in names)
             raise ValueError(
-                f"Received spatial={tuple(spatial)!r} ({ph * pw} ranks) for strategy "
-                f"{strategy!r} on model groups of {model_size} ranks; ph * pw must equal "
-                f"model_parallel, e.g. spatial=({model_size}, 1) or call "
-                f"tfhybrid.init(model_parallel={ph * pw}).")
-        return (ph, pw)
-    raise ValueError(f"Received an invalid value for `spatial`: spatial={spatial!r}; expected "
-                     "'height', 'width' or a pair (ph, pw).")
+                f"Received spatial={tuple(spatial)!r} ({math.prod(spatial)} ranks) for "
+                f"strategy {strategy!r} on model groups of {model_size} ranks; {what} must "
+                f"equal model_parallel, e.g. spatial={(model_size,) + (1,) * (ndim - 1)!r} or "
+                f"call tfhybrid.init(model_parallel={math.prod(spatial)}).")
+        return tuple(spatial)
+    shape = "(pd, ph, pw)" if ndim == 3 else "(ph, pw)"
+    kind = "a volume (5-D input)" if ndim == 3 else "an image (4-D input)"
+    raise ValueError(f"Received an invalid value for `spatial`: spatial={spatial!r} for {kind} "
+                     f"model; expected one of {', '.join(map(repr, names))} or a "
+                     f"tuple {shape}.")

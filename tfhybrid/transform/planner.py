@@ -101,7 +101,7 @@ def make_plan(graph, opts, grid) -> Plan:
             partitioned (and ``fallback="error"``), or an override is invalid.
     """
     strategy = strategy_for(opts.strategy)
-    ctx = strategy.context(grid, opts)
+    ctx = strategy.context(grid, opts, graph)
     kinds = strategy.kinds(graph, ctx, opts)
     kinds = _apply_overrides(graph, kinds, opts, ctx)
     kinds = _check_feasible(graph, kinds, opts, ctx)
@@ -124,7 +124,7 @@ def _apply_overrides(graph, kinds, opts, ctx):
                              f"{ctx.strategy!r}, but the model has no layer {name!r}; its "
                              f"layers are {list(names)}.")
         node, kind = graph.node(name), _OVERRIDE_KINDS[short]
-        allowed = ("Conv2D",) if kind == "spatial" else rules.LINEAR
+        allowed = rules.SPATIAL_CONVS if kind == "spatial" else rules.LINEAR
         if kind != "replicate" and node.cls not in allowed:
             raise ValueError(f"Received layers={{{name!r}: {short!r}}}: layer {name!r} is a "
                              f"{node.cls}; {short!r} applies to {' and '.join(allowed)} "

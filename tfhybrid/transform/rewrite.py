@@ -17,18 +17,22 @@ import keras
 
 from tfhybrid import layers as P
 from tfhybrid.layers.partitioned import PARTIAL_GRAD, REPLICATED
+from tfhybrid.layers.spatial_plan import SPATIAL_AXES
 
 GROUP = "model"
 
 
 def _split_arg(split):
-    """The spatial layers' ``split`` argument for a (ph, pw) grid."""
-    ph, pw = split
-    if pw == 1:
-        return "height"
-    if ph == 1:
-        return "width"
-    return (ph, pw)
+    """The spatial layers' ``split`` argument for a block grid: the axis name
+    when one axis is split ((2, 1) -> "height", (1, 1, 2) -> "width"), else
+    the grid itself."""
+    names = SPATIAL_AXES[len(split)]
+    split_axes = [name for name, parts in zip(names, split) if parts > 1]
+    if len(split_axes) == 1:
+        return split_axes[0]
+    if not split_axes:
+        return names[0]
+    return tuple(split)
 
 
 def _entry_partial(np) -> bool:
@@ -68,10 +72,12 @@ def _channel(layer, np, grid):
     return cls.from_layer(layer, group=GROUP, input_layout=inp, output_layout=REPLICATED)
 
 
-_SPATIAL_POOLS = {"MaxPooling2D": "SpatialMaxPooling2D", "AveragePooling2D": "SpatialAveragePooling2D"}
+_SPATIAL_POOLS = {"MaxPooling2D": "SpatialMaxPooling2D", "AveragePooling2D": "SpatialAveragePooling2D",
+                  "MaxPooling3D": "SpatialMaxPooling3D", "AveragePooling3D": "SpatialAveragePooling3D"}
 # Layers with a from_layer constructor (same arguments and name as the original).
 _SPATIAL_COPIES = {"Conv2D": P.SpatialConv2D, "ZeroPadding2D": P.SpatialZeroPadding2D,
-                   "Cropping2D": P.SpatialCropping2D}
+                   "Cropping2D": P.SpatialCropping2D, "Conv3D": P.SpatialConv3D,
+                   "Cropping3D": P.SpatialCropping3D}
 
 
 def _spatial(layer, np, grid):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Tuple
 
-from tfhybrid.layers.spatial_plan import AxisGeometry
+from tfhybrid.layers.spatial_plan import SPATIAL_AXES, AxisGeometry
 from tfhybrid.transform.layouts import Layout
 
 # Layers computed independently per element (or per example): any layout passes.
@@ -36,10 +36,14 @@ ELEMENTWISE = ("ReLU", "LeakyReLU", "ELU", "Dropout", "GaussianNoise", "Gaussian
 # Channel-mixing activations (need all features).
 CHANNEL_MIXING = ("softmax", "log_softmax")
 CHANNELWISE = ("MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
-               "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D", "UpSampling2D")
-SPATIAL_POOLS = ("MaxPooling2D", "AveragePooling2D")
+               "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D", "UpSampling2D",
+               "MaxPooling3D", "AveragePooling3D", "GlobalAveragePooling3D",
+               "GlobalMaxPooling3D", "ZeroPadding3D", "Cropping3D", "UpSampling3D")
+SPATIAL_POOLS = ("MaxPooling2D", "AveragePooling2D", "MaxPooling3D", "AveragePooling3D")
 # Layers that add (padding) or remove (cropping) rows at the global border, then re-block.
-SPATIAL_BORDER = ("ZeroPadding2D", "Cropping2D")
+SPATIAL_BORDER = ("ZeroPadding2D", "Cropping2D", "Cropping3D")
+# Convolutions with a spatially parallel counterpart (SpatialConv2D / SpatialConv3D).
+SPATIAL_CONVS = ("Conv2D", "Conv3D")
 # Shape-only layers with a spatial counterpart (pooling, padding and cropping the global border).
 SPATIAL_WINDOWED = SPATIAL_POOLS + SPATIAL_BORDER
 MERGES = ("Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum")
@@ -57,7 +61,8 @@ class Context:
         strategy: Strategy name.
         model_size: K, ranks of a model group.
         data_size: Number of model groups.
-        spatial: (ph, pw) spatial grid of s/ds, else None.
+        spatial: Block grid of s/ds, one part per spatial axis of the
+            model: (ph, pw) for images, (pd, ph, pw) for volumes; else None.
     """
 
     strategy: str
@@ -164,7 +169,8 @@ class BatchNorm(Rule):
 
 
 class Linear(Rule):
-    """Dense/Conv2D, rebuilt as the strategy assigned (``kind``).
+    """Dense/Conv2D (and Conv3D, replicated or spatial), rebuilt as the strategy
+    assigned (``kind``).
 
     Kinds: ``replicate`` (full input), ``filter`` (replicated input; output
     ``channel`` when paired with a following channel layer, else
@@ -190,9 +196,9 @@ class Linear(Rule):
 
 
 def spatial_window(node, spatial) -> bool:
-    """True when a pooling, ZeroPadding2D or Cropping2D layer can run on ``spatial`` blocks.
+    """True when a pooling, ZeroPadding2D or Cropping2D/3D layer can run on ``spatial`` blocks.
 
-    Its input and output height/width must split evenly, and the rows a
+    Its input and output sizes along every split axis must split evenly, and the rows a
     block needs from a neighbour (a pooling window's halo; the rows by
     which padding or cropping at the global border shifts the block
     boundaries) must fit in one block.
@@ -205,34 +211,43 @@ def spatial_window(node, spatial) -> bool:
 
 
 def border_rows(node):
-    """Rows ((top, bottom), (left, right)) a padding (+) or cropping (-) layer adds."""
-    if node.cls == "Cropping2D":
+    """Rows per spatial axis ((top, bottom), (left, right)) a padding (+) or
+    cropping (-) layer adds."""
+    if node.cls.startswith("Cropping"):
         return tuple((-int(lo), -int(hi)) for lo, hi in node.attr("cropping"))
     return tuple((int(lo), int(hi)) for lo, hi in node.attr("padding"))
 
 
-def _pair2(value, default):
+def _per_axis(value, default, ndim):
     value = default if value is None else value
-    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * ndim
+
+
+def spatial_ndim(node) -> int:
+    """Spatial axes of a layer: 3 for the *3D layers (NDHWC), else 2."""
+    return 3 if node.cls.endswith("3D") else 2
 
 
 def _windows(node):
-    """Per axis (height, width): (window, stride, padding) of a sliding-window layer."""
+    """Per spatial axis ((depth,) height, width): (window, stride, padding) of a
+    sliding-window layer."""
     if node.cls in SPATIAL_BORDER:
         return [(1, 1, rows) for rows in border_rows(node)]
-    if node.cls == "Conv2D":
-        sizes = [d * (k - 1) + 1 for k, d in zip(_pair2(node.attr("kernel_size"), 1),
-                                                 _pair2(node.attr("dilation_rate"), 1))]
-        strides = _pair2(node.attr("strides"), 1)
+    n = spatial_ndim(node)
+    if node.cls in SPATIAL_CONVS:
+        sizes = [d * (k - 1) + 1 for k, d in zip(_per_axis(node.attr("kernel_size"), 1, n),
+                                                 _per_axis(node.attr("dilation_rate"), 1, n))]
+        strides = _per_axis(node.attr("strides"), 1, n)
     else:
-        sizes = _pair2(node.attr("pool_size"), 2)
-        strides = _pair2(node.attr("strides"), sizes)
+        sizes = _per_axis(node.attr("pool_size"), 2, n)
+        strides = _per_axis(node.attr("strides"), sizes, n)
     return [(w, s, node.attr("padding", "valid")) for w, s in zip(sizes, strides)]
 
 
 def spatial_problem(node, spatial) -> Optional[str]:
-    """Why a Conv2D, pooling, padding or cropping layer cannot run on ``spatial``
-    (ph, pw) blocks of its input, or None when it can.
+    """Why a Conv2D/Conv3D, pooling, padding or cropping layer cannot run on
+    ``spatial`` blocks of its input ((ph, pw) for images, (pd, ph, pw) for
+    volumes), or None when it can.
 
     Uses the geometry of the spatial layers
     (:class:`tfhybrid.layers.spatial_plan.AxisGeometry`): both sizes of
@@ -248,34 +263,38 @@ def spatial_problem(node, spatial) -> Optional[str]:
     if not spatial:
         return "the strategy has no spatial grid"
     shape_in, shape_out = node.in_shapes[0], node.out_shape
-    head = (f"its input {_hw(shape_in)} / output {_hw(shape_out)} (height x width) do not "
-            f"split over the {spatial[0]}x{spatial[1]} spatial grid")
-    if len(shape_in) != 4 or len(shape_out) != 4:
-        return f"{head}: it is not an image-shaped (NHWC) layer"
+    ndim = len(spatial)
+    names = SPATIAL_AXES[ndim]
+    head = (f"its input {_hw(shape_in, ndim)} / output {_hw(shape_out, ndim)} "
+            f"({' x '.join(names)}) do not split over the "
+            f"{'x'.join(map(str, spatial))} spatial grid")
+    if len(shape_in) != ndim + 2 or len(shape_out) != ndim + 2 or spatial_ndim(node) != ndim:
+        kind = "an image-shaped (NHWC)" if ndim == 2 else "a volume-shaped (NDHWC)"
+        return f"{head}: it is not {kind} layer"
     if node.attr("data_format", "channels_last") != "channels_last":
         return f"data_format={node.attr('data_format')!r} (channels_last needed)"
-    for axis, parts, (window, stride, padding) in zip(("height", "width"), spatial,
-                                                      _windows(node)):
-        size = shape_in[1 if axis == "height" else 2]
+    for d, (axis, parts, (window, stride, padding)) in enumerate(zip(names, spatial,
+                                                                     _windows(node))):
+        size = shape_in[d + 1]
         if size is None:
             return f"{head}: its {axis} is unknown (None)"
         geometry = AxisGeometry(size, parts, window, stride, padding)
         problem = geometry.problem()
-        if problem is None and geometry.out_size != shape_out[1 if axis == "height" else 2]:
+        if problem is None and geometry.out_size != shape_out[d + 1]:
             problem = "tfhybrid's geometry does not reproduce its output size"
         if problem:
             return f"{head}: along {axis}, {problem}"
     return None
 
 
-def _hw(shape):
-    return "x".join(str(v) for v in shape[1:3]) if len(shape) >= 3 else str(shape)
+def _hw(shape, ndim=2):
+    return "x".join(str(v) for v in shape[1:ndim + 1]) if len(shape) >= ndim + 1 else str(shape)
 
 
 _RULES = {}
 for _names, _rule in ((ELEMENTWISE + ("Activation",), Elementwise()), (CHANNELWISE, Channelwise()),
                       (MERGES, Merge()), (("BatchNormalization",), BatchNorm()),
-                      (LINEAR, Linear())):
+                      (LINEAR + SPATIAL_CONVS, Linear())):
     for _name in _names:
         _RULES[_name] = _rule
 _DEFAULT = FullInput()

@@ -24,11 +24,13 @@ ends it and the fix (``strategy='d'``, another ``spatial`` grid).
 """
 from __future__ import annotations
 
+import math
 from typing import Dict
 
 from tfhybrid.transform import rules
 from tfhybrid.transform.layouts import REPLICATED, ROWS, Layout
-from tfhybrid.transform.options import spatial_grid
+from tfhybrid.layers.spatial_plan import SPATIAL_AXES
+from tfhybrid.transform.options import default_spatial, spatial_grid
 
 _OVERRIDE_KINDS = {"f": "filter", "c": "channel", "s": "spatial", "replicate": "replicate"}
 
@@ -57,8 +59,9 @@ class Strategy:
     batch_split = "data"
     layout = REPLICATED
 
-    def context(self, grid, opts) -> rules.Context:
-        """Check the grid and options; return the rules' context."""
+    def context(self, grid, opts, graph=None) -> rules.Context:
+        """Check the grid and options; return the rules' context (``graph``,
+        the model's GraphSpec, tells image from volume models)."""
         return rules.Context(self.name, grid.model_size, grid.data_size)
 
     def kinds(self, graph, ctx, opts) -> Dict[str, str]:
@@ -100,10 +103,10 @@ class FilterParallel(Strategy):
 
     name = "df"
 
-    def context(self, grid, opts):
+    def context(self, grid, opts, graph=None):
         if self.name == "f":
             _need_whole_world("f", grid)
-        return super().context(grid, opts)
+        return super().context(grid, opts, graph)
 
     def default_kind(self, node, ctx, opts):
         return "filter" if node.cls in rules.LINEAR else None
@@ -114,23 +117,24 @@ class ChannelParallel(Strategy):
 
     name = "c"
 
-    def context(self, grid, opts):
+    def context(self, grid, opts, graph=None):
         _need_whole_world("c", grid)
-        return super().context(grid, opts)
+        return super().context(grid, opts, graph)
 
     def default_kind(self, node, ctx, opts):
         return "channel" if node.cls in rules.LINEAR else None
 
 
 class SpatialParallel(Strategy):
-    """s / ds: leading Conv2D layers split over height/width (halo exchange)."""
+    """s / ds: leading Conv2D (Conv3D) layers split over height/width (and depth
+    for volumes), with halo exchange."""
 
     name = "ds"
 
-    def context(self, grid, opts):
+    def context(self, grid, opts, graph=None):
         if self.name == "s":
             _need_whole_world("s", grid)
-        split = spatial_grid(opts.spatial, grid.model_size, self.name)
+        split = spatial_grid(opts.spatial, grid.model_size, self.name, model_ndim(graph))
         return rules.Context(self.name, grid.model_size, grid.data_size, split)
 
     def kinds(self, graph, ctx, opts):
@@ -155,7 +159,7 @@ class GroupModelParallel(Strategy):
     batch_split = "world"
     layout = ROWS
 
-    def context(self, grid, opts):
+    def context(self, grid, opts, graph=None):
         mp = opts.mp if opts.mp is not None else grid.model_size
         if grid.size % mp:
             raise ValueError(
@@ -166,12 +170,26 @@ class GroupModelParallel(Strategy):
                 f"Received mp={mp} for strategy 'gmp', but the grid's model groups have "
                 f"{grid.model_size} ranks; call tfhybrid.init(model_parallel={mp}) before "
                 "transform (gmp's MP groups are the grid's model groups).")
-        return super().context(grid, opts)
+        return super().context(grid, opts, graph)
 
     def default_kind(self, node, ctx, opts):
         if node.cls == "Dense" and ctx.model_size > 1 and ccr(node) >= opts.ccr_threshold:
             return "filter"
         return None
+
+
+def model_ndim(graph) -> int:
+    """Spatial axes of the model's convolutions: 3 when it has a Conv3D (or a
+    5-D input), else 2."""
+    if graph is None:
+        return 2
+    for node in graph.nodes:
+        if node.cls in rules.SPATIAL_CONVS:
+            return rules.spatial_ndim(node)
+    for node in graph.nodes:
+        if node.in_shapes and len(node.in_shapes[0]) == 5:
+            return 3
+    return 2
 
 
 _SPATIAL_PASS = rules.ELEMENTWISE + rules.MERGES + ("Activation", "BatchNormalization")
@@ -182,12 +200,12 @@ def _spatial_capable(node):
 
 
 def _before_region(node, region):
-    """Shape-only layers before the first spatial Conv2D run on the full input."""
-    return not region and node.cls in rules.CHANNELWISE and len(node.out_shape) == 4
+    """Shape-only layers before the first spatial convolution run on the full input."""
+    return not region and node.cls in rules.CHANNELWISE and len(node.out_shape) in (4, 5)
 
 
 def _conv_problem(node, ctx):
-    """Why a Conv2D cannot be split spatially on ``ctx.spatial`` (None: it can)."""
+    """Why a Conv2D/Conv3D cannot be split spatially on ``ctx.spatial`` (None: it can)."""
     if node.attr("groups", 1) != 1:
         return (f"it is a grouped convolution (groups={node.attr('groups')}), which "
                 "tfhybrid does not split spatially")
@@ -195,11 +213,11 @@ def _conv_problem(node, ctx):
 
 
 def _stop_reason(node, ctx):
-    """Why a layer that is not a Conv2D cannot run on spatial blocks."""
+    """Why a layer that is not a convolution cannot run on spatial blocks."""
     if node.cls in rules.SPATIAL_WINDOWED:
         return rules.spatial_problem(node, ctx.spatial)
-    return (f"a {node.cls} has no spatial rule (it needs the whole height and width of "
-            "its input)")
+    return (f"a {node.cls} has no spatial rule (it needs the whole "
+            f"{' and '.join(SPATIAL_AXES[len(ctx.spatial)])} of its input)")
 
 
 def _region_walk(graph, ctx):
@@ -211,7 +229,7 @@ def _region_walk(graph, ctx):
     """
     region = []
     for node in graph.nodes:
-        if node.cls == "Conv2D":
+        if node.cls in rules.SPATIAL_CONVS:
             problem = _conv_problem(node, ctx)
             if problem:
                 return region, (node, problem)
@@ -235,7 +253,7 @@ def _explicit_walk(graph, ctx, count):
     for node in graph.nodes:
         if len(region) == count:
             break
-        if node.cls == "Conv2D":
+        if node.cls in rules.SPATIAL_CONVS:
             problem = _conv_problem(node, ctx)
             if problem:
                 return region, (node, problem)
@@ -267,7 +285,8 @@ def _explicit_region(graph, ctx, opts):
 def _explicit_message(graph, stop, region, ctx, opts):
     node, problem = stop
     count = opts.spatial_layers
-    what = (f"Layer {node.name!r} (Conv2D) cannot be split spatially" if node.cls == "Conv2D"
+    what = (f"Layer {node.name!r} ({node.cls}) cannot be split spatially"
+            if node.cls in rules.SPATIAL_CONVS
             else f"Layer {node.name!r} ({node.cls}) cannot run on spatial blocks")
 
     def fits(other):
@@ -302,8 +321,8 @@ def empty_region_message(graph, ctx, opts, stop, overridden=()):
             why = "the model has no Conv2D layer to split"
         else:
             node, reason = stop
-            why = (f"the first Conv2D, {node.name!r}, cannot be split: {reason}"
-                   if node.cls == "Conv2D" else
+            why = (f"the first {node.cls}, {node.name!r}, cannot be split: {reason}"
+                   if node.cls in rules.SPATIAL_CONVS else
                    f"layer {node.name!r} ({node.cls}) comes before any Conv2D and cannot run "
                    f"on spatial blocks: {reason}")
         fix = "use strategy='d' (data parallelism)" + _other_grids(
@@ -313,21 +332,30 @@ def empty_region_message(graph, ctx, opts, stop, overridden=()):
 
 
 def _grid_text(ctx, opts):
-    ph, pw = ctx.spatial
-    return f"spatial={opts.spatial!r}, a {ph}x{pw} grid"
+    name = opts.spatial if opts.spatial is not None else default_spatial(len(ctx.spatial))
+    return f"spatial={name!r}, a {'x'.join(map(str, ctx.spatial))} grid"
 
 
 def _other_grids(ctx, opts, fits):
     """", or spatial=...": the other grids of the same group that ``fits(context)``."""
     k = ctx.model_size
     found = []
-    for spatial in ["height", "width"] + [(a, k // a) for a in _divisors(k) if 1 < a < k]:
-        grid = spatial_grid(spatial, k, ctx.strategy)
+    ndim = len(ctx.spatial)
+    for spatial in list(SPATIAL_AXES[ndim]) + _block_grids(k, ndim):
+        grid = spatial_grid(spatial, k, ctx.strategy, ndim)
         if grid == ctx.spatial:
             continue
         if fits(rules.Context(ctx.strategy, k, ctx.data_size, grid)):
             found.append(f"spatial={spatial!r}")
     return f", or {' or '.join(found)}" if found else ""
+
+
+def _block_grids(k, ndim):
+    """Grids of ``k`` ranks over ``ndim`` axes with at least two split axes."""
+    grids = [(a,) for a in _divisors(k)]
+    for _ in range(ndim - 1):
+        grids = [g + (b,) for g in grids for b in _divisors(k // math.prod(g))]
+    return [g for g in grids if math.prod(g) == k and sum(p > 1 for p in g) >= 2]
 
 
 def _divisors(n):

@@ -15,18 +15,15 @@ its predictions the original's.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
-import tfhybrid
 from tfhybrid.layers import SpatialCropping2D, SpatialCropping3D
-from tfhybrid.transform import gather, transform
 
 from conftest import randn, rng, world_size
+from spatial_fit import check_fit_equals_single_process
 from test_spatial_conv import GRAD, check_against, grid_of_split, split_specs, valid_size
 
 N = world_size()
-STEPS, BATCH, LR, SIZE, CLASSES = 2, 8, 0.1, 20, 3
-LOSS = "sparse_categorical_crossentropy"
+STEPS, BATCH, SIZE, CLASSES = 2, 8, 20, 3
 CROP = ((3, 1), (1, 3))
 
 
@@ -112,23 +109,6 @@ def data():
     return x, y
 
 
-def dataset(x, y):
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
-
-
-_REFERENCE = {}
-
-
-def reference(x, y):
-    """Single-process fit of the unmodified model (computed once per session)."""
-    if not _REFERENCE:
-        model = unet_like()
-        model.compile(optimizer=keras.optimizers.SGD(LR), loss=LOSS, jit_compile=False)
-        model.fit(dataset(x, y), epochs=1, shuffle=False, verbose=0)
-        _REFERENCE["weights"] = model.get_weights()
-    return _REFERENCE["weights"]
-
-
 # (strategy, model_parallel, options): s over every rank, ds with data groups.
 CASES = {2: [("s", 2, {}), ("s", 2, {"spatial": "width"}), ("ds", 1, {})],
          4: [("s", 4, {}), ("s", 4, {"spatial": (2, 2)}), ("ds", 2, {"spatial": "width"})]
@@ -139,25 +119,5 @@ CASES = {2: [("s", 2, {}), ("s", 2, {"spatial": "width"}), ("ds", 1, {})],
                          ids=[f"{s}-mp{m}-{o.get('spatial', 'height')}" for s, m, o in CASES])
 def test_unet_like_fit_equals_single_process(grid_of, strategy, mp, options):
     grid_of(mp)
-    x, y = data()
-    expected = reference(x, y)
-    original = unet_like()
-    initial = original.get_weights()
-    pmodel = transform(original, strategy, **options)
-    assert isinstance(pmodel.get_layer("crop"), SpatialCropping2D)
-    pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(LR)),
-                   loss=LOSS, jit_compile=False)
-    blocks, index = tfhybrid.data.batch_split(pmodel)
-    rows = slice(index * BATCH // blocks, (index + 1) * BATCH // blocks)
-    np.testing.assert_allclose(pmodel.predict(x[rows], batch_size=BATCH, verbose=0),
-                               original(x[rows]), rtol=1e-5, atol=1e-6)
-    pmodel.fit(tfhybrid.data.shard(dataset(x, y), model=pmodel), epochs=1, shuffle=False,
-               verbose=0)
-    actual = gather(pmodel).get_weights()
-    moved = max(float(np.max(np.abs(e - i))) for e, i in zip(expected, initial))
-    assert moved > 1e-3, "the reference did not train: the comparison would be vacuous"
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6, err_msg=f"weight {i}")
-    diff = max(float(np.max(np.abs(a - e))) for a, e in zip(actual, expected))
-    print(f"\n{strategy} mp{mp} {options}: max |gathered - reference| = {diff:.2e} "
-          f"(largest update {moved:.2e})")
+    check_fit_equals_single_process(unet_like, *data(), BATCH, strategy, options,
+                                    {"crop": SpatialCropping2D})

@@ -19,12 +19,15 @@ What it measures (rank 0 writes the file):
 3. layer_times and compute_fixed_s (optional ``--model``): the whole
    model's forward and backward times at the local batch and at local batch
    x world, fitted as ``fixed + batch x slope``; the slope is split over the
-   layers by FLOPs (seconds per sample), the intercept is the
+   layers in proportion to each layer's own forward/backward time (every
+   layer timed alone at the largest batch: pooling and activations cost far
+   more than their FLOPs, and f/c/s keep them replicated), falling back to
+   FLOPs when a layer cannot be timed alone; the intercept is the
    batch-independent cost per iteration (rank 0 alone, as 2).
 4. step_overhead_s: the cost of one Keras ``train_on_batch`` of a 1-unit model.
 5. gamma (with ``--model``): peak RSS growth of training the model divided by
    the naive serial memory estimate (ParaDL's memory reuse factor).
-6. compute_contention (with ``--model`` on N > 1 ranks; median of three
+6. compute_contention (with ``--model`` on N > 1 ranks; median of five
    estimates): the best step of forward+backward then a 1-item world
    allreduce on every rank, minus the allreduce alone, over rank 0's
    forward+backward alone (calibrate_run.measure_contention); it replaces

@@ -43,17 +43,20 @@ def measure_layer_times(model, batches, reps=7):
     """Per-layer forward/backward seconds per sample and the fixed part.
 
     The model's forward and forward+backward are timed as a whole (minimum of
-    ``reps``) at each batch size of ``batches`` (a sequence of ints) and
-    split over the layers in proportion to their forward / backward FLOPs:
-    on a shared CPU, timing each layer alone is dominated by noise and
-    per-call overhead, while the whole-model time is what training pays.
-    With two or more batch sizes a line ``t(b) = fixed + b * slope`` is
-    fitted (least squares, both parts >= 0): the slope is split over the
-    layers and the intercept is the batch-independent cost (op dispatch).
+    ``reps``) at each batch size of ``batches`` (a sequence of ints), and a
+    line ``t(b) = fixed + b * slope`` is fitted (least squares, both parts
+    >= 0; with one batch size the fixed part is 0). The intercept is the
+    batch-independent cost (op dispatch); the slope is what training pays
+    per sample, and it is split over the layers in proportion to each
+    layer's own forward / backward time at the largest batch
+    (:func:`layer_shares`). Memory-bound layers (pooling, activations,
+    normalisation, bias) cost far more than their FLOPs say, and strategies
+    that keep them replicated (f, c, s) pay for them in full, so a FLOP
+    split would under-charge those strategies. When a layer cannot be timed
+    alone, the split falls back to FLOPs.
 
     Returns:
-        ``({layer: (forward_s, backward_s)} per sample, fixed_s)``; fixed_s
-        is 0.0 with a single batch size.
+        ``({layer: (forward_s, backward_s)} per sample, fixed_s)``.
     """
     from tfhybrid.oracle.profile import profile  # noqa: WPS433
     tf = _tf()
@@ -68,10 +71,54 @@ def measure_layer_times(model, batches, reps=7):
     (f0, f1), (fb0, fb1) = cal.fit_line(sizes, t_f), cal.fit_line(sizes, t_fb)
     b1 = max(fb1 - f1, 0.0)
     rows = profile(model).rows
-    f_tot = sum(r.fwd_flops for r in rows) or 1.0
-    b_tot = sum(r.bwd_flops for r in rows) or 1.0
-    times = {r.name: (f1 * r.fwd_flops / f_tot, b1 * r.bwd_flops / b_tot) for r in rows}
+    shares = layer_shares(model, [r.name for r in rows], sizes[-1], reps)
+    if shares is None:
+        shares = {r.name: (r.fwd_flops, r.bwd_flops) for r in rows}
+    f_tot = sum(v[0] for v in shares.values()) or 1.0
+    b_tot = sum(v[1] for v in shares.values()) or 1.0
+    times = {name: (f1 * f / f_tot, b1 * bw / b_tot) for name, (f, bw) in shares.items()}
     return times, max(fb0, f0, 0.0)
+
+
+def layer_shares(model, names, batch, reps=7):
+    """``{layer: (forward_s, backward_s)}`` of each layer of ``names`` timed alone
+    (traced, on random inputs of its own input shape at ``batch``), less the
+    time of an empty traced call; None when a layer cannot be timed alone
+    (several inputs of unknown shape, a layer called twice, ...).
+
+    Only the ratios are used (:func:`measure_layer_times` scales them to the
+    whole model's measured time), so a per-call overhead common to every
+    layer cancels to first order.
+    """
+    tf = _tf()
+    empty = tf.function(lambda a: a)
+    probe = tf.zeros([1])
+    base = cal._best_time(lambda: empty(probe).numpy(), reps)
+    out = {}
+    for name in names:
+        try:
+            layer = model.get_layer(name)
+            shapes = layer.input if isinstance(layer.input, list) else [layer.input]
+            xs = [tf.random.uniform([batch, *t.shape[1:]], dtype=t.dtype) for t in shapes]
+        except (ValueError, AttributeError, TypeError):
+            return None
+        arg = xs if isinstance(layer.input, list) else xs[0]
+        fwd = tf.function(lambda a, layer=layer: layer(a, training=True))
+
+        @tf.function
+        def fwd_bwd(a, layer=layer):
+            with tf.GradientTape() as tape:
+                tape.watch(a)
+                s = tf.reduce_sum(layer(a, training=True))
+            return tape.gradient(s, [a, layer.trainable_weights])
+
+        def run(fn, a=arg):
+            return [t.numpy() for t in tf.nest.flatten(fn(a)) if t is not None]
+
+        t_f = max(cal._best_time(lambda: run(fwd), reps) - base, 0.0)
+        t_fb = max(cal._best_time(lambda: run(fwd_bwd), reps) - base, 0.0)
+        out[name] = (t_f, max(t_fb - t_f, 0.0))
+    return out
 
 
 def _inputs(model, batch):
@@ -211,11 +258,11 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
     contention = None
     if model and world > 1:   # every rank computes at once: the measured slowdown
         from tfhybrid.oracle.models import build_model  # noqa: WPS433
-        # the ratio of two noisy minima: the median of three estimates
+        # the ratio of two noisy minima: the median of five estimates
         net = build_model(model)
-        runs = sorted((measure_contention(net, batch, 4 * reps) for _ in range(3)),
+        runs = sorted((measure_contention(net, batch, 4 * reps) for _ in range(5)),
                       key=lambda r: r[0] or 0.0)
-        factor, alone, together = runs[1]
+        factor, alone, together = runs[2]
         if rank == 0:
             contention = {str(backend.local_size()): factor}
             say(f"  {backend.local_size()} ranks computing at once: {together * 1e3:.3g} ms "

@@ -1,0 +1,44 @@
+"""calibrate_run.layer_shares / measure_layer_times in one process: every layer
+timed alone, the whole-model slope split by those times (not by FLOPs)."""
+import keras
+import pytest
+
+from tfhybrid.oracle import calibrate_run
+from tfhybrid.oracle.profile import profile
+
+
+def cnn():
+    i = keras.Input((32, 32, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", name="conv")(i)
+    x = keras.layers.MaxPooling2D(2, name="pool")(x)
+    x = keras.layers.Flatten(name="flat")(x)
+    return keras.Model(i, keras.layers.Dense(4, name="fc")(x))
+
+
+def test_every_layer_gets_a_measured_share():
+    model = cnn()
+    names = [r.name for r in profile(model).rows]
+    shares = calibrate_run.layer_shares(model, names, batch=32, reps=5)
+    assert set(shares) == set(names)
+    assert all(f >= 0 and b >= 0 for f, b in shares.values())
+    # max pooling has under 2% of the FLOPs of this model but a real (memory-bound) cost
+    rows = {r.name: r for r in profile(model).rows}
+    flop_share = rows["pool"].fwd_flops / sum(r.fwd_flops for r in rows.values())
+    time_share = shares["pool"][0] / sum(f for f, _ in shares.values())
+    assert flop_share < 0.02 and time_share > 3 * flop_share, (flop_share, time_share)
+
+
+def test_layer_times_sum_to_the_fitted_slope():
+    model = cnn()
+    times, fixed = calibrate_run.measure_layer_times(model, [8, 16], reps=3)
+    assert set(times) == {r.name for r in profile(model).rows}
+    assert fixed >= 0 and sum(f + b for f, b in times.values()) > 0
+
+
+def test_a_layer_without_a_single_input_falls_back_to_none():
+    model = cnn()
+    assert calibrate_run.layer_shares(model, ["no_such_layer"], batch=4, reps=1) is None
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])

@@ -24,7 +24,9 @@ What it measures (rank 0 writes the file):
    more than their FLOPs, and f/c/s keep them replicated), falling back to
    FLOPs when a layer cannot be timed alone; the intercept is the
    batch-independent cost per iteration (rank 0 alone, as 2).
-4. step_overhead_s: the cost of one Keras ``train_on_batch`` of a 1-unit model.
+4. step_overhead_s: the cost of one Keras ``train_on_batch`` of a 1-unit model;
+   with ``--model``, at least what the model's ``train_on_batch`` costs beyond
+   its forward+backward (loss, weight update, Keras' step machinery).
 5. gamma (with ``--model``): peak RSS growth of training the model divided by
    the naive serial memory estimate (ParaDL's memory reuse factor).
 6. compute_contention (with ``--model`` on N > 1 ranks; median of five

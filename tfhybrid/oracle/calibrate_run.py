@@ -231,7 +231,25 @@ def _model_part(model_name, batches, log, reps=5):
     log(f"  timing {model.name} forward/backward at batches {list(batches)}")
     times, fixed = measure_layer_times(model, batches, reps=4 * reps)
     log(f"  fixed forward+backward cost {fixed * 1e3:.3g} ms per iteration")
-    return times, gamma, fixed
+    update = measure_update_overhead(model, batches[1] if len(batches) > 1 else batches[0],
+                                     reps=4 * reps)
+    log(f"  train_on_batch beyond forward+backward (loss, update, Keras): "
+        f"{update * 1e3:.3g} ms")
+    return times, gamma, fixed, update
+
+
+def measure_update_overhead(model, batch, reps=20) -> float:
+    """Seconds one ``train_on_batch`` of ``model`` (compiled) costs beyond its
+    traced forward+backward at ``batch``: loss, weight update and Keras' step
+    machinery, which grow with the number of variables (a 1-unit model's
+    step, :func:`measure_step_overhead`, is the floor)."""
+    import numpy as np  # noqa: WPS433
+    x = np.random.rand(batch, *model.input_shape[1:]).astype("float32")
+    y = np.zeros((batch,) + tuple(model.output_shape[1:]), "float32")
+    t_train = cal._best_time(lambda: model.train_on_batch(x, y), reps)
+    run, xt = _fwd_bwd(model), _tf().constant(x)
+    t_fb = cal._best_time(lambda: run(xt), reps)
+    return max(t_train - t_fb, 0.0)
 
 
 def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=print) -> dict:
@@ -253,7 +271,8 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
         if model:   # from half the local batch up to the global one (what serial runs):
             # four sizes, so one noisy timing cannot tilt the fixed/per-sample split
             sizes = sorted({max(1, batch // 2), batch, 2 * batch, batch * max(world, 2)})
-            times, gamma, fixed = _model_part(model, sizes, say, reps)
+            times, gamma, fixed, update = _model_part(model, sizes, say, reps)
+            overhead = max(overhead, update)
     cal.sync(backend)
     contention = None
     if model and world > 1:   # every rank computes at once: the measured slowdown

@@ -97,7 +97,7 @@ def _calibrate_args(ap):
     ap.add_argument("-o", "--output", required=True, help="machine JSON to write (rank 0)")
     ap.add_argument("--max-bytes", type=int, default=4 << 20, help="largest message (bytes)")
     ap.add_argument("--sizes", type=int, default=6, help="number of message sizes")
-    ap.add_argument("--reps", type=int, default=5, help="repetitions per timing (median)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per timing (the best is kept)")
     ap.add_argument("--model", help="also time per-layer forward/backward and gamma of "
                     "this model (known name or .keras)")
     ap.add_argument("--batch", type=int, default=8, help="local batch for --model timings (also timed at batch x world)")

@@ -357,9 +357,12 @@ def cluster_machine_path() -> str:
 
 
 def default_machine_path() -> str:
-    """Path of the calibrated machine JSON shipped for the development CPU box.
+    """Path of the calibrated machine JSON shipped for the development CPU box
+    (2 cores, 4 ranks; see its ``comment`` and ``source``).
 
-    It is never used implicitly: pass it explicitly (``--machine`` or
-    ``machine=default_machine_path()``).
+    ``tfhybrid.transform(model, "auto", batch_size=...)`` uses it when no
+    ``machine=`` is given; ``tfhybrid plan`` uses it only with
+    ``--machine`` (its default is ParaDL's ABCI platform). Calibrate your
+    own with ``tfhybrid calibrate``.
     """
     return os.path.join(os.path.dirname(__file__), "machines", "cpu_box.json")

@@ -30,9 +30,11 @@ What it measures (rank 0 writes the file):
 5. gamma (with ``--model``): peak RSS growth of training the model divided by
    the naive serial memory estimate (ParaDL's memory reuse factor).
 6. compute_contention (with ``--model`` on N > 1 ranks; median of five
-   estimates): the best step of forward+backward then a 1-item world
-   allreduce on every rank, minus the allreduce alone, over rank 0's
-   forward+backward alone (calibrate_run.measure_contention); it replaces
+   estimates): the best block of 8 back-to-back forward+backward passes
+   then a 1-item world allreduce on every rank, minus the allreduce alone,
+   over rank 0's best block alone (calibrate_run.measure_contention; blocks
+   rather than single passes: 2.3-2.8 over four runs at 4 ranks on the
+   2-core box, against 2.9-4.5 with single passes); it replaces
    the ``compute_slots`` estimate for the ranks per node it was measured at.
 
 The fitting functions are pure numpy and unit-tested without Horovod.

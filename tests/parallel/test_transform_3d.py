@@ -1,6 +1,7 @@
 """tfhybrid.transform of a volume (Conv3D) CNN under ``s`` and ``ds``: depth,
 height or a (pd, ph, pw) block grid, with SyncBatchNormalization over the
-spatial blocks, a Cropping3D and a MaxPooling3D inside the spatial region,
+spatial blocks, a ZeroPadding3D, a Cropping3D and a MaxPooling3D inside the
+spatial region,
 trained like the single-process original.
 
 Run under ``horovodrun -np 2`` and ``-np 4``. The reference is ``fit`` of the
@@ -11,7 +12,8 @@ import keras
 import numpy as np
 import pytest
 
-from tfhybrid.layers import SpatialConv3D, SpatialCropping3D, SpatialMaxPooling3D
+from tfhybrid.layers import (SpatialConv3D, SpatialCropping3D, SpatialMaxPooling3D,
+                             SpatialZeroPadding3D)
 
 from conftest import randn, rng, world_size
 from spatial_fit import check_fit_equals_single_process
@@ -21,12 +23,14 @@ STEPS, BATCH, DEPTH, SIZE, CLASSES = 2, 8, 12, 6, 3
 
 
 def volume_cnn(seed=0):
-    """Conv3D -> BN -> Cropping3D -> Conv3D -> MaxPooling3D -> Dense, on 12x6x6x2 volumes."""
+    """Conv3D -> BN -> ZeroPadding3D -> Cropping3D -> Conv3D -> MaxPooling3D -> Dense,
+    on 12x6x6x2 volumes (padding and cropping re-block across ranks)."""
     keras.utils.set_random_seed(seed)
     i = keras.Input((DEPTH, SIZE, SIZE, 2))
     x = keras.layers.Conv3D(4, 3, padding="same", activation="relu", name="conv1")(i)
     x = keras.layers.BatchNormalization(name="bn1")(x)
-    x = keras.layers.Cropping3D(((2, 2), (1, 1), (1, 1)), name="crop")(x)
+    x = keras.layers.ZeroPadding3D(((2, 2), (1, 1), (1, 1)), name="pad")(x)
+    x = keras.layers.Cropping3D(((4, 4), (2, 2), (2, 2)), name="crop")(x)
     x = keras.layers.Conv3D(4, 3, padding="same", activation="tanh", name="conv2")(x)
     x = keras.layers.MaxPooling3D(2, name="pool")(x)
     x = keras.layers.Flatten(name="flat")(x)
@@ -52,4 +56,5 @@ def test_volume_cnn_fit_equals_single_process(grid_of, strategy, mp, options):
     grid_of(mp)
     check_fit_equals_single_process(
         volume_cnn, *data(), BATCH, strategy, options,
-        {"conv1": SpatialConv3D, "crop": SpatialCropping3D, "pool": SpatialMaxPooling3D})
+        {"conv1": SpatialConv3D, "pad": SpatialZeroPadding3D, "crop": SpatialCropping3D,
+         "pool": SpatialMaxPooling3D})

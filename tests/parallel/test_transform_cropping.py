@@ -1,4 +1,5 @@
-"""Cropping under spatial parallelism: SpatialCropping2D/3D against the Keras
+"""Cropping under spatial parallelism: SpatialCropping2D/3D (and
+SpatialZeroPadding3D, the same re-blocking with rows added) against the Keras
 layers, and tfhybrid.transform of a U-Net-like CNN with a Cropping2D under
 ``s`` and ``ds`` trained exactly like the single-process original.
 
@@ -16,7 +17,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfhybrid.layers import SpatialCropping2D, SpatialCropping3D
+from tfhybrid.layers import SpatialCropping2D, SpatialCropping3D, SpatialZeroPadding3D
 
 from conftest import randn, rng, world_size
 from spatial_fit import check_fit_equals_single_process
@@ -63,6 +64,20 @@ def test_spatial_cropping3d_matches_keras(grid_of, spec):
     x = randn((1, *dims, 2), "crop3d", spec)
     check_against(keras.layers.Cropping3D(cropping), SpatialCropping3D(cropping, split=split),
                   x, grid, ["eager"], ("crop3d", spec))
+
+
+@pytest.mark.parametrize("spec", split_specs(3), ids=str)
+def test_spatial_zero_padding3d_matches_keras(grid_of, spec):
+    mp, split = spec
+    grid_of(mp)
+    grid = grid_of_split(split, 3, mp)
+    padding = ((3, 1), (0, 2), (1, 1))
+    dims = [valid_size(8, grid[d], 1, 1, padding[d]) for d in range(3)]
+    x = randn((1, *dims, 2), "pad3d", spec)
+    check_against(keras.layers.ZeroPadding3D(padding), SpatialZeroPadding3D(padding, split=split),
+                  x, grid, ["eager"], ("pad3d", spec))
+    again = SpatialZeroPadding3D.from_config(SpatialZeroPadding3D(padding, split=split).get_config())
+    assert again.padding == padding and again.split == split
 
 
 def test_crop_that_does_not_split_names_the_layer_and_the_sizes(grid_of):

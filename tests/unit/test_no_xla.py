@@ -16,7 +16,7 @@ INSTANCES = [
     lambda: L.SpatialAveragePooling2D(), lambda: L.SpatialMaxPooling3D(),
     lambda: L.SpatialAveragePooling3D(), lambda: L.SpatialScatter(), lambda: L.SpatialGather(),
     lambda: L.SpatialZeroPadding2D(1), lambda: L.SpatialCropping2D(1),
-    lambda: L.SpatialCropping3D(1),
+    lambda: L.SpatialCropping3D(1), lambda: L.SpatialZeroPadding3D(1),
 ]
 
 

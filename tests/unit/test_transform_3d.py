@@ -1,6 +1,6 @@
 """Volume (Conv3D) models under the spatial strategies, in one process: the
 planner splits depth (by default), height, width or a (pd, ph, pw) grid; 3-D
-pooling and cropping join the spatial region; errors name the volume axes;
+pooling, zero padding and cropping join the spatial region; errors name the volume axes;
 ``describe`` counts 3-D halos. Multi-rank exactness is
 tests/parallel/test_transform_3d.py."""
 import keras
@@ -19,7 +19,8 @@ def volume_cnn(depth=12, size=6):
     i = keras.Input((depth, size, size, 2))
     x = keras.layers.Conv3D(4, 3, padding="same", activation="relu", name="conv1")(i)
     x = keras.layers.BatchNormalization(name="bn1")(x)
-    x = keras.layers.Cropping3D(((2, 2), (1, 1), (1, 1)), name="crop")(x)
+    x = keras.layers.ZeroPadding3D(((2, 2), (1, 1), (1, 1)), name="pad")(x)
+    x = keras.layers.Cropping3D(((4, 4), (2, 2), (2, 2)), name="crop")(x)
     x = keras.layers.Conv3D(4, 3, padding="same", name="conv2")(x)
     x = keras.layers.MaxPooling3D(2, name="pool")(x)
     x = keras.layers.Flatten(name="flat")(x)
@@ -57,7 +58,7 @@ def test_volume_region_is_spatial_up_to_flatten(strategy, size, m, spatial, grid
     plan = plan_of(volume_cnn(), strategy, size, m, **options)
     k = kinds(plan)
     assert plan.context.spatial == grid
-    assert (k["conv1"], k["crop"], k["conv2"], k["pool"]) == ("spatial",) * 4
+    assert (k["conv1"], k["pad"], k["crop"], k["conv2"], k["pool"]) == ("spatial",) * 5
     assert k["bn1"] == "syncbn" and plan.node("bn1").params["bn_groups"] == ("data", "model")
     assert plan.node("conv1").conversions == ("space_scatter",)
     assert plan.node("flat").conversions == ("space_gather",)
@@ -83,8 +84,8 @@ def test_volume_that_does_not_split_names_depth_and_the_fix():
 def test_explicit_spatial_override_on_a_conv3d():
     plan = plan_of(volume_cnn(), "s", spatial_layers=1)
     k = kinds(plan)
-    assert (k["conv1"], k["crop"], k["conv2"], k["pool"]) == ("spatial", "spatial",
-                                                              "replicate", "replicate")
+    assert (k["conv1"], k["pad"], k["crop"], k["conv2"], k["pool"]) == (
+        "spatial", "spatial", "spatial", "replicate", "replicate")
     assert plan.node("conv2").conversions == ("space_gather",)
 
 

@@ -5,7 +5,8 @@ from tfhybrid.layers.spatial import (SpatialAveragePooling2D, SpatialAveragePool
                                      SpatialConv2D, SpatialConv3D, SpatialCropping2D,
                                      SpatialCropping3D, SpatialGather,
                                      SpatialMaxPooling2D, SpatialMaxPooling3D,
-                                     SpatialScatter, SpatialZeroPadding2D)
+                                     SpatialScatter, SpatialZeroPadding2D,
+                                     SpatialZeroPadding3D)
 # -- end spatial ------------------------------------------------------------------
 
 # -- model parallelism (filter/channel), SplitBrain boundaries, sync batch norm --

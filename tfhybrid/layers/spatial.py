@@ -22,10 +22,11 @@ Modules: :mod:`spatial_plan` (geometry, pure Python), :mod:`spatial_core`
 from tfhybrid.layers.spatial_conv import SpatialConv2D, SpatialConv3D
 from tfhybrid.layers.spatial_crop import SpatialCropping2D, SpatialCropping3D
 from tfhybrid.layers.spatial_io import SpatialGather, SpatialScatter
-from tfhybrid.layers.spatial_pad import SpatialZeroPadding2D
+from tfhybrid.layers.spatial_pad import SpatialZeroPadding2D, SpatialZeroPadding3D
 from tfhybrid.layers.spatial_pool import (SpatialAveragePooling2D, SpatialAveragePooling3D,
                                           SpatialMaxPooling2D, SpatialMaxPooling3D)
 
 __all__ = ["SpatialConv2D", "SpatialConv3D", "SpatialMaxPooling2D", "SpatialMaxPooling3D",
            "SpatialAveragePooling2D", "SpatialAveragePooling3D", "SpatialScatter",
-           "SpatialGather", "SpatialZeroPadding2D", "SpatialCropping2D", "SpatialCropping3D"]
+           "SpatialGather", "SpatialZeroPadding2D", "SpatialZeroPadding3D", "SpatialCropping2D",
+           "SpatialCropping3D"]

@@ -157,4 +157,39 @@ class SpatialZeroPadding2D(BorderReblocking, keras.layers.ZeroPadding2D):
         return _rows(self.padding)
 
 
-__all__ = ["BorderReblocking", "SpatialZeroPadding2D"]
+@keras.saving.register_keras_serializable(package="tfhybrid")
+class SpatialZeroPadding3D(BorderReblocking, keras.layers.ZeroPadding3D):
+    """Zero padding of an NDHWC input split into blocks over a group of ranks.
+
+    The 3-D counterpart of :class:`SpatialZeroPadding2D` (volumes, as split
+    by :class:`tfhybrid.layers.SpatialConv3D`).
+
+    Args:
+        padding: As ``keras.layers.ZeroPadding3D``: an int, a triple, or
+            ``((d0, d1), (h0, h1), (w0, w1))``.
+        split: "depth", "height", "width" or a block grid ``(pd, ph, pw)``.
+        group: Group the blocks are split over.
+        **kwargs: Keras layer arguments (``name``, ``dtype``; channels_last
+            only).
+
+    Raises:
+        ValueError: as :class:`SpatialZeroPadding2D`.
+
+    Example:
+        >>> pad = SpatialZeroPadding3D(((2, 2), (0, 0), (0, 0)), split="depth")   # 2 ranks
+        >>> y = pad(x_block)     # global (B, 12, 6, 6, C) -> (B, 16, 6, 6, C)
+    """
+
+    _ndim = 3
+    _keras_class = keras.layers.ZeroPadding3D
+
+    def __init__(self, padding=((1, 1), (1, 1), (1, 1)), split="depth", group="model",
+                 **kwargs):
+        super().__init__(padding=padding, **kwargs)
+        self._init_border(split, group)
+
+    def _border(self):
+        return _rows(self.padding)
+
+
+__all__ = ["BorderReblocking", "SpatialZeroPadding2D", "SpatialZeroPadding3D"]

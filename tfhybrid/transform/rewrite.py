@@ -77,7 +77,7 @@ _SPATIAL_POOLS = {"MaxPooling2D": "SpatialMaxPooling2D", "AveragePooling2D": "Sp
 # Layers with a from_layer constructor (same arguments and name as the original).
 _SPATIAL_COPIES = {"Conv2D": P.SpatialConv2D, "ZeroPadding2D": P.SpatialZeroPadding2D,
                    "Cropping2D": P.SpatialCropping2D, "Conv3D": P.SpatialConv3D,
-                   "Cropping3D": P.SpatialCropping3D}
+                   "ZeroPadding3D": P.SpatialZeroPadding3D, "Cropping3D": P.SpatialCropping3D}
 
 
 def _spatial(layer, np, grid):

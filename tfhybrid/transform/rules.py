@@ -41,7 +41,7 @@ CHANNELWISE = ("MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
                "GlobalMaxPooling3D", "ZeroPadding3D", "Cropping3D", "UpSampling3D")
 SPATIAL_POOLS = ("MaxPooling2D", "AveragePooling2D", "MaxPooling3D", "AveragePooling3D")
 # Layers that add (padding) or remove (cropping) rows at the global border, then re-block.
-SPATIAL_BORDER = ("ZeroPadding2D", "Cropping2D", "Cropping3D")
+SPATIAL_BORDER = ("ZeroPadding2D", "Cropping2D", "ZeroPadding3D", "Cropping3D")
 # Convolutions with a spatially parallel counterpart (SpatialConv2D / SpatialConv3D).
 SPATIAL_CONVS = ("Conv2D", "Conv3D")
 # Shape-only layers with a spatial counterpart (pooling, padding and cropping the global border).

@@ -36,8 +36,11 @@ CROP_CASES = [(c, m) for c in CROPS_2D for m in ("eager", "function")
               if m == "eager" or c == CROPS_2D[0]]
 
 
-def _sizes(base, grid, cropping):
-    return [valid_size(base, grid[d], 1, 1, (-lo, -hi)) for d, (lo, hi) in enumerate(cropping)]
+def _sizes(base, grid, border, sign=-1):
+    """Global sizes >= base that split over ``grid`` before and after adding
+    ``sign`` x ``border`` rows per axis (cropping: -1, padding: +1)."""
+    return [valid_size(base, grid[d], 1, 1, (sign * lo, sign * hi))
+            for d, (lo, hi) in enumerate(border)]
 
 
 @pytest.mark.parametrize("cropping,mode", CROP_CASES, ids=str)
@@ -54,30 +57,27 @@ def test_spatial_cropping2d_matches_keras(grid_of, spec, cropping, mode):
     assert GRAD["rtol"] == 1e-4
 
 
+# (name, Keras layer, spatial layer, its border argument, border rows per axis):
+# the re-blocking of a volume that loses rows (cropping) or gains them (padding).
+BORDERS_3D = [("crop3d", keras.layers.Cropping3D, SpatialCropping3D, "cropping",
+               ((1, 3), (2, 0), (1, 1))),
+              ("pad3d", keras.layers.ZeroPadding3D, SpatialZeroPadding3D, "padding",
+               ((3, 1), (0, 2), (1, 1)))]
+
+
+@pytest.mark.parametrize("name,keras_cls,spatial_cls,arg,border", BORDERS_3D,
+                         ids=[b[0] for b in BORDERS_3D])
 @pytest.mark.parametrize("spec", split_specs(3), ids=str)
-def test_spatial_cropping3d_matches_keras(grid_of, spec):
+def test_spatial_border3d_matches_keras(grid_of, spec, name, keras_cls, spatial_cls, arg, border):
     mp, split = spec
     grid_of(mp)
     grid = grid_of_split(split, 3, mp)
-    cropping = ((1, 3), (2, 0), (1, 1))
-    dims = _sizes(8, grid, cropping)
-    x = randn((1, *dims, 2), "crop3d", spec)
-    check_against(keras.layers.Cropping3D(cropping), SpatialCropping3D(cropping, split=split),
-                  x, grid, ["eager"], ("crop3d", spec))
-
-
-@pytest.mark.parametrize("spec", split_specs(3), ids=str)
-def test_spatial_zero_padding3d_matches_keras(grid_of, spec):
-    mp, split = spec
-    grid_of(mp)
-    grid = grid_of_split(split, 3, mp)
-    padding = ((3, 1), (0, 2), (1, 1))
-    dims = [valid_size(8, grid[d], 1, 1, padding[d]) for d in range(3)]
-    x = randn((1, *dims, 2), "pad3d", spec)
-    check_against(keras.layers.ZeroPadding3D(padding), SpatialZeroPadding3D(padding, split=split),
-                  x, grid, ["eager"], ("pad3d", spec))
-    again = SpatialZeroPadding3D.from_config(SpatialZeroPadding3D(padding, split=split).get_config())
-    assert again.padding == padding and again.split == split
+    dims = _sizes(8, grid, border, -1 if arg == "cropping" else 1)
+    x = randn((1, *dims, 2), name, spec)
+    check_against(keras_cls(border), spatial_cls(border, split=split),
+                  x, grid, ["eager"], (name, spec))
+    again = spatial_cls.from_config(spatial_cls(border, split=split).get_config())
+    assert getattr(again, arg) == border and again.split == split
 
 
 def test_crop_that_does_not_split_names_the_layer_and_the_sizes(grid_of):

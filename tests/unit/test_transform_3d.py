@@ -6,13 +6,13 @@ tests/parallel/test_transform_3d.py."""
 import keras
 import pytest
 
-from tfhybrid.grid import ProcessGrid
 from tfhybrid.transform import rules
 from tfhybrid.transform.describe import _halo_bytes
 from tfhybrid.transform.graph import as_functional, describe_graph
-from tfhybrid.transform.options import make_options, spatial_grid
-from tfhybrid.transform.planner import make_plan
+from tfhybrid.transform.options import spatial_grid
 from tfhybrid.transform.rewrite import _split_arg
+
+from test_transform_spatial_cropping import plan_of
 
 
 def volume_cnn(depth=12, size=6):
@@ -25,11 +25,6 @@ def volume_cnn(depth=12, size=6):
     x = keras.layers.MaxPooling3D(2, name="pool")(x)
     x = keras.layers.Flatten(name="flat")(x)
     return keras.Model(i, keras.layers.Dense(3, name="out")(x), name="volume_cnn")
-
-
-def plan_of(model, strategy, size=2, m=2, **options):
-    graph = describe_graph(as_functional(model))
-    return make_plan(graph, make_options(strategy, **options), ProcessGrid(size, 0, m))
 
 
 def kinds(plan):

@@ -56,7 +56,8 @@ def measure_layer_times(model, batches, reps=7):
     alone, the split falls back to FLOPs.
 
     Returns:
-        ``({layer: (forward_s, backward_s)} per sample, fixed_s)``.
+        ``({layer: (forward_s, backward_s)} per sample, fixed_s,
+        {batch: forward+backward seconds measured})``.
     """
     from tfhybrid.oracle.profile import profile  # noqa: WPS433
     tf = _tf()
@@ -77,7 +78,7 @@ def measure_layer_times(model, batches, reps=7):
     f_tot = sum(v[0] for v in shares.values()) or 1.0
     b_tot = sum(v[1] for v in shares.values()) or 1.0
     times = {name: (f1 * f / f_tot, b1 * bw / b_tot) for name, (f, bw) in shares.items()}
-    return times, max(fb0, f0, 0.0)
+    return times, max(fb0, f0, 0.0), dict(zip(sizes, t_fb))
 
 
 def layer_shares(model, names, batch, reps=7):
@@ -119,6 +120,13 @@ def layer_shares(model, names, batch, reps=7):
         t_fb = max(cal._best_time(lambda: run(fwd_bwd), reps) - base, 0.0)
         out[name] = (t_f, max(t_fb - t_f, 0.0))
     return out
+
+
+def _train_batch(model, batch):
+    """Random inputs and zero targets (numpy) for ``train_on_batch`` of ``model``."""
+    import numpy as np  # noqa: WPS433
+    return (np.random.rand(batch, *model.input_shape[1:]).astype("float32"),
+            np.zeros((batch,) + tuple(model.output_shape[1:]), "float32"))
 
 
 def _inputs(model, batch):
@@ -200,11 +208,9 @@ def _rss_bytes():
 def measure_gamma(model, batch, naive_bytes, steps=2):
     """(gamma, measured bytes): peak-RSS growth of training ``model`` / naive estimate."""
     import keras  # noqa: WPS433
-    import numpy as np  # noqa: WPS433
     before = _rss_bytes()
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
-    x = np.random.rand(batch, *model.input_shape[1:]).astype("float32")
-    y = np.zeros((batch,) + tuple(model.output_shape[1:]), "float32")
+    x, y = _train_batch(model, batch)
     for _ in range(steps):
         model.train_on_batch(x, y)
     grown = _rss_bytes() - before
@@ -235,27 +241,24 @@ def _model_part(model_name, batches, log, reps=5):
     gamma, grown = measure_gamma(model, batches[0], naive)   # first: peak RSS is monotone
     log(f"  gamma = {gamma:.3g} (RSS grew {grown / 1e6:.1f} MB, naive {naive / 1e6:.1f} MB)")
     log(f"  timing {model.name} forward/backward at batches {list(batches)}")
-    times, fixed = measure_layer_times(model, batches, reps=4 * reps)
+    times, fixed, fwd_bwd_s = measure_layer_times(model, batches, reps=4 * reps)
     log(f"  fixed forward+backward cost {fixed * 1e3:.3g} ms per iteration")
-    update = measure_update_overhead(model, batches[1] if len(batches) > 1 else batches[0],
-                                     reps=4 * reps)
+    batch = batches[1] if len(batches) > 1 else batches[0]
+    update = measure_update_overhead(model, batch, fwd_bwd_s[batch], reps=4 * reps)
     log(f"  train_on_batch beyond forward+backward (loss, update, Keras): "
         f"{update * 1e3:.3g} ms")
     return times, gamma, fixed, update
 
 
-def measure_update_overhead(model, batch, reps=20) -> float:
+def measure_update_overhead(model, batch, fwd_bwd_s, reps=20) -> float:
     """Seconds one ``train_on_batch`` of ``model`` (compiled) costs beyond its
-    traced forward+backward at ``batch``: loss, weight update and Keras' step
-    machinery, which grow with the number of variables (a 1-unit model's
-    step, :func:`measure_step_overhead`, is the floor)."""
-    import numpy as np  # noqa: WPS433
-    x = np.random.rand(batch, *model.input_shape[1:]).astype("float32")
-    y = np.zeros((batch,) + tuple(model.output_shape[1:]), "float32")
+    traced forward+backward at ``batch`` (``fwd_bwd_s``, as
+    :func:`measure_layer_times` timed it): loss, weight update and Keras'
+    step machinery, which grow with the number of variables (a 1-unit
+    model's step, :func:`measure_step_overhead`, is the floor)."""
+    x, y = _train_batch(model, batch)
     t_train = cal._best_time(lambda: model.train_on_batch(x, y), reps)
-    run, xt = _fwd_bwd(model), _tf().constant(x)
-    t_fb = cal._best_time(lambda: run(xt), reps)
-    return max(t_train - t_fb, 0.0)
+    return max(t_train - fwd_bwd_s, 0.0)
 
 
 def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=print) -> dict:

@@ -16,6 +16,7 @@ from typing import List, Tuple
 import numpy as np
 
 from tfhybrid.optimizer.reduction import reduction_of
+from tfhybrid.transform import rules
 from tfhybrid.transform.api import info_of
 from tfhybrid.transform.rewrite import find_layer
 
@@ -152,7 +153,7 @@ def _activation_comms(np_, node, rows, ctx):
         out.append(("fwd", "allreduce", "model", y))
         if np_.params.get("input_layout") != "split" and not entry:
             out.append(("bwd", "allgather", "model", x))
-    elif np_.kind == "spatial" and np_.cls in ("Conv2D", "Conv3D"):
+    elif np_.kind == "spatial" and np_.cls in rules.SPATIAL_CONVS:
         halo = _halo_bytes(node, group_rows, ctx)
         out += [("fwd", "halo", "model", halo), ("bwd", "halo", "model", halo)]
     elif np_.kind == "syncbn":
@@ -172,21 +173,16 @@ _BOUNDARY_COMMS = {
 
 def _halo_bytes(node, rows, ctx):
     """Bytes a rank sends per halo exchange of a spatial Conv2D/Conv3D: per split
-    axis, (kernel - 1) * dilation slices of the local block's other axes."""
-    ndim = len(ctx.spatial)
-    kernel = _per_axis(node.attr("kernel_size", 1), ndim)
-    dilation = _per_axis(node.attr("dilation_rate", 1), ndim)
-    sizes, c = node.in_shapes[0][1:ndim + 1], node.in_shapes[0][-1]
+    axis, (window - 1) slices of the local block's other axes (the window is
+    dilation * (kernel - 1) + 1, :func:`rules.window_specs`)."""
+    halos = [window - 1 for window, _, _ in rules.window_specs(node)]
+    sizes, c = node.in_shapes[0][1:len(halos) + 1], node.in_shapes[0][-1]
     local = [size // parts for size, parts in zip(sizes, ctx.spatial)]
     halo = 0
     for d, parts in enumerate(ctx.spatial):
         if parts > 1:
-            halo += (kernel[d] - 1) * dilation[d] * math.prod(local[:d] + local[d + 1:])
+            halo += halos[d] * math.prod(local[:d] + local[d + 1:])
     return rows * halo * c * _F32
-
-
-def _per_axis(value, ndim):
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * ndim
 
 
 def _gradient_comms(layer, grid) -> List[tuple]:

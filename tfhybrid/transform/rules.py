@@ -228,7 +228,7 @@ def spatial_ndim(node) -> int:
     return 3 if node.cls.endswith("3D") else 2
 
 
-def _windows(node):
+def window_specs(node):
     """Per spatial axis ((depth,) height, width): (window, stride, padding) of a
     sliding-window layer."""
     if node.cls in SPATIAL_BORDER:
@@ -274,7 +274,7 @@ def spatial_problem(node, spatial) -> Optional[str]:
     if node.attr("data_format", "channels_last") != "channels_last":
         return f"data_format={node.attr('data_format')!r} (channels_last needed)"
     for d, (axis, parts, (window, stride, padding)) in enumerate(zip(names, spatial,
-                                                                     _windows(node))):
+                                                                     window_specs(node))):
         size = shape_in[d + 1]
         if size is None:
             return f"{head}: its {axis} is unknown (None)"

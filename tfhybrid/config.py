@@ -29,6 +29,12 @@ class Config:
             than one slow rank's eager step on a loaded machine).
         pin_gpu: Pin one GPU per process by Horovod local rank and enable
             memory growth (ignored without GPUs).
+        watchdog: End the job when a collective or a step makes no progress
+            for ``watchdog_seconds`` (see :mod:`tfhybrid.watchdog`; Horovod's
+            stall check never fires under Gloo). False turns it off.
+        watchdog_seconds: The watchdog's bound in seconds; None (default):
+            max(100 s, 10 x the median step time). The environment variable
+            TFHYBRID_WATCHDOG_SECONDS overrides it (0 or off: no watchdog).
 
     Example:
         >>> tfhybrid.init(model_parallel=2, config=tfhybrid.Config(cycle_time_ms=2))
@@ -40,6 +46,8 @@ class Config:
     stall_shutdown_seconds: int = 300
     gloo_timeout_seconds: int = 600
     pin_gpu: bool = True
+    watchdog: bool = True
+    watchdog_seconds: float | None = None
 
     def __post_init__(self):
         for field in ("fusion_threshold_bytes", "cycle_time_ms"):
@@ -52,6 +60,16 @@ class Config:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Received an invalid value for `{field}`: {field}={v!r}; "
                                  "expected a non-negative integer.")
+
+        if not isinstance(self.watchdog, bool):
+            raise ValueError(f"Received an invalid value for `watchdog`: watchdog={self.watchdog!r}; "
+                             "expected True or False.")
+        v = self.watchdog_seconds
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not 0 < v < float("inf")):
+            raise ValueError(f"Received an invalid value for `watchdog_seconds`: "
+                             f"watchdog_seconds={v!r}; expected a positive number of seconds or "
+                             "None (default bound); use watchdog=False to turn the watchdog off.")
 
     def horovod_env(self) -> dict:
         """The Horovod environment variables this config sets."""

@@ -55,6 +55,8 @@ def init(model_parallel: int = 1, config: Config | None = None) -> ProcessGrid:
     size, rank, _ = backend.init()
     grid = ProcessGrid(size=size, rank=rank, model_parallel=model_parallel)
     backend.register_groups(grid.all_groups())
+    from tfhybrid import watchdog
+    watchdog.start(config, rank=rank, size=size)
     _STATE.update(grid=grid, args=args, config=config)
     return grid
 

@@ -34,6 +34,8 @@ import weakref
 
 import tensorflow as tf
 
+from tfhybrid import watchdog
+
 _LOCK = threading.Lock()
 _STATE = {"hvd": None, "mpi_ops": None, "initialized": False, "sets": {}}
 
@@ -167,24 +169,34 @@ def collective_name(base: str) -> str:
 
 # -- raw collectives along axis 0 (no gradients registered by us) ----------
 
+def _watched(op, name, ranks, run):
+    """``run(collective name)`` with the watchdog told: an eager collective is
+    watched while it runs; a traced one is recorded (tracing is progress)."""
+    name = collective_name(name)
+    if tf.executing_eagerly():
+        with watchdog.collective(op, name, ranks):
+            return run(name)
+    watchdog.traced(op, name, ranks)
+    return run(name)
+
+
 def allgather(x, ranks, name):
-    return _STATE["mpi_ops"].allgather(x, name=collective_name(name), ignore_name_scope=True,
-                                       process_set=process_set(ranks))
+    return _watched("allgather", name, ranks, lambda nm: _STATE["mpi_ops"].allgather(
+        x, name=nm, ignore_name_scope=True, process_set=process_set(ranks)))
 
 
 def allreduce(x, ranks, name, average=False, prescale=1.0, postscale=1.0):
     m = _STATE["mpi_ops"]
-    return m._allreduce(x, name=collective_name(name), op=m.Average if average else m.Sum,
-                        prescale_factor=prescale, postscale_factor=postscale,
-                        ignore_name_scope=True, process_set=process_set(ranks))
+    return _watched("allreduce", name, ranks, lambda nm: m._allreduce(
+        x, name=nm, op=m.Average if average else m.Sum, prescale_factor=prescale,
+        postscale_factor=postscale, ignore_name_scope=True, process_set=process_set(ranks)))
 
 
 def grouped_allreduce(tensors, ranks, name, average=False, prescale=1.0, postscale=1.0):
     m = _STATE["mpi_ops"]
-    return m._grouped_allreduce(list(tensors), name=collective_name(name),
-                                op=m.Average if average else m.Sum,
-                                prescale_factor=prescale, postscale_factor=postscale,
-                                ignore_name_scope=True, process_set=process_set(ranks))
+    return _watched("grouped_allreduce", name, ranks, lambda nm: m._grouped_allreduce(
+        list(tensors), name=nm, op=m.Average if average else m.Sum, prescale_factor=prescale,
+        postscale_factor=postscale, ignore_name_scope=True, process_set=process_set(ranks)))
 
 
 def reducescatter(x, ranks, name):
@@ -222,14 +234,14 @@ def alltoall(x, splits, ranks, name):
     in group-rank order. ``splits``: a list or an int32 tensor."""
     m = _STATE["mpi_ops"]
     splits = splits if tf.is_tensor(splits) else tf.constant(splits, tf.int32)
-    out, _ = m.alltoall(x, splits=splits, name=collective_name(name),
-                        ignore_name_scope=True, process_set=process_set(ranks))
+    out, _ = _watched("alltoall", name, ranks, lambda nm: m.alltoall(
+        x, splits=splits, name=nm, ignore_name_scope=True, process_set=process_set(ranks)))
     return out
 
 
 def broadcast(x, root, ranks, name):
-    return _STATE["mpi_ops"].broadcast(x, root, name=collective_name(name),
-                                       ignore_name_scope=True, process_set=process_set(ranks))
+    return _watched("broadcast", name, ranks, lambda nm: _STATE["mpi_ops"].broadcast(
+        x, root, name=nm, ignore_name_scope=True, process_set=process_set(ranks)))
 
 
 def barrier(ranks=None):
@@ -248,4 +260,7 @@ def barrier(ranks=None):
 def join():
     """Horovod join (for uneven final batches); returns the last rank to join."""
     hvd = _hvd()
-    return hvd.join() if hvd is not None else 0
+    if hvd is None:
+        return 0
+    with watchdog.collective("join", "join", tuple(range(size()))):
+        return hvd.join()

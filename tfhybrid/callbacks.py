@@ -21,6 +21,7 @@ import tensorflow as tf
 from tfhybrid import runtime
 from tfhybrid.comm import backend
 from tfhybrid.layout import layout_of
+from tfhybrid.optimizer.slots import link_slots, tracking_slots
 
 
 def broadcastable(variable) -> bool:
@@ -35,10 +36,12 @@ def _broadcast_variables(variables, root_rank, name):
     if grid.size == 1:
         return
     data = grid.group("data")
-    root_data_rank = root_rank // grid.model_size
+    # Horovod's root is a global rank: the member of root_rank's model group that
+    # holds the same block as this rank (same model rank).
+    block_root = data.ranks[root_rank // grid.model_size]
     for i, var in enumerate(v for v in variables if broadcastable(v)):
         if layout_of(var).kind == "sharded":      # a block: broadcast within the data group
-            ranks, root = data.ranks, root_data_rank
+            ranks, root = data.ranks, block_root
         else:
             ranks, root = tuple(range(grid.size)), root_rank
         if len(ranks) > 1:
@@ -51,9 +54,10 @@ def broadcast_model(model, root_rank: int = 0):
 
     Random-seed state is not broadcast (see :func:`broadcastable`).
 
-    Sharded variables (one block per model rank) are broadcast within each
-    data group from the member of ``root_rank``'s model group; everything
-    else over the world.
+    Sharded variables (one block per model rank) and the optimizer slots of
+    sharded variables (Adam's moments, momentum, ...: blocks too, see
+    :mod:`tfhybrid.optimizer.slots`) are broadcast within each data group from
+    the member of ``root_rank``'s model group; everything else over the world.
 
     Example:
         >>> tfhybrid.callbacks.broadcast_model(model)   # custom loops
@@ -67,7 +71,9 @@ def broadcast_model(model, root_rank: int = 0):
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         if not optimizer.built:
-            optimizer.build(model.trainable_variables)
+            with tracking_slots(optimizer):
+                optimizer.build(model.trainable_variables)
+        link_slots(optimizer.variables, model.trainable_variables)
         _broadcast_variables(optimizer.variables, root_rank, "broadcast.optimizer")
 
 

@@ -28,13 +28,20 @@ weights this way when a strategy splits the batch over the data axis only.
 
 ``grad_scale`` multiplies the reduced gradient (e.g. 1/K where a model group
 sums K ranks' losses, as in SplitBrain's ModuloLayer).
+
+Optimizer slots (momentum, Adam moments, ...) hold per-element state of one
+model variable, so they have that variable's layout: a slot linked with
+:func:`set_slot_of` reports its variable's layout (a slot of a sharded
+kernel is a block too, and must never be broadcast as if replicated).
 """
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 KINDS = ("replicated", "partial", "sharded")
 _ATTR = "_tfhybrid_layout"
+_SLOT_ATTR = "_tfhybrid_slot_of"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,5 +80,27 @@ def set_layout(variable, layout: VariableLayout):
 
 
 def layout_of(variable) -> VariableLayout:
-    """The layout attached to ``variable`` (replicated when none is)."""
-    return getattr(variable, _ATTR, REPLICATED)
+    """The layout attached to ``variable``; for an optimizer slot linked by
+    :func:`set_slot_of`, its model variable's layout; replicated otherwise."""
+    layout = getattr(variable, _ATTR, None)
+    if layout is not None:
+        return layout
+    owner = slot_owner(variable)
+    return layout_of(owner) if owner is not None else REPLICATED
+
+
+def set_slot_of(slot, variable):
+    """Link optimizer ``slot`` to the model ``variable`` it holds state for.
+
+    The slot then reports ``variable``'s layout (:func:`layout_of`), also when
+    the variable's layout is set later. Only a weak reference is kept (no
+    checkpoint dependency, no reference cycle). Returns ``slot``.
+    """
+    setattr(slot, _SLOT_ATTR, weakref.ref(variable))
+    return slot
+
+
+def slot_owner(slot):
+    """The model variable ``slot`` was linked to by :func:`set_slot_of`, or None."""
+    ref = getattr(slot, _SLOT_ATTR, None)
+    return ref() if ref is not None else None

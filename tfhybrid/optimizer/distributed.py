@@ -28,6 +28,7 @@ from keras.src.utils import tracking
 from tfhybrid import runtime
 from tfhybrid.comm import backend
 from tfhybrid.optimizer.reduction import is_prereduced, plan_buckets, reduction_of
+from tfhybrid.optimizer.slots import link_slots, tracking_slots
 
 COMPRESSIONS = ("none", "fp16")
 OPS = ("average", "sum")
@@ -163,13 +164,17 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         var_list = list(var_list)
         self._check_fc_hooks(var_list)
         self._accumulators = []
-        if self.backward_passes_per_step > 1:
-            self._micro_step = self.add_variable(shape=(), dtype="int32", initializer="zeros",
-                                                 aggregation="none", name="micro_step")
-            self._accumulators = [self.add_variable_from_reference(v, name="grad_accumulator")
-                                  for v in var_list]
-        self.inner_optimizer.build(var_list)
-        super().build(var_list)
+        # Slots are linked to their variables: a slot of a sharded weight is a block.
+        with tracking_slots(self), tracking_slots(self.inner_optimizer):
+            if self.backward_passes_per_step > 1:
+                self._micro_step = self.add_variable(shape=(), dtype="int32",
+                                                     initializer="zeros", aggregation="none",
+                                                     name="micro_step")
+                self._accumulators = [self.add_variable_from_reference(v, name="grad_accumulator")
+                                      for v in var_list]
+            self.inner_optimizer.build(var_list)
+            super().build(var_list)
+        link_slots(self.variables, var_list)   # an inner optimizer built before wrapping
 
     def _check_fc_hooks(self, var_list):
         if self.replicate_fc_gradients and not any(is_prereduced(v) for v in var_list):

@@ -18,6 +18,7 @@ from tfhybrid.transform.graph import as_functional, describe_graph
 from tfhybrid.transform.options import BUILDABLE, make_options, options_for
 from tfhybrid.transform.planner import make_plan
 from tfhybrid.transform.rewrite import rewrite
+from tfhybrid.transform.root_weights import root_weights
 
 INFO_ATTR = "_tfhybrid_transform"
 BATCH_SPLIT_ATTR = "_tfhybrid_batch_split"
@@ -40,10 +41,12 @@ class TransformInfo:
 def transform(model, strategy="d", **options):
     """The hybrid-parallel counterpart of an unmodified Keras model.
 
-    Call on every rank after :func:`tfhybrid.init`. The returned model holds
-    this rank's part of ``model``'s current weights (copied, or sliced for
-    partitioned layers) and computes the same function; ``model`` itself is
-    not modified.
+    Call on every rank after :func:`tfhybrid.init` (collective). The
+    returned model holds this rank's part of global rank 0's current weights
+    of ``model`` (copied, or sliced for partitioned layers; transform
+    broadcasts them first, so weights restored or initialised on rank 0 only
+    reach every rank, also in sharded layers) and computes the same
+    function; ``model`` itself is not modified.
 
     Args:
         model: A built Sequential or Functional Keras 3 model.
@@ -87,7 +90,8 @@ def transform(model, strategy="d", **options):
     if opts.strategy == "auto":
         opts = _oracle_options(model, graph, grid, options)
     plan = make_plan(graph, opts, grid)
-    new = rewrite(functional, plan, grid, opts.modulo)
+    with root_weights(model):     # slice every block from global rank 0's weights
+        new = rewrite(functional, plan, grid, opts.modulo)
     if plan.batch_split == "data" and grid.model_size > 1:
         _reduce_replicas_over_data(new)
     source = json.dumps(keras.saving.serialize_keras_object(model))

@@ -13,6 +13,7 @@ import json
 
 import keras
 
+from tfhybrid.comm import backend
 from tfhybrid.transform.api import info_of
 from tfhybrid.transform.rewrite import find_layer
 
@@ -23,7 +24,8 @@ def gather(model):
     """The original (untransformed) architecture with ``model``'s full weights.
 
     Collective: call on every rank, in the same order; every rank receives
-    the same full model. It contains no tfhybrid layer, so
+    the same full model. It ends with a world barrier, so a script may end
+    or build another model right after it. It contains no tfhybrid layer, so
     ``gather(model).save("x.keras")`` loads with plain ``keras``; to resume
     on another world size, ``tfhybrid.transform(keras.saving.load_model(
     "x.keras"), strategy)``.
@@ -50,4 +52,9 @@ def gather(model):
         if np.kind in _SLICED:
             layer = layer.to_layer()
         target.set_weights(layer.get_weights())
+    # The allgathers above run in model groups; a group that finished first
+    # must not move on (or exit, taking Horovod's process sets with it) while
+    # another group is still gathering.
+    if backend.is_initialized():
+        backend.barrier()
     return full

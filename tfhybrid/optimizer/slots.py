@@ -1,0 +1,84 @@
+"""Optimizer slots know which model variable they belong to (and so its layout).
+
+A Keras 3 optimizer creates its per-variable state (SGD momentum, Adam's
+moments, RMSprop's velocities, gradient accumulators, ...) with
+``add_variable_from_reference(variable, name)``. Such a slot of a sharded
+weight is a block of state, different on every rank of a model group; the
+broadcast of the initial state (:mod:`tfhybrid.callbacks`) and any
+consistency check must treat it like its weight. Two ways link a slot to its
+variable (:func:`tfhybrid.layout.set_slot_of`):
+
+- :func:`tracking_slots`: while an optimizer builds, every slot it creates
+  from a reference is linked to that reference (exact; used by
+  :class:`tfhybrid.DistributedOptimizer` and by the broadcast callback when it
+  builds the optimizer itself);
+- :func:`link_slots`: for an optimizer built elsewhere, by Keras' slot naming
+  rule (``<variable path with '/' -> '_'>_<slot name>``), longest match first,
+  then same shape.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from tfhybrid.layout import set_slot_of, slot_owner
+
+_METHOD = "add_variable_from_reference"
+
+
+@contextlib.contextmanager
+def tracking_slots(optimizer):
+    """Within this context, slots ``optimizer`` creates are linked to their variables.
+
+    Example:
+        >>> with tracking_slots(adam):
+        ...     adam.build(model.trainable_variables)
+    """
+    if _METHOD in vars(optimizer):      # already tracking (nested build)
+        yield optimizer
+        return
+    original = getattr(optimizer, _METHOD)
+
+    def add_variable_from_reference(reference_variable, *args, **kwargs):
+        slot = original(reference_variable, *args, **kwargs)
+        set_slot_of(slot, reference_variable)
+        return slot
+
+    object.__setattr__(optimizer, _METHOD, add_variable_from_reference)
+    try:
+        yield optimizer
+    finally:
+        object.__delattr__(optimizer, _METHOD)
+
+
+def _slot_prefix(variable):
+    path = getattr(variable, "path", None)
+    if path is None:
+        path = str(variable.name).replace(":", "_")
+    return path.replace("/", "_") + "_"
+
+
+def link_slots(optimizer_variables, model_variables):
+    """Link unlinked optimizer variables to model variables by Keras' slot names.
+
+    A slot named ``<path of v with '/' -> '_'>_<anything>`` belongs to ``v``
+    (the longest such prefix wins; a slot whose shape differs from ``v``'s,
+    e.g. Adafactor's factored moments, still belongs to it). Variables that
+    match no model variable (iterations, learning rate) stay unlinked, i.e.
+    replicated. Returns the number of slots linked.
+    """
+    prefixes = sorted(((_slot_prefix(v), v) for v in model_variables),
+                      key=lambda item: -len(item[0]))
+    linked = 0
+    for slot in optimizer_variables:
+        if slot_owner(slot) is not None:
+            continue
+        name = str(getattr(slot, "name", ""))
+        matches = [v for prefix, v in prefixes if name.startswith(prefix)]
+        if not matches:
+            continue
+        longest = len(_slot_prefix(matches[0]))
+        same = [v for v in matches if len(_slot_prefix(v)) == longest]
+        shaped = [v for v in same if tuple(v.shape) == tuple(slot.shape)]
+        set_slot_of(slot, (shaped or same)[0])
+        linked += 1
+    return linked

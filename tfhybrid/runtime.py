@@ -55,6 +55,9 @@ def init(model_parallel: int = 1, config: Config | None = None) -> ProcessGrid:
     size, rank, _ = backend.init()
     grid = ProcessGrid(size=size, rank=rank, model_parallel=model_parallel)
     backend.register_groups(grid.all_groups())
+    if size > 1:   # no rank's exit may remove the process sets under the others
+        from tfhybrid import exit_barrier
+        exit_barrier.install()
     from tfhybrid import watchdog
     watchdog.start(config, rank=rank, size=size)
     _STATE.update(grid=grid, args=args, config=config)

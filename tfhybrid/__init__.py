@@ -14,7 +14,8 @@ from tfhybrid.config import Config
 from tfhybrid.grid import Group, ProcessGrid
 from tfhybrid.runtime import grid, init, is_initialized, is_root, shutdown
 
-from tfhybrid import callbacks, data  # noqa: E402
+from tfhybrid import callbacks, checkpoint, data  # noqa: E402
+from tfhybrid.checkpoint import load, save  # noqa: E402
 from tfhybrid import watchdog  # noqa: E402
 from tfhybrid.optimizer import DistributedOptimizer  # noqa: E402
 from tfhybrid.transform import describe, gather, transform  # noqa: E402  (shadows the subpackage name)
@@ -23,6 +24,6 @@ __version__ = "0.1.0"
 
 __all__ = ["init", "shutdown", "grid", "is_root", "is_initialized", "Config", "Group",
            "ProcessGrid", "__version__"]
-__all__ += ["DistributedOptimizer", "callbacks", "data"]
+__all__ += ["DistributedOptimizer", "callbacks", "checkpoint", "data", "save", "load"]
 __all__ += ["watchdog"]
 __all__ += ["transform", "gather", "describe"]

@@ -236,3 +236,6 @@ def standard(root_rank: int = 0, warmup_steps: int = 0, target_lr: float | None 
         callbacks.append(LearningRateWarmupCallback(target_lr, warmup_steps))
     callbacks.append(RootProgbarLogger())
     return callbacks
+
+
+from tfhybrid.checkpoint import Checkpoint  # noqa: E402  (tfhybrid.callbacks.Checkpoint)

@@ -339,3 +339,74 @@ def restore_optimizer_state(model, path, full, strategy, **options):
             if name in per_var:
                 per_var[name].assign(value)
     _inner(optimizer).iterations.assign(meta["iterations"])
+
+
+class Checkpoint(keras.callbacks.Callback):
+    """Save a :func:`save` checkpoint during ``fit`` (every rank runs it; rank 0 writes).
+
+    Args:
+        path: ``.keras`` file name; may contain ``{epoch}`` and ``{step}``
+            (e.g. ``"ckpt/e{epoch:03d}-s{step}.keras"``); without them every
+            save replaces the same file atomically.
+        every_n_steps: Also save every N optimizer steps within an epoch
+            (0: never).
+        every_epoch: Save at the end of every epoch (default True).
+        keep: With a formatted ``path``, how many of the newest checkpoints
+            rank 0 keeps (older ones and their side files are deleted);
+            None keeps all.
+
+    Raises:
+        ValueError: for a non-``.keras`` path, a negative ``every_n_steps``,
+            ``keep`` < 1, or nothing to save (both triggers off).
+
+    Example:
+        >>> model.fit(data, epochs=10, callbacks=tfhybrid.callbacks.standard() + [
+        ...     tfhybrid.callbacks.Checkpoint("ckpt/last.keras", every_n_steps=500)])
+        >>> model = tfhybrid.load("ckpt/last.keras")        # any world size, any strategy
+        >>> meta = tfhybrid.checkpoint.read_meta("ckpt/last.keras")
+        >>> model.fit(data.skip(meta["step"]), initial_epoch=meta["epoch"], ...)
+    """
+
+    def __init__(self, path, every_n_steps: int = 0, every_epoch: bool = True,
+                 keep: int | None = None):
+        super().__init__()
+        if not isinstance(path, (str, os.PathLike)) or not str(path).endswith(".keras"):
+            raise ValueError(f"Received an invalid checkpoint path {path!r}; expected a file "
+                             "name ending in '.keras'.")
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
+            raise ValueError(f"Received an invalid value for `every_n_steps`: {every_n_steps!r}; "
+                             "expected a non-negative integer (0 = only at epoch ends).")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"Received an invalid value for `keep`: {keep!r}; expected a "
+                             "positive integer or None (keep all).")
+        if not every_n_steps and not every_epoch:
+            raise ValueError("Checkpoint would never save: pass every_n_steps > 0 or "
+                             "every_epoch=True.")
+        self.path, self.every_n_steps, self.every_epoch, self.keep = (
+            str(path), every_n_steps, bool(every_epoch), keep)
+        self._epoch = 0
+        self._written = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every_n_steps and (batch + 1) % self.every_n_steps == 0:
+            self._save(self._epoch, batch + 1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.every_epoch:
+            self._save(epoch + 1, 0)
+
+    def _save(self, epoch, step):
+        path = self.path.format(epoch=epoch, step=step)
+        save(self.model, path, epoch=epoch, step=step)
+        if runtime.is_root() and path != self.path:
+            if path in self._written:
+                self._written.remove(path)
+            self._written.append(path)
+            while self.keep and len(self._written) > self.keep:
+                old = self._written.pop(0)
+                for name in (old, old + SIDE_SUFFIX):
+                    if os.path.exists(name):
+                        os.unlink(name)

@@ -13,11 +13,11 @@ from userscripts import launch, results
 TOL = 1e-4
 
 
-def _train(tmp_path, np_, strategy, mp, optimizer):
+def _train(tmp_path, np_, strategy, mp, optimizer, *extra):
     ckpt = tmp_path / "ckpt.keras"
     run = launch("resume.py", np=np_, args=["--phase", "train", "--strategy", strategy,
                                             "--model-parallel", mp, "--steps", 3,
-                                            "--ckpt", ckpt, "--optimizer", optimizer])
+                                            "--ckpt", ckpt, "--optimizer", optimizer, *extra])
     assert run.rc == 0, run
     assert ckpt.exists() and (tmp_path / "ckpt.keras.state.npz").exists(), run
     return ckpt
@@ -38,7 +38,7 @@ def _resume(ckpt, np_, strategy, mp, optimizer):
 
 
 def test_adam_df_at_4_resumes_as_d_at_2(tmp_path):
-    ckpt = _train(tmp_path, 4, "df", 2, "adam")
+    ckpt = _train(tmp_path, 4, "df", 2, "adam", "--via-callback")   # Checkpoint(every_n_steps=3)
     _resume(ckpt, 2, "d", 1, "adam")
 
 

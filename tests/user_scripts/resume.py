@@ -67,6 +67,8 @@ def main():
     ap.add_argument("--before", type=int, default=0, help="steps trained before (resume)")
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    ap.add_argument("--via-callback", action="store_true",
+                    help="train phase: save with tfhybrid.callbacks.Checkpoint(every_n_steps)")
     args = ap.parse_args()
     tfhybrid.init(model_parallel=args.model_parallel)
     x, y = data(args.before + args.steps)
@@ -76,9 +78,13 @@ def main():
         model = tfhybrid.transform(make_model(), strategy=args.strategy)
         model.compile(optimizer=tfhybrid.DistributedOptimizer(optimizer(args.optimizer)),
                       loss=loss())
-        model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0,
-                  callbacks=tfhybrid.callbacks.standard())
-        tfhybrid.save(model, args.ckpt, epoch=1)
+        callbacks = tfhybrid.callbacks.standard()
+        if args.via_callback:
+            callbacks.append(tfhybrid.callbacks.Checkpoint(args.ckpt, every_n_steps=args.steps,
+                                                           every_epoch=False))
+        model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0, callbacks=callbacks)
+        if not args.via_callback:
+            tfhybrid.save(model, args.ckpt, epoch=1)
         print("RESULT " + json.dumps({"rank": tfhybrid.grid().rank, "saved": True}))
         return
     model = tfhybrid.load(args.ckpt, strategy=args.strategy)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -246,8 +247,8 @@ class Watchdog:
         with self._lock:
             others = [a for a in self._active.values() if a is not act]
             traced, count = list(self._traced), self._traced_count
-        text = (f"tfhybrid watchdog: rank {self.rank} of {self.size} has waited {waited:.0f} s "
-                f"(bound {bound:.0f} s) in {act.describe()}")
+        text = (f"tfhybrid watchdog: rank {self.rank} of {self.size} has waited "
+                f"{math.ceil(waited)} s (bound {bound:g} s) in {act.describe()}")
         if others:
             text += ", inside " + ", ".join(a.describe() for a in others)
         text += "."

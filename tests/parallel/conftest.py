@@ -7,6 +7,10 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The hang watchdog (tfhybrid.watchdog) at a bound no healthy test approaches
+# (long eager references on one rank while the others wait in a collective),
+# yet one that ends a hung session long before the suite's timeout.
+os.environ.setdefault("TFHYBRID_WATCHDOG_SECONDS", "600")
 import tensorflow as tf  # noqa: E402
 
 import tfhybrid  # noqa: E402

@@ -6,8 +6,8 @@ CASE (the fault happens at train step ``--fault-step`` on one rank):
 
 - ``extra_collective``: rank 0 calls ``tfhybrid.callbacks.average_logs`` alone;
 - ``stop_one_rank``: the last rank sets ``model.stop_training = True``;
-- ``terminate_nan``: the last rank's batch holds a NaN and Keras'
-  ``TerminateOnNaN`` stops it (data parallel: the ranks see different rows);
+- ``terminate_nan``: the last rank's loss is NaN at one step and Keras'
+  ``TerminateOnNaN`` stops that rank only (data parallel);
 - ``layer_names``: the last rank builds a throwaway layer before the model, so
   the auto-generated layer names, and the collective names, differ (the
   fault time is the first train step);
@@ -71,6 +71,22 @@ class Fault(keras.callbacks.Callback):
             fault(f"TerminateOnNaN stopped this rank (loss {logs.get('loss')})")
 
 
+class NanLoss(keras.callbacks.Callback):
+    """The last rank's loss of train step ``step`` becomes NaN (as a bad batch
+    on one data-parallel rank would make it; Keras' cross-entropy sanitises
+    NaN logits, so the loss is set in the logs the later callbacks read)."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step, self.seen = step, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        grid = tfhybrid.grid()
+        if self.seen == self.step and grid.rank == grid.size - 1 and logs is not None:
+            logs["loss"] = float("nan")
+
+
 def make_model():
     """Auto-named layers (no ``name=``): their names come from Keras' counters."""
     inputs = keras.Input((16,))
@@ -110,16 +126,12 @@ def main():
     y = rng.integers(0, 10, batch * args.steps).astype("int64")
     data = tfhybrid.data.shard(
         tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True), model=model)
-    if args.case == "terminate_nan" and grid.rank == grid.size - 1:
-        bad = args.fault_step - 1
-        data = data.enumerate().map(
-            lambda i, xy: (tf.where(i == bad, tf.fill(tf.shape(xy[0]), float("nan")), xy[0]),
-                           xy[1]))
 
     callbacks = tfhybrid.callbacks.standard()
     if not args.no_watchdog_callback:
         callbacks.append(tfhybrid.watchdog.callback())
     if args.case == "terminate_nan":
+        callbacks.append(NanLoss(args.fault_step))
         callbacks.append(keras.callbacks.TerminateOnNaN())
     callbacks.append(Fault(args.case, args.fault_step, args.pause))
     start = time.time()

@@ -1,0 +1,115 @@
+"""Issue 13, item 7: ranks that diverge end the job (tfhybrid.watchdog), timed from the fault.
+
+Every run of ``tests/user_scripts/hang_divergence.py`` is launched at once
+(module fixture, one thread per job) so the module costs about one default
+bound (~2.5 min of wall time) instead of the sum of its jobs:
+
+- each divergence case at -np 2 with a short bound (``--watchdog-seconds 30``,
+  via ``tfhybrid.Config``) ends non-zero within the bound + margin, and every
+  hung rank names what it waits in;
+- one case at -np 4 (model groups and data groups);
+- the defaults (no bound given) end a hang within 120 s of the fault;
+- a rank pausing 75 s inside one step does not end a healthy job with the defaults.
+"""
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.integration.userscripts import launch, results
+
+SCRIPT = "hang_divergence.py"
+SHORT = 30.0        # the short bound of the per-case runs
+MARGIN = 15.0       # poll (1 s) + grace (3 s) + horovodrun teardown, on a loaded 2-core box
+DEFAULT_TARGET = 120.0
+NO_OVERRIDE = {"TFHYBRID_WATCHDOG_SECONDS": ""}
+
+JOBS = {
+    "extra_collective": (2, ["extra_collective", "--watchdog-seconds", SHORT]),
+    "stop_one_rank": (2, ["stop_one_rank", "--watchdog-seconds", SHORT]),
+    "terminate_nan": (2, ["terminate_nan", "--watchdog-seconds", SHORT]),
+    "layer_names": (2, ["layer_names", "--watchdog-seconds", SHORT]),
+    "layer_names_np4": (4, ["layer_names", "--watchdog-seconds", SHORT]),
+    "default_bound": (2, ["stop_one_rank"]),
+    "slow_rank": (2, ["slow_rank", "--pause", 75, "--epochs", 1, "--steps", 10]),
+}
+
+
+def _run(job):
+    np_, args = JOBS[job]
+    start = time.time()
+    run = launch(SCRIPT, np=np_, args=args, timeout=400, env=NO_OVERRIDE)
+    run.end = start + run.seconds
+    faults = [float(t) for t in re.findall(r"FAULT ([0-9.]+)", run.out)]
+    run.fault = min(faults) if faults else None
+    after = f"{run.end - run.fault:.1f} s after the fault" if run.fault else "no fault"
+    print(f"watchdog job {job} (-np {np_}): exit {run.rc} {after}, {run.seconds:.1f} s in all",
+          flush=True)
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with ThreadPoolExecutor(len(JOBS)) as pool:
+        futures = {job: pool.submit(_run, job) for job in JOBS}
+        return {job: f.result() for job, f in futures.items()}
+
+
+def _reports(run):
+    """rank -> the watchdog paragraph that rank printed."""
+    return {int(m.group(1)): m.group(0) for m in
+            re.finditer(r"tfhybrid watchdog: rank (\d+) of \d+ has waited[^\n]*", run.out)}
+
+
+def _ended_by_watchdog(run, bound):
+    assert run.rc not in (0, "timeout"), run
+    assert run.fault is not None, run
+    assert run.end - run.fault <= bound + MARGIN, (run.end - run.fault, run)
+    reports = _reports(run)
+    assert reports, run
+    for text in reports.values():
+        assert "diverged" in text and "TFHYBRID_WATCHDOG_SECONDS" in text
+    return reports
+
+
+def test_extra_collective_on_one_rank(runs):
+    reports = _ended_by_watchdog(runs["extra_collective"], SHORT)
+    # rank 0 waits in its extra eager collective, the other in its next train step
+    assert "collective 'tfh.metric_average.logs' (allreduce over ranks [0, 1])" in reports[0]
+    assert "train step 6" in reports[1] and "tfh." in reports[1]
+
+
+def test_stop_training_on_one_rank(runs):
+    reports = _ended_by_watchdog(runs["stop_one_rank"], SHORT)
+    assert "train step 6 (epoch 1, batch 5)" in reports[0]
+    assert "collective 'tfh.metric_average.0'" in reports[1]
+
+
+def test_terminate_on_nan_on_one_rank(runs):
+    reports = _ended_by_watchdog(runs["terminate_nan"], SHORT)
+    assert "train step 6" in reports[0] and "tfh.distributed_sgd" in reports[0]
+    assert "collective 'tfh.metric_average.0'" in reports[1]
+
+
+@pytest.mark.parametrize("job", ["layer_names", "layer_names_np4"])
+def test_layer_names_drift(runs, job):
+    reports = _ended_by_watchdog(runs[job], SHORT)
+    assert all("train step 1 (epoch 1, batch 0)" in text for text in reports.values())
+    # the traced collective names show the drift: dense_2 on the last rank is dense_1 elsewhere
+    last = max(reports)
+    assert "tfh.dense_1." in reports[0] and "tfh.dense_2." in reports[last]
+
+
+def test_default_bound_ends_hang_within_two_minutes(runs):
+    run = runs["default_bound"]
+    reports = _ended_by_watchdog(run, DEFAULT_TARGET - MARGIN)
+    assert run.end - run.fault <= DEFAULT_TARGET
+    assert all("(bound 100 s)" in text for text in reports.values())
+
+
+def test_slow_rank_does_not_end_healthy_job(runs):
+    run = runs["slow_rank"]
+    assert run.rc == 0, run
+    assert "PAUSE END" in run.out and "tfhybrid watchdog" not in run.out
+    assert sorted(r["rank"] for r in results(run)) == [0, 1]

@@ -23,7 +23,9 @@ class Config:
             (HOROVOD_STALL_CHECK_TIME_SECONDS).
         stall_shutdown_seconds: Abort the job when ranks are stalled this long
             (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS), so a failed or diverged rank
-            brings the job down instead of hanging it. 0 disables.
+            brings the job down instead of hanging it. 0 disables; otherwise it
+            must be >= ``stall_check_seconds`` (Horovod 0.28.1 silently drops a
+            shorter shutdown, so Config refuses it).
         gloo_timeout_seconds: How long a Gloo collective may wait for a peer
             (HOROVOD_GLOO_TIMEOUT_SECONDS; Horovod's default of 30 s is shorter
             than one slow rank's eager step on a loaded machine).
@@ -60,6 +62,7 @@ class Config:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Received an invalid value for `{field}`: {field}={v!r}; "
                                  "expected a non-negative integer.")
+        _check_horovod_rules(self)
 
         if not isinstance(self.watchdog, bool):
             raise ValueError(f"Received an invalid value for `watchdog`: watchdog={self.watchdog!r}; "
@@ -88,3 +91,59 @@ class Config:
         """Export :meth:`horovod_env`, keeping values the user already exported."""
         for key, value in self.horovod_env().items():
             os.environ.setdefault(key, value)
+
+
+# Horovod parses these environment variables with strtol into a C int.
+_INT_MAX = 2**31 - 1
+
+
+def _check_horovod_rules(config):
+    """Refuse values Horovod 0.28.1 would ignore, truncate or misread silently.
+
+    Rules (horovod/common/stall_inspector.cc, operations.cc, gloo_context.cc):
+    a stall shutdown time below the stall check time disables the shutdown
+    (one warning in the log); a check time of 0 checks on every cycle and
+    warns about every collective; a Gloo timeout of 0 fails every
+    rendezvous; the integer knobs are read into a C int (fusion: int64);
+    ``nan``/``inf`` are not numbers Horovod can use.
+    """
+    import math
+
+    for field in ("fusion_threshold_bytes", "cycle_time_ms"):
+        v = getattr(config, field)
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"Received an invalid value for `{field}`: {field}={v!r}; "
+                             "expected a finite non-negative number or None (Horovod's "
+                             "default).")
+    v = config.fusion_threshold_bytes
+    if v is not None and (float(v) != int(v) or v >= 2**63):
+        raise ValueError(f"Received an invalid value for `fusion_threshold_bytes`: "
+                         f"fusion_threshold_bytes={v!r}; expected a whole number of bytes "
+                         "below 2**63 (Horovod reads an integer), e.g. 64 * 2**20.")
+    for field in ("stall_check_seconds", "stall_shutdown_seconds", "gloo_timeout_seconds"):
+        v = getattr(config, field)
+        if v > _INT_MAX:
+            raise ValueError(f"Received an invalid value for `{field}`: {field}={v!r}; "
+                             f"expected at most {_INT_MAX} seconds (Horovod reads a C int and "
+                             "would wrap the value around).")
+    if config.stall_check_seconds == 0:
+        raise ValueError(
+            "Received an invalid value for `stall_check_seconds`: stall_check_seconds=0; "
+            "expected a positive number of seconds: Horovod would check on every cycle and "
+            "warn about every collective not yet ready on all ranks. Use e.g. "
+            "stall_check_seconds=60 (the default).")
+    if 0 < config.stall_shutdown_seconds < config.stall_check_seconds:
+        raise ValueError(
+            f"Received stall_shutdown_seconds={config.stall_shutdown_seconds} below "
+            f"stall_check_seconds={config.stall_check_seconds}: Horovod 0.28.1 then disables "
+            "the stall shutdown (it only logs 'will not shutdown'). Use stall_shutdown_seconds "
+            f">= stall_check_seconds (e.g. Config(stall_check_seconds="
+            f"{min(config.stall_check_seconds, config.stall_shutdown_seconds)}, "
+            f"stall_shutdown_seconds={config.stall_shutdown_seconds}) or stall_shutdown_seconds="
+            f"{config.stall_check_seconds}), or 0 for no shutdown.")
+    if config.gloo_timeout_seconds == 0:
+        raise ValueError(
+            "Received an invalid value for `gloo_timeout_seconds`: gloo_timeout_seconds=0; "
+            "expected a positive number of seconds: with 0 every Gloo rendezvous and "
+            "collective wait times out at once. Use e.g. gloo_timeout_seconds=600 (the "
+            "default).")

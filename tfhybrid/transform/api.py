@@ -8,9 +8,6 @@ on it what :func:`tfhybrid.gather`, :func:`tfhybrid.describe` and
 from __future__ import annotations
 
 import dataclasses
-import json
-
-import keras
 
 from tfhybrid import runtime
 from tfhybrid.layout import layout_of, set_layout
@@ -19,6 +16,7 @@ from tfhybrid.transform.options import BUILDABLE, make_options, options_for
 from tfhybrid.transform.planner import make_plan
 from tfhybrid.transform.rewrite import rewrite
 from tfhybrid.transform.root_weights import root_weights
+from tfhybrid.transform.source import record as record_source
 
 INFO_ATTR = "_tfhybrid_transform"
 BATCH_SPLIT_ATTR = "_tfhybrid_batch_split"
@@ -32,10 +30,13 @@ class TransformInfo:
         graph: The original model's :class:`~tfhybrid.transform.graph.GraphSpec`.
         source: JSON of the original model's Keras serialization (architecture only).
         grid: The :class:`tfhybrid.grid.ProcessGrid` it was built for.
+        objects: Live classes/functions ``source`` needs in this process
+            (unregistered custom layers, Lambda functions; see :mod:`.source`).
     """
 
-    def __init__(self, plan, graph, source, grid):
+    def __init__(self, plan, graph, source, grid, objects=None):
         self.plan, self.graph, self.source, self.grid = plan, graph, source, grid
+        self.objects = dict(objects or {})
 
 
 def transform(model, strategy="d", **options):
@@ -83,6 +84,7 @@ def transform(model, strategy="d", **options):
         >>> pmodel = tfhybrid.transform(model, "gmp", modulo="B/K")   # K micro-steps
         >>> tfhybrid.describe(pmodel)
     """
+    _refuse_transformed(model)
     opts = make_options(strategy, **options)
     grid = runtime.current_grid()
     functional = as_functional(model)
@@ -90,14 +92,32 @@ def transform(model, strategy="d", **options):
     if opts.strategy == "auto":
         opts = _oracle_options(model, graph, grid, options)
     plan = make_plan(graph, opts, grid)
+    source, objects = record_source(model)   # what gather needs; raises before any collective
     with root_weights(model):     # slice every block from global rank 0's weights
         new = rewrite(functional, plan, grid, opts.modulo)
     if plan.batch_split == "data" and grid.model_size > 1:
         _reduce_replicas_over_data(new)
-    source = json.dumps(keras.saving.serialize_keras_object(model))
-    object.__setattr__(new, INFO_ATTR, TransformInfo(plan, graph, source, grid))
+    object.__setattr__(new, INFO_ATTR, TransformInfo(plan, graph, source, grid, objects))
     object.__setattr__(new, BATCH_SPLIT_ATTR, plan.batch_split)
     return new
+
+
+def _refuse_transformed(model):
+    """A transformed model (or one built from tfhybrid layers) is not transformed again."""
+    info = getattr(model, INFO_ATTR, None)
+    if info is not None:
+        raise ValueError(
+            f"Received model {getattr(model, 'name', model)!r}, which tfhybrid.transform "
+            f"already returned (strategy {info.plan.strategy!r}): it is already transformed. "
+            "Transform the original Keras model, or tfhybrid.gather(model) first to get the "
+            "plain Keras model back and transform that.")
+    for layer in getattr(model, "layers", None) or ():
+        if type(layer).__module__.startswith("tfhybrid."):
+            raise ValueError(
+                f"Received model {getattr(model, 'name', model)!r} with tfhybrid layer "
+                f"{layer.name!r} ({type(layer).__name__}): it is already transformed (or built "
+                "from tfhybrid.layers by hand). Transform the original Keras model, or "
+                "tfhybrid.gather(model) first to get the plain Keras model back.")
 
 
 def _reduce_replicas_over_data(model):

@@ -16,6 +16,7 @@ import keras
 from tfhybrid.comm import backend
 from tfhybrid.transform.api import info_of
 from tfhybrid.transform.rewrite import find_layer
+from tfhybrid.transform.source import rebuild
 
 _SLICED = ("filter", "channel")
 
@@ -43,7 +44,7 @@ def gather(model):
         >>> tfhybrid.gather(pmodel).save("model.keras")   # on every rank
     """
     info = info_of(model)
-    full = keras.saving.deserialize_keras_object(json.loads(info.source))
+    full = rebuild(info.source, getattr(info, "objects", None))
     for np in info.plan.nodes:
         target = full.get_layer(np.name)
         if not target.weights:

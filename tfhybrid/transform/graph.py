@@ -174,7 +174,10 @@ def _plain(value):
     if isinstance(value, list):
         return tuple(value)
     if isinstance(value, dict):  # e.g. a serialized activation
-        return value.get("config", {}).get("name", value.get("class_name"))
+        inner = value.get("config")
+        if isinstance(inner, dict):
+            return inner.get("name", value.get("class_name"))
+        return inner if isinstance(inner, str) else value.get("class_name")  # a function
     return value
 
 

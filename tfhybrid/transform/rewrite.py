@@ -18,6 +18,7 @@ import keras
 from tfhybrid import layers as P
 from tfhybrid.layers.partitioned import PARTIAL_GRAD, REPLICATED
 from tfhybrid.layers.spatial_plan import SPATIAL_AXES
+from tfhybrid.transform.source import copy_layer
 
 GROUP = "model"
 
@@ -47,7 +48,7 @@ def _copy(layer, np, grid):
     config = layer.get_config()
     if np.cls == "Dropout":
         config["seed"] = _dropout_seed(layer, np, grid)
-    return type(layer).from_config(config)
+    return copy_layer(layer, config)    # a Lambda keeps its live function
 
 
 def _dropout_seed(layer, np, grid):

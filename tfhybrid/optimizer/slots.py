@@ -61,10 +61,11 @@ def link_slots(optimizer_variables, model_variables):
     """Link unlinked optimizer variables to model variables by Keras' slot names.
 
     A slot named ``<path of v with '/' -> '_'>_<anything>`` belongs to ``v``
-    (the longest such prefix wins; a slot whose shape differs from ``v``'s,
-    e.g. Adafactor's factored moments, still belongs to it). Variables that
-    match no model variable (iterations, learning rate) stay unlinked, i.e.
-    replicated. Returns the number of slots linked.
+    (the longest such prefix wins, then the same shape). Variables that match
+    no model variable (iterations, learning rate) stay unlinked, i.e.
+    replicated. Not covered: state made with ``add_variable`` under another
+    name (Adafactor's factored moments, which are not per-block state of a
+    sharded weight anyway). Returns the number of slots linked.
     """
     prefixes = sorted(((_slot_prefix(v), v) for v in model_variables),
                       key=lambda item: -len(item[0]))

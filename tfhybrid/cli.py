@@ -13,9 +13,27 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
 import sys
 
 COMMANDS = {}
+
+
+class UsageError(ValueError):
+    """Bad command-line input: one line each, exit code 2, before any work."""
+
+    def __init__(self, problems):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block) and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`).\n")
 
 
 def command(name, help_text):
@@ -44,31 +62,159 @@ def _plan_args(ap):
     ap.add_argument("--paradl-tiers", help="per-tier alpha/beta JSON (e.g. abci_tiers.json)")
 
 
-def _load_plan_inputs(args):
-    """(profile, machine, label) from MODEL/--machine or the --paradl-* files."""
-    from tfhybrid.oracle import machine as mach, paradl_io, profile  # noqa: WPS433
+def _readable_file(value, flag, fix):
+    """The problem with input file ``value`` of ``flag`` (None when it can be read)."""
+    if not os.path.exists(value):
+        return f"{flag} {value}: file not found; {fix}."
+    if os.path.isdir(value):
+        return f"{flag} {value}: is a directory, expected a file; {fix}."
+    if not os.access(value, os.R_OK):
+        return f"{flag} {value}: file is not readable; check its permissions."
+    return None
+
+
+def _writable_path(value, flag, example):
+    """The problem with output file ``value`` of ``flag`` (None when it can be written)."""
+    if os.path.isdir(value):
+        return f"{flag} {value}: is a directory; give a file name, e.g. {flag} " \
+               f"{os.path.join(value, example)}."
+    directory = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(directory):
+        return f"{flag} {value}: directory {directory} does not exist; create it first " \
+               f"(mkdir -p {directory}) or write elsewhere."
+    if not os.access(directory, os.W_OK):
+        return f"{flag} {value}: directory {directory} is not writable; write elsewhere."
+    return None
+
+
+def _positive(value, flag, example):
+    if value is not None and value < 1:
+        return f"{flag} {value}: expected a positive integer, e.g. {flag} {example}."
+    return None
+
+
+def _model_problem(name, flag="MODEL"):
+    from tfhybrid.oracle.models import KNOWN_MODELS  # noqa: WPS433
+    if name.endswith(".keras"):
+        return _readable_file(name, flag, "give an existing .keras file (model.save('m.keras')) "
+                              f"or a known model name: {', '.join(sorted(KNOWN_MODELS))}")
+    if name.lower().replace("-", "_") not in KNOWN_MODELS:
+        return f"{flag} {name!r}: unknown model; expected a .keras file or one of " \
+               f"{', '.join(sorted(KNOWN_MODELS))}."
+    return None
+
+
+def _check_plan_args(args):
+    """Every problem with the arguments and files of ``plan`` that needs no model (cheap)."""
+    from tfhybrid.oracle.predict import STRATEGY_NAMES  # noqa: WPS433
+    problems = [_positive(args.p, "--np", 8), _positive(args.batch, "--batch", 256),
+                _positive(args.dataset_size, "--dataset-size", 1281167)]
+    if args.strategies is not None:
+        names = [n.strip() for n in args.strategies.split(",")]
+        unknown = [n for n in names if n not in STRATEGY_NAMES]
+        if unknown or not any(names):
+            problems.append(f"--strategies {args.strategies!r}: unknown strategy "
+                            f"{', '.join(map(repr, unknown or ['']))}; expected a "
+                            f"comma-separated subset of {','.join(STRATEGY_NAMES)}.")
+    calibrate_fix = "create one with `horovodrun -np N tfhybrid calibrate -o machine.json`, " \
+                    "or omit --machine for the shipped ABCI V100 cluster"
+    paradl_fix = "ParaDL's files are in github.com/TruongThaoNguyen/paraDL-analysis"
     if args.paradl_net:
-        model = paradl_io.read_net(args.paradl_net)
+        if args.model:
+            problems.append(f"MODEL {args.model!r} and --paradl-net {args.paradl_net}: give "
+                            "one model, a MODEL or a ParaDL .net file, not both.")
+        if not args.paradl_plat and not args.machine:
+            problems.append(f"--paradl-net {args.paradl_net}: needs the machine: add "
+                            "--paradl-plat FILE.plat (ParaDL platform) or --machine m.json.")
+        if args.paradl_plat and args.machine:
+            problems.append(f"--paradl-plat {args.paradl_plat} and --machine {args.machine}: "
+                            "give one machine, not both.")
+    else:
+        for flag, value in (("--paradl-lc", args.paradl_lc), ("--paradl-plat", args.paradl_plat)):
+            if value:
+                problems.append(f"{flag} {value}: applies only with --paradl-net FILE.net; add "
+                                "it or remove this option.")
+        if not args.model:
+            problems.append("MODEL: missing; give a .keras file or a known model name "
+                            "(e.g. `tfhybrid plan vgg16 --np 8 --batch 256`), or --paradl-net "
+                            "FILE.net.")
+    if args.paradl_tiers and not args.paradl_plat:
+        problems.append(f"--paradl-tiers {args.paradl_tiers}: applies only with --paradl-plat "
+                        "FILE.plat; add it or remove this option.")
+    if args.model and not args.paradl_net:
+        problems.append(_model_problem(args.model))
+    files = (("--machine", args.machine, calibrate_fix), ("--paradl-net", args.paradl_net,
+             paradl_fix), ("--paradl-lc", args.paradl_lc, paradl_fix),
+             ("--paradl-plat", args.paradl_plat, paradl_fix),
+             ("--paradl-tiers", args.paradl_tiers, "give abci_tiers.json or omit it"))
+    problems += [_readable_file(value, flag, fix) for flag, value, fix in files if value]
+    problems += [_writable_path(value, flag, example) for flag, value, example in (
+        ("--json", args.json, "plan.json"), ("--png", args.png, "plan.png")) if value]
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        problems.append(f"--png {args.png}: needs matplotlib, which is not installed; "
+                        "pip install 'tfhybrid[plot]' or drop --png.")
+    problems = [p for p in problems if p]
+    if problems:
+        raise UsageError(problems)
+
+
+def _read(flag, path, reader, fix):
+    """``reader(path)``, any failure turned into one line naming the file and the fix."""
+    try:
+        return reader(path)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{flag} {path}: not valid JSON ({err.msg} at line {err.lineno} "
+                         f"column {err.colno}); {fix}.") from None
+    except (ValueError, TypeError, KeyError, ZeroDivisionError, OSError,
+            UnicodeDecodeError) as err:
+        text = str(err).strip().rstrip(".") or type(err).__name__
+        raise UsageError(f"{flag} {path}: {text}; {fix}.") from None
+
+
+def _load_plan_inputs(args):
+    """(profile, machine, label) from MODEL/--machine or the --paradl-* files.
+
+    Reads (and checks) every file before building the model, the slow part.
+    """
+    from tfhybrid.oracle import machine as mach, paradl_io, profile  # noqa: WPS433
+    _check_plan_args(args)
+    machine_fix = "fix the file, or write a new one with `horovodrun -np N tfhybrid " \
+                  "calibrate -o machine.json`"
+    paradl_fix = "fix the file (see ParaDL's formats in tfhybrid/oracle/paradl_io.py)"
+    machine = None
+    if args.machine:
+        machine = _read("--machine", args.machine, mach.Machine.load, machine_fix)
+    if args.paradl_net:
+        model = _read("--paradl-net", args.paradl_net, paradl_io.read_net, paradl_fix)
+        if not model.profile.rows:
+            raise UsageError(f"--paradl-net {args.paradl_net}: has no layer lines "
+                             "(NAME|CxWxH|CxFxKxK|FxWxH); nothing to plan.")
         if args.paradl_lc:
-            model = paradl_io.apply_lc(model, paradl_io.read_lc(args.paradl_lc))
-        if args.machine:
-            machine = mach.as_machine(args.machine)
-        elif args.paradl_plat:
-            machine = paradl_io.read_plat(args.paradl_plat, args.paradl_tiers,
-                                          layer_times=model.layer_times)
-        else:
-            raise ValueError("--paradl-net needs --paradl-plat (or --machine) for the machine.")
+            lc = _read("--paradl-lc", args.paradl_lc, paradl_io.read_lc, paradl_fix)
+            model = _read("--paradl-lc", args.paradl_lc,
+                          lambda _: paradl_io.apply_lc(model, lc),
+                          "give the .lc file written for this .net model")
+        if machine is None:
+            machine = _read("--paradl-plat", args.paradl_plat, lambda path: paradl_io.read_plat(
+                path, args.paradl_tiers, layer_times=model.layer_times), paradl_fix)
         return model.profile, machine, model.profile.name
-    if not args.model:
-        raise ValueError("Give a MODEL (.keras file or known name) or --paradl-net FILE.")
-    machine = args.machine
-    if not machine:
-        machine = mach.cluster_machine_path()
-        print(f"no --machine: using {machine} (ParaDL's ABCI V100 cluster); plan for yours "
+    if machine is None:
+        path = mach.cluster_machine_path()
+        machine = mach.as_machine(path)
+        print(f"no --machine: using {path} (ParaDL's ABCI V100 cluster); plan for yours "
               "with --machine m.json from `horovodrun -np N tfhybrid calibrate -o m.json`")
     from tfhybrid.oracle.models import build_model  # noqa: WPS433
-    model = build_model(args.model)
-    return profile(model), mach.as_machine(machine), model.name
+    flag = "MODEL"
+    model = _read(flag, args.model, build_model, "give a model saved with model.save('m.keras')")
+    empty = UsageError(f"MODEL {args.model}: model {model.name!r} has no layer with weights "
+                       "or compute (an empty model); nothing to plan. Give the model to train.")
+    if not getattr(model, "layers", None):
+        raise empty
+    prof = _read(flag, args.model, lambda _: profile(model), "give a built Keras model "
+                 "(Sequential/Functional with keras.Input)")
+    if not prof.rows or not any(r.weights or r.fwd_flops for r in prof.rows):
+        raise empty
+    return prof, machine, model.name
 
 
 @command("plan", "predict time and memory per strategy, ranked")
@@ -107,6 +253,19 @@ def _calibrate_args(ap):
 @command("calibrate", "fit alpha/beta, flop rate, layer times and gamma on this machine")
 def calibrate(args):
     from tfhybrid.oracle import calibrate_run  # noqa: WPS433
+    problems = [_writable_path(args.output, "-o", "machine.json"), _positive(args.sizes, "--sizes", 6),
+                _positive(args.reps, "--reps", 5), _positive(args.batch, "--batch", 8)]
+    if args.max_bytes < 4096:
+        problems.append(f"--max-bytes {args.max_bytes}: expected at least 4096 (the smallest "
+                        "message timed), e.g. --max-bytes 4194304.")
+    if args.sizes is not None and args.sizes == 1:
+        problems.append("--sizes 1: a line through one message size fits no bandwidth; "
+                        "expected at least 2, e.g. --sizes 6.")
+    if args.model:
+        problems.append(_model_problem(args.model, "--model"))
+    problems = [p for p in problems if p]
+    if problems:
+        raise UsageError(problems)
     if args.quick:
         args.max_bytes, args.sizes, args.reps = min(args.max_bytes, 1 << 18), 4, 3
     calibrate_run.run(args.output, args.max_bytes, args.sizes, args.reps, args.model,
@@ -118,7 +277,7 @@ calibrate.add_arguments = _calibrate_args
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="tfhybrid", description="tfhybrid command-line tools")
+    ap = _Parser(prog="tfhybrid", description="tfhybrid command-line tools")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, (help_text, fn) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -132,8 +291,13 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except ValueError as err:
-        print(f"tfhybrid {args.command}: error: {err}", file=sys.stderr)
+    except UsageError as err:
+        for problem in err.problems:
+            print(f"tfhybrid {args.command}: error: {problem}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as err:
+        text = " ".join(str(err).split()) or type(err).__name__
+        print(f"tfhybrid {args.command}: error: {text}", file=sys.stderr)
         return 2
 
 

@@ -201,10 +201,14 @@ def read_lc(path) -> list:
 def parse_plat_text(text: str) -> dict:
     """Parse a ``.plat`` file into {KEY: float}."""
     out = {}
-    for line in text.splitlines():
+    for no, line in enumerate(text.splitlines(), 1):
         parts = [s.strip() for s in line.split("|")]
         if len(parts) >= 2 and parts[0]:
-            out[parts[0]] = float(parts[1])
+            try:
+                out[parts[0]] = float(parts[1])
+            except ValueError:
+                raise ValueError(f"ParaDL .plat line {no} {line.strip()!r}: expected "
+                                 "KEY|number|unit") from None
     return out
 
 
@@ -221,6 +225,12 @@ def machine_from_plat(plat: dict, tiers=None, layer_times=None, gamma=1.0, phi=1
     need = {"LATENCY", "BANDWIDTH", "NODE_SPEED"} - set(plat)
     if need:
         raise ValueError(f"ParaDL platform lacks keys {sorted(need)}.")
+    for key, positive in (("BANDWIDTH", True), ("NODE_SPEED", True), ("LATENCY", False)):
+        v = plat[key]
+        if not math.isfinite(v) or v < 0 or (positive and v == 0):
+            raise ValueError(f"ParaDL platform {key}={v!r}; expected a "
+                             f"{'positive' if positive else 'non-negative'} finite number "
+                             f"({'bytes/s' if key == 'BANDWIDTH' else 'FLOP/s' if positive else 's'})")
     tier_list = (tiers or {}).get("tiers", []) if isinstance(tiers, dict) else (tiers or [])
     delta = (tiers or {}).get("bytes_per_item", bytes_per_item) if isinstance(tiers, dict) \
         else bytes_per_item

@@ -23,11 +23,6 @@ from tfhybrid.comm import backend
 CHUNK_BYTES = 64 * 2**20
 
 
-def _broadcastable(variable) -> bool:
-    # Random-seed state stays per rank (as in tfhybrid.callbacks.broadcastable).
-    return not getattr(variable, "name", "").startswith("seed_generator_state")
-
-
 def _chunks(values):
     """Indices of ``values`` grouped by dtype, each group at most CHUNK_BYTES
     (a larger array gets a chunk of its own); same order on every rank."""
@@ -75,7 +70,9 @@ def root_weights(model):
     if runtime.current_grid().size == 1:
         yield model
         return
-    variables = [v for v in model.variables if _broadcastable(v)]
+    # Weights only: no metric state (a model compiled on rank 0 only must not
+    # change the list) and no random-seed state (stays per rank).
+    variables = list(model.weights)
     local = [np.asarray(v.numpy()) for v in variables]
     root = broadcast_arrays(local, "transform.root_weights")
     changed = []

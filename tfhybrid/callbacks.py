@@ -77,6 +77,20 @@ def broadcast_model(model, root_rank: int = 0):
         _broadcast_variables(optimizer.variables, root_rank, "broadcast.optimizer")
 
 
+def _check_root_rank(root_rank):
+    """Refuse a root rank outside the world when the callback is made, not at fit."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank < 0:
+        raise ValueError(f"Received an invalid value for `root_rank`: root_rank={root_rank!r}; "
+                         "expected a global rank, an integer >= 0 (usually 0).")
+    try:
+        size = runtime.current_grid().size
+    except RuntimeError:    # launched on several processes, init not called yet
+        return
+    if root_rank >= size:
+        raise ValueError(f"Received an invalid value for `root_rank`: root_rank={root_rank!r}; "
+                         f"expected 0 <= root_rank < world size {size}.")
+
+
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Start every rank from ``root_rank``'s weights and optimizer state.
 
@@ -93,6 +107,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def __init__(self, root_rank: int = 0):
         super().__init__()
+        _check_root_rank(root_rank)
         self.root_rank = root_rank
         self._done = False
 

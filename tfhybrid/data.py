@@ -25,6 +25,11 @@ def batch_split(model=None):
         ValueError: if the model's ``_tfhybrid_batch_split`` is not "data" or "world".
     """
     grid = runtime.current_grid()
+    if model is not None and not hasattr(model, "layers"):
+        raise TypeError(f"Received an invalid `model`: {model!r:.60} (type "
+                        f"{type(model).__name__}); expected the model returned by "
+                        "tfhybrid.transform, or None. Pass the global batch size by keyword: "
+                        "shard(arrays, batch_size=64).")
     split = getattr(model, "_tfhybrid_batch_split", "data") if model is not None else "data"
     if split not in SPLITS:
         raise ValueError(f"Model {getattr(model, 'name', model)!r} has an invalid "
@@ -64,7 +69,14 @@ def _shard_arrays(arrays, batch_size, blocks, index):
     if batch_size % blocks:
         raise ValueError(_divisible_error(batch_size, blocks))
     flat = tf.nest.flatten(arrays)
-    n = len(flat[0])
+    if not flat:
+        raise ValueError(f"Received no arrays to shard: {arrays!r}; pass numpy arrays of "
+                         "whole samples, e.g. shard((x, y), batch_size=64).")
+    lengths = sorted({len(a) for a in flat})
+    if len(lengths) > 1:
+        raise ValueError(f"Received arrays of different lengths {lengths}; every array must "
+                         "hold one row per sample (x and y of the same samples).")
+    n = lengths[0]
     if n % batch_size and (n % batch_size) % blocks:
         raise ValueError(_divisible_error(n % batch_size, blocks) + f" (the last batch of "
                          f"{n} samples in batches of {batch_size})")
@@ -125,6 +137,9 @@ def local_batch_size(global_batch: int, model=None) -> int:
         >>> tfhybrid.data.local_batch_size(64)   # 4 data-parallel ranks
         16
     """
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"Received an invalid value for `global_batch`: {global_batch!r}; "
+                         "expected the global batch size (a positive integer).")
     blocks, _ = batch_split(model)
     if global_batch % blocks:
         raise ValueError(_divisible_error(global_batch, blocks))

@@ -112,6 +112,12 @@ def rank(model_or_profile, p: int, batch: int, machine, strategies=None,
         ...                           strategies=("serial", "d"))]
         ['d', 'serial']
     """
+    if isinstance(strategies, str):
+        strategies = [s.strip() for s in strategies.split(",")]
+    unknown = [s for s in (strategies or ()) if s not in STRATEGY_NAMES]
+    if unknown:
+        raise ValueError(f"Received unknown strategies {unknown}; expected names from "
+                         f"{STRATEGY_NAMES}.")
     cands = _grid_options(p, model_parallel)
     names = [s for s in (strategies or STRATEGY_NAMES) if s in cands]
     prof = _as_profile(model_or_profile)
@@ -161,7 +167,11 @@ def choose(model_or_profile, p: int | None = None, batch: int | None = None, mac
                          "tfhybrid.oracle.default_machine_path() on the development box.")
     names = [s for s in (strategies or STRATEGY_NAMES) if s not in (exclude or ())]
     ranked = rank(model_or_profile, p, batch, machine, names, model_parallel)
-    if not ranked or not ranked[0].feasible:
+    if not ranked:
+        raise ValueError(f"No candidate strategy for p={p}, model_parallel={model_parallel}: "
+                         f"none of {names} uses model groups of that size. Pass other "
+                         "strategies, or omit strategies to consider all.")
+    if not ranked[0].feasible:
         why = "; ".join(f"{r.strategy}: {', '.join(r.reasons)}" for r in ranked)
         raise ValueError(f"No feasible strategy for p={p}, batch={batch}: {why}")
     return ranked[0]

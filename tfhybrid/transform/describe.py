@@ -77,6 +77,14 @@ def describe(model, batch_size=None, print_fn=print) -> Description:
         >>> d.param_bytes          # this rank's trainable parameter bytes
     """
     info = info_of(model)
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+            batch_size, int) or batch_size < 1):
+        raise ValueError(f"Received an invalid value for `batch_size`: batch_size="
+                         f"{batch_size!r}; expected the global batch size (a positive "
+                         "integer) or None.")
+    if print_fn is not None and not callable(print_fn):
+        raise TypeError(f"Received an invalid `print_fn`: {print_fn!r}; expected a callable "
+                        "such as print, or None to print nothing.")
     plan, grid = info.plan, info.grid
     rows_per_rank = _rows(batch_size, plan, grid)
     out, graded = [], _tensors_with_gradient(info.graph)

@@ -95,6 +95,11 @@ def as_functional(model):
     Raises:
         ValueError: for subclassed models or unbuilt Sequential models.
     """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"Received an invalid `model` of type {type(model).__name__} ({model!r:.60}); "
+            "expected a built Keras 3 model (keras.Sequential or keras.Model(inputs, outputs))"
+            ". tf.keras / Keras 2 models are not supported: build it with `import keras`.")
     if isinstance(model, keras.Sequential):
         if not model.built or not model.inputs:
             raise ValueError(

@@ -187,7 +187,8 @@ def _check_path(path):
     return str(path)
 
 
-def save(model, path, epoch: int | None = None, step: int | None = None):
+def save(model, path, epoch: int | None = None, step: int | None = None,
+         sharded: bool = False, redundant: bool = False):
     """Write a checkpoint of a transformed model (collective: call on every rank).
 
     Args:
@@ -197,6 +198,12 @@ def save(model, path, epoch: int | None = None, step: int | None = None):
         epoch: Epochs completed so far (passed back by :func:`read_meta` and
             used by :func:`load` for ``initial_epoch``).
         step: Optimizer steps completed in the current epoch (data position).
+        sharded: Large-model mode: ``path`` is a directory and every rank
+            writes its own part (see :func:`save_sharded`); nothing is
+            gathered on one rank. :func:`consolidate` makes a single file
+            of it offline; :func:`load` reads both kinds.
+        redundant: With ``sharded``, also keep each rank's file on its
+            neighbour (Stanza §5.3).
 
     Raises:
         ValueError: for a path that does not end in ``.keras`` or whose
@@ -209,6 +216,12 @@ def save(model, path, epoch: int | None = None, step: int | None = None):
     from tfhybrid.comm import backend
     from tfhybrid.transform.gather import gather
 
+    if sharded:
+        return save_sharded(model, path, epoch=epoch, step=step, redundant=redundant)
+    if redundant:
+        raise ValueError("redundant=True keeps a second copy of every rank's part of a sharded "
+                         "checkpoint: pass sharded=True too (a single-file checkpoint has one "
+                         "writer, rank 0).")
     path = _check_path(path)
     full = gather(model)
     state = gather_optimizer_state(model)
@@ -228,8 +241,8 @@ def save(model, path, epoch: int | None = None, step: int | None = None):
         backend.barrier()   # every rank returns once the files exist
 
 
-def read_meta(path) -> dict:
-    """The side file's record of a checkpoint (strategy, epoch, step, iterations, ...).
+def _read_side_meta(path) -> dict:
+    """The side file's record of a single-file checkpoint (strategy, epoch, step, ...).
 
     Raises:
         FileNotFoundError: with the missing file's name.
@@ -270,10 +283,13 @@ def load(path, strategy: str | None = None, compile: bool = True, **options):
     """Resume a checkpoint of :func:`save` on this grid (collective).
 
     Args:
-        path: The ``.keras`` file given to :func:`save`.
+        path: The ``.keras`` file given to :func:`save`, or the directory
+            of a sharded checkpoint (``save(..., sharded=True)``).
         strategy: Strategy to transform for; default the one saved. Any
             strategy and world size work: weights and optimizer slots are
-            re-sharded for the new layout.
+            re-sharded for the new layout. (A sharded checkpoint loaded on
+            its own grid and strategy is read rank by rank; otherwise every
+            rank consolidates it in memory first.)
         compile: Compile with the saved optimizer (wrapped in
             :class:`tfhybrid.DistributedOptimizer`) and loss, and restore the
             optimizer's slots and iteration count. With ``compile=False``
@@ -281,56 +297,56 @@ def load(path, strategy: str | None = None, compile: bool = True, **options):
         **options: ``transform`` options (``mp``, ``spatial``, ``layers``...).
 
     Returns:
-        The transformed model. ``tfhybrid.read_meta(path)["epoch"]`` is the
-        ``initial_epoch`` to pass to ``fit``.
+        The transformed model. :func:`read_meta` gives the ``epoch`` (pass
+        it as ``initial_epoch``) and ``step`` (batches to skip) saved.
 
     Raises:
         FileNotFoundError: if the checkpoint or its side file is missing.
         ValueError: if ``compile=True`` but the checkpoint has no optimizer
-            or loss configuration (compile yourself, then call
-            :func:`restore_optimizer_state`).
+            or loss configuration (load with ``compile=False`` and compile
+            yourself; the slots then start from zero).
 
     Example:
         >>> model = tfhybrid.load("ckpt/last.keras", strategy="df")
-        >>> model.fit(data, initial_epoch=tfhybrid.read_meta("ckpt/last.keras")["epoch"], ...)
+        >>> model.fit(data, initial_epoch=tfhybrid.checkpoint.read_meta("ckpt/last.keras")["epoch"])
     """
     from tfhybrid.transform.api import transform
 
-    if not os.path.exists(str(path)):
-        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
+    path = str(path)
+    if os.path.isdir(path):
+        return _load_sharded(path, strategy, compile, options)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Checkpoint {path!r} does not exist.")
     meta = read_meta(path)
     strategy = strategy or meta["strategy"]
-    full = keras.saving.load_model(str(path), compile=False)
+    full = keras.saving.load_model(path, compile=False)
     model = transform(full, strategy, **options)
-    if not compile:
-        return model
+    if compile:
+        _compile_from(model, meta, path)
+        _restore_slots(model, full, _read_slots(path, meta), meta["iterations"], strategy, options)
+    return model
+
+
+def _compile_from(model, meta, where):
     config = meta.get("compile") or {}
     if not config.get("optimizer") or not config.get("loss"):
-        raise ValueError(f"Checkpoint {str(path)!r} records no serializable optimizer and loss; "
-                         "load with compile=False, compile the model yourself, then call "
-                         "tfhybrid.checkpoint.restore_optimizer_state(model, path, full_model).")
+        raise ValueError(f"Checkpoint {where!r} records no serializable optimizer and loss; "
+                         "load with compile=False and compile the model yourself.")
     from tfhybrid.optimizer import DistributedOptimizer
 
     inner = keras.saving.deserialize_keras_object(config["optimizer"])
     loss = keras.saving.deserialize_keras_object(config["loss"])
     model.compile(optimizer=DistributedOptimizer(inner), loss=loss)
-    restore_optimizer_state(model, path, full, strategy, **options)
-    return model
 
 
-def restore_optimizer_state(model, path, full, strategy, **options):
-    """Set ``model``'s optimizer slots and iterations from checkpoint ``path``.
-
-    ``full`` is the checkpoint's plain model (``keras.saving.load_model(path)``)
-    and ``strategy``/``options`` those ``model`` was transformed with.
-    Collective (it transforms copies of ``full``).
-    """
-    meta = read_meta(path)
+def _restore_slots(model, full, saved, iterations, strategy, options):
+    """Set ``model``'s optimizer slots from full-shape ``saved`` values
+    (``{slot name: {full trainable index: array}}``) and its iteration count.
+    Collective (it transforms copies of ``full`` to shard the slots)."""
     optimizer = model.optimizer
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
     slots = slots_of(optimizer, model.trainable_variables)
-    saved = _read_slots(path, meta)
     n_full = len(full.trainable_variables)
     for name, by_index in saved.items():
         values = [by_index.get(i) for i in range(n_full)]
@@ -338,7 +354,62 @@ def restore_optimizer_state(model, path, full, strategy, **options):
         for per_var, value in zip(slots, sharded):
             if name in per_var:
                 per_var[name].assign(value)
-    _inner(optimizer).iterations.assign(meta["iterations"])
+    _inner(optimizer).iterations.assign(iterations)
+
+
+def read_meta(path) -> dict:
+    """The record of a checkpoint: strategy, epoch, step, iterations, world size, ...
+
+    Reads the side file of a single-file checkpoint or the manifest of a
+    sharded one.
+
+    Raises:
+        FileNotFoundError: naming the missing file.
+        ValueError: for a side file tfhybrid did not write.
+    """
+    if os.path.isdir(str(path)):
+        return read_manifest(path)
+    return _read_side_meta(path)
+
+
+def _load_sharded(directory, strategy, compile, options):
+    from tfhybrid.transform.api import transform
+
+    manifest = read_manifest(directory)
+    grid = runtime.current_grid()
+    strategy = strategy or manifest["strategy"]
+    same_grid = (grid.size == manifest["world_size"] and grid.model_size == manifest["model_parallel"]
+                 and strategy == manifest["strategy"] and not options)
+    if not same_grid:
+        full, slots = _consolidated(directory, manifest)
+        model = transform(full, strategy, **options)
+        if compile:
+            _compile_from(model, manifest, directory)
+            _restore_slots(model, full, slots, manifest["iterations"], strategy, options)
+        return model
+    full = keras.saving.deserialize_keras_object(json.loads(manifest["source"]))
+    model = transform(full, strategy)
+    own = _open_rank(directory, grid.rank)
+    variables = model.variables
+    if len(variables) != len(manifest["variables"]):
+        raise ValueError(f"Sharded checkpoint {directory!r} holds {len(manifest['variables'])} "
+                         f"variables per rank but the model transformed for {strategy!r} has "
+                         f"{len(variables)}: the architecture changed since it was saved.")
+    for i, v in enumerate(variables):
+        v.assign(own[f"var/{i}"])
+    if compile:
+        _compile_from(model, manifest, directory)
+        optimizer = model.optimizer
+        optimizer.build(model.trainable_variables)
+        index = {id(v): i for i, v in enumerate(variables)}
+        for v, per_var in zip(model.trainable_variables,
+                              slots_of(optimizer, model.trainable_variables)):
+            for name, slot in per_var.items():
+                key = f"slot/{name}/{index[id(v)]}"
+                if key in own:
+                    slot.assign(own[key])
+        _inner(optimizer).iterations.assign(manifest["iterations"])
+    return model
 
 
 class Checkpoint(keras.callbacks.Callback):
@@ -354,6 +425,10 @@ class Checkpoint(keras.callbacks.Callback):
         keep: With a formatted ``path``, how many of the newest checkpoints
             rank 0 keeps (older ones and their side files are deleted);
             None keeps all.
+        sharded: Write per-rank parts into the directory ``path`` instead of
+            gathering on rank 0 (see :func:`save_sharded`).
+        redundant: With ``sharded``, each rank's part is also kept by its
+            neighbour (Stanza §5.3 redundant checkpoint).
 
     Raises:
         ValueError: for a non-``.keras`` path, a negative ``every_n_steps``,
@@ -368,11 +443,16 @@ class Checkpoint(keras.callbacks.Callback):
     """
 
     def __init__(self, path, every_n_steps: int = 0, every_epoch: bool = True,
-                 keep: int | None = None):
+                 keep: int | None = None, sharded: bool = False, redundant: bool = False):
         super().__init__()
-        if not isinstance(path, (str, os.PathLike)) or not str(path).endswith(".keras"):
+        if not isinstance(path, (str, os.PathLike)) or (
+                not sharded and not str(path).endswith(".keras")):
             raise ValueError(f"Received an invalid checkpoint path {path!r}; expected a file "
-                             "name ending in '.keras'.")
+                             "name ending in '.keras' (or a directory name with sharded=True).")
+        if redundant and not sharded:
+            raise ValueError("redundant=True keeps a second copy of every rank's part of a "
+                             "sharded checkpoint: pass sharded=True too.")
+        self.sharded, self.redundant = bool(sharded), bool(redundant)
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ValueError(f"Received an invalid value for `every_n_steps`: {every_n_steps!r}; "
                              "expected a non-negative integer (0 = only at epoch ends).")
@@ -400,13 +480,253 @@ class Checkpoint(keras.callbacks.Callback):
 
     def _save(self, epoch, step):
         path = self.path.format(epoch=epoch, step=step)
-        save(self.model, path, epoch=epoch, step=step)
+        save(self.model, path, epoch=epoch, step=step, sharded=self.sharded,
+             redundant=self.redundant)
         if runtime.is_root() and path != self.path:
             if path in self._written:
                 self._written.remove(path)
             self._written.append(path)
             while self.keep and len(self._written) > self.keep:
                 old = self._written.pop(0)
+                if os.path.isdir(old):
+                    import shutil
+                    shutil.rmtree(old, ignore_errors=True)
                 for name in (old, old + SIDE_SUFFIX):
-                    if os.path.exists(name):
+                    if os.path.isfile(name):
                         os.unlink(name)
+
+
+# -- sharded checkpoints (large-model mode) -----------------------------------
+#
+# ``save(model, DIR, sharded=True)`` writes, DeepSpeed-style, one file per rank
+# with that rank's own variables and optimizer slots (nothing is gathered), and
+# a manifest from rank 0 with the architecture, strategy, grid, counters and,
+# per variable, how the blocks of the ranks make the full value (layout kind,
+# sharded axis, the group's ranks in block order). ``consolidate`` rebuilds a
+# single-file checkpoint from it offline (no Horovod), ``load`` reads it on the
+# same grid rank by rank, or consolidates in memory for another grid.
+
+MANIFEST = "manifest.json"
+
+
+def _rank_file(directory, rank, copy=False):
+    return os.path.join(directory, f"rank-{rank:05d}{'.copy' if copy else ''}.npz")
+
+
+def _owner_groups(model):
+    """``{id(variable): ranks of the group its blocks are split over}``."""
+    owners = {}
+    for layer in model._flatten_layers(include_self=False):
+        group = getattr(layer, "comm_group", None)
+        if group is not None:
+            for w in layer.weights:
+                owners[id(w)] = tuple(int(r) for r in group.ranks)
+    return owners
+
+
+def _variable_records(model):
+    from tfhybrid.layout import layout_of
+
+    grid = runtime.current_grid()
+    owners = _owner_groups(model)
+    records = []
+    for v in model.variables:
+        layout = layout_of(v)
+        record = {"path": v.path, "kind": layout.kind, "shape": list(v.shape)}
+        if layout.kind == "sharded":
+            ranks = owners.get(id(v))
+            if ranks is None:
+                ranks = grid.group(layout.group if layout.group in ("model", "data")
+                                   else "model").ranks
+            record.update(axis=layout.axis, ranks=list(ranks))
+        records.append(record)
+    return records
+
+
+def _shard_arrays(model):
+    arrays = {f"var/{i}": v.numpy() for i, v in enumerate(model.variables)}
+    optimizer = getattr(model, "optimizer", None)
+    iterations = 0
+    if optimizer is not None and optimizer.built:
+        index = {id(v): i for i, v in enumerate(model.variables)}
+        for v, per_var in zip(model.trainable_variables,
+                              slots_of(optimizer, model.trainable_variables)):
+            for name, slot in per_var.items():
+                arrays[f"slot/{name}/{index[id(v)]}"] = slot.numpy()
+        iterations = int(_inner(optimizer).iterations.numpy())
+    return arrays, iterations
+
+
+def _npz_bytes(arrays):
+    import io
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def _pass_to_next_rank(payload: bytes, name: str) -> bytes:
+    """Send ``payload`` to rank r+1 (ring) and return what rank r-1 sent."""
+    import tensorflow as tf
+
+    from tfhybrid.comm import backend
+
+    grid = runtime.current_grid()
+    world = tuple(range(grid.size))
+    splits = [0] * grid.size
+    splits[(grid.rank + 1) % grid.size] = len(payload)
+    data = tf.constant(np.frombuffer(payload, dtype=np.uint8))
+    return backend.alltoall(data, splits, world, name).numpy().tobytes()
+
+
+def save_sharded(model, directory, epoch=None, step=None, redundant=False):
+    """Per-rank checkpoint of a transformed model in ``directory`` (collective).
+
+    Each rank writes ``rank-NNNNN.npz`` (its variables and optimizer slots,
+    as it holds them), rank 0 writes ``manifest.json``. With ``redundant``
+    (Stanza §5.3) each rank also writes the previous rank's file as
+    ``rank-MMMMM.copy.npz``, so losing one rank's file loses nothing.
+    Written into a temporary directory renamed into place at the end.
+
+    Raises:
+        ValueError: if the parent directory does not exist or ``directory``
+            names an existing file.
+    """
+    import shutil
+
+    from tfhybrid.comm import backend
+    from tfhybrid.transform.api import info_of
+
+    directory = os.path.abspath(str(directory))
+    parent = os.path.dirname(directory)
+    if not os.path.isdir(parent):
+        raise ValueError(f"The parent directory of sharded checkpoint {directory!r} does not "
+                         f"exist: create {parent!r} first.")
+    if os.path.isfile(directory):
+        raise ValueError(f"Sharded checkpoint path {directory!r} is a file; pass a directory "
+                         "name (sharded checkpoints are directories).")
+    info = info_of(model)
+    grid = runtime.current_grid()
+    tmp = directory + ".tmp"
+    if runtime.is_root():
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    if grid.size > 1:
+        backend.barrier()
+    arrays, iterations = _shard_arrays(model)
+    payload = _npz_bytes(arrays)
+    with open(_rank_file(tmp, grid.rank), "wb") as f:
+        f.write(payload)
+    if redundant and grid.size > 1:
+        previous = (grid.rank - 1) % grid.size
+        with open(_rank_file(tmp, previous, copy=True), "wb") as f:
+            f.write(_pass_to_next_rank(payload, "checkpoint.redundant"))
+    if runtime.is_root():
+        optimizer = getattr(model, "optimizer", None)
+        slot_names = sorted({k.split("/")[1] for k in arrays if k.startswith("slot/")})
+        manifest = {
+            "format": FORMAT, "sharded": True, "strategy": info.plan.strategy,
+            "world_size": grid.size, "model_parallel": grid.model_size,
+            "epoch": epoch, "step": step, "iterations": iterations, "slot_names": slot_names,
+            "redundant": bool(redundant), "source": info.source,
+            "variables": _variable_records(model),
+            "compile": ({"optimizer": _serializable(_inner(optimizer)),
+                         "loss": _serializable(getattr(model, "loss", None))}
+                        if getattr(model, "compiled", False) and optimizer is not None else None),
+        }
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f)
+    if grid.size > 1:
+        backend.barrier()   # every rank's file is in tmp
+    if runtime.is_root():
+        old = directory + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(directory):
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    if grid.size > 1:
+        backend.barrier()
+
+
+def read_manifest(directory) -> dict:
+    """The manifest of a sharded checkpoint.
+
+    Raises:
+        FileNotFoundError: naming the missing manifest.
+    """
+    path = os.path.join(str(directory), MANIFEST)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path!r} does not exist: {str(directory)!r} is not a "
+                                "sharded tfhybrid checkpoint (tfhybrid.save(..., sharded=True)).")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _open_rank(directory, rank):
+    """Rank ``rank``'s arrays, from its file or, if that is missing or
+    unreadable, from the redundant copy its neighbour wrote."""
+    errors = []
+    for copy in (False, True):
+        path = _rank_file(directory, rank, copy)
+        try:
+            with np.load(path) as data:
+                return {k: data[k] for k in data.files}
+        except (OSError, ValueError, EOFError) as err:   # missing, truncated, corrupt
+            errors.append(f"{path}: {err}")
+    raise FileNotFoundError(f"No readable file for rank {rank} in sharded checkpoint "
+                            f"{str(directory)!r} ({'; '.join(errors)}); save with "
+                            "redundant=True to keep a second copy of every rank's file.")
+
+
+def _consolidated(directory, manifest):
+    """(full model, {slot name: {full trainable index: array}}) of a sharded checkpoint."""
+    files = [_open_rank(directory, r) for r in range(manifest["world_size"])]
+    full_values, full_slots = {}, {name: {} for name in manifest["slot_names"]}
+
+    def whole(key, record):
+        if record["kind"] != "sharded":
+            return files[0].get(key)
+        blocks = [files[r].get(key) for r in record["ranks"]]
+        if any(b is None for b in blocks):
+            return None
+        return np.concatenate(blocks, axis=record["axis"])
+
+    for i, record in enumerate(manifest["variables"]):
+        full_values[record["path"]] = whole(f"var/{i}", record)
+        for name in manifest["slot_names"]:
+            value = whole(f"slot/{name}/{i}", record)
+            if value is not None:
+                full_slots[name][record["path"]] = value
+    full = keras.saving.deserialize_keras_object(json.loads(manifest["source"]))
+    for v in full.variables:
+        value = full_values.get(v.path)
+        if value is not None and tuple(value.shape) == tuple(v.shape):
+            v.assign(value)
+    trainable = [v.path for v in full.trainable_variables]
+    slots = {name: {trainable.index(p): a for p, a in by_path.items() if p in trainable}
+             for name, by_path in full_slots.items()}
+    return full, slots
+
+
+def consolidate(directory, path):
+    """Turn a sharded checkpoint into a single-file one (offline: no Horovod).
+
+    Writes ``path`` (plain ``.keras``) and its side file, which
+    :func:`load` reads on any world size and strategy.
+
+    Example:
+        >>> tfhybrid.checkpoint.consolidate("ckpt/step1000", "ckpt/step1000.keras")
+    """
+    path = _check_path(path)
+    manifest = read_manifest(directory)
+    full, slots = _consolidated(directory, manifest)
+    n = len(full.trainable_variables)
+    state = {"iterations": manifest["iterations"],
+             "slots": {name: [by_index.get(i) for i in range(n)]
+                       for name, by_index in slots.items()}}
+    meta = {k: manifest[k] for k in ("format", "strategy", "world_size", "model_parallel",
+                                      "epoch", "step", "iterations", "slot_names", "compile")}
+    _write_side_file(path, meta, state)
+    full.save(path)
+    return path

@@ -69,6 +69,8 @@ def main():
     ap.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     ap.add_argument("--via-callback", action="store_true",
                     help="train phase: save with tfhybrid.callbacks.Checkpoint(every_n_steps)")
+    ap.add_argument("--sharded", action="store_true", help="per-rank checkpoint directory")
+    ap.add_argument("--redundant", action="store_true", help="sharded: neighbour keeps a copy")
     args = ap.parse_args()
     tfhybrid.init(model_parallel=args.model_parallel)
     x, y = data(args.before + args.steps)
@@ -80,11 +82,13 @@ def main():
                       loss=loss())
         callbacks = tfhybrid.callbacks.standard()
         if args.via_callback:
-            callbacks.append(tfhybrid.callbacks.Checkpoint(args.ckpt, every_n_steps=args.steps,
-                                                           every_epoch=False))
+            callbacks.append(tfhybrid.callbacks.Checkpoint(
+                args.ckpt, every_n_steps=args.steps, every_epoch=False, sharded=args.sharded,
+                redundant=args.redundant))
         model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0, callbacks=callbacks)
         if not args.via_callback:
-            tfhybrid.save(model, args.ckpt, epoch=1)
+            tfhybrid.save(model, args.ckpt, epoch=1, sharded=args.sharded,
+                          redundant=args.redundant)
         print("RESULT " + json.dumps({"rank": tfhybrid.grid().rank, "saved": True}))
         return
     model = tfhybrid.load(args.ckpt, strategy=args.strategy)

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RESULTS = ROOT / "test-results"
-TIMEOUT = {"unit": 900, "parallel": 3000, "integration": 1200}
+TIMEOUT = {"unit": 900, "parallel": 3000, "integration": 2400}
 
 
 def pytest_cmd(paths, xml, extra):

@@ -145,6 +145,7 @@ class Watchdog:
         self._traced = collections.deque(maxlen=4)
         self._traced_count = 0
         self._last_trace = None
+        self._last_done = None       # the last step completed, for context
         self.seconds = None          # fixed bound; None: default_bound from step times
         self.enabled = False
         self.rank, self.size = 0, 1
@@ -194,6 +195,7 @@ class Watchdog:
             act = self._active.pop(token, None)
         if act is not None and record:
             self._durations[act.kind].append(time.monotonic() - act.start)
+            self._last_done = act.describe()
 
     def traced(self, op, name, ranks=None):
         """A collective was traced into a ``tf.function`` (counts as progress)."""
@@ -251,6 +253,8 @@ class Watchdog:
                 f"{math.ceil(waited)} s (bound {bound:g} s) in {act.describe()}")
         if others:
             text += ", inside " + ", ".join(a.describe() for a in others)
+        elif self._last_done and act.kind == "collective":
+            text += f", after {self._last_done}"
         text += "."
         if act.kind != "collective" and not any(a.kind == "collective" for a in others):
             if traced:

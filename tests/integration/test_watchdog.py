@@ -21,7 +21,7 @@ from tests.integration.userscripts import launch, results
 
 SCRIPT = "hang_divergence.py"
 SHORT = 30.0        # the short bound of the per-case runs
-MARGIN = 15.0       # poll (1 s) + grace (3 s) + horovodrun teardown, on a loaded 2-core box
+MARGIN = 20.0       # poll (1 s) + grace (3 s) + horovodrun teardown, on a loaded 2-core box
 DEFAULT_TARGET = 120.0
 NO_OVERRIDE = {"TFHYBRID_WATCHDOG_SECONDS": ""}
 

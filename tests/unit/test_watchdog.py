@@ -93,6 +93,8 @@ def test_expired_collective_and_message():
         assert phrase in text
     assert "\n" not in text
     w.end(token)
+    w._last_done = "train step 5 (epoch 1, batch 4)"
+    assert "[0, 1, 2, 3]), after train step 5 (epoch 1, batch 4). " in w.message(act, waited, bound)
     assert w.expired(now=start + 100) is None
 
 

@@ -165,9 +165,12 @@ def _read(flag, path, reader, fix):
     except json.JSONDecodeError as err:
         raise UsageError(f"{flag} {path}: not valid JSON ({err.msg} at line {err.lineno} "
                          f"column {err.colno}); {fix}.") from None
-    except (ValueError, TypeError, KeyError, ZeroDivisionError, OSError,
-            UnicodeDecodeError) as err:
-        text = str(err).strip().rstrip(".") or type(err).__name__
+    except Exception as err:  # noqa: BLE001 - a user's file may fail in any way: one line
+        text = " ".join(str(err).split()).rstrip(".") or type(err).__name__
+        if not isinstance(err, (ValueError, OSError)):
+            text = f"{type(err).__name__}: {text}"
+        if len(text) > 400:
+            text = text[:397] + "..."
         raise UsageError(f"{flag} {path}: {text}; {fix}.") from None
 
 

@@ -338,6 +338,8 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad_inputs")
     paths = {
         "bad.json": '{"alpha": 1e-5,',
+        "list.json": "[1, 2]",
+        "corrupt.keras": "not a zip file",
         "zero_flops.json": json.dumps({"alpha": 1e-5, "beta": 1e-9, "flop_rate": 0}),
         "unknown_key.json": json.dumps({"alpha": 1e-5, "beta": 1e-9, "flop_rate": 1e9,
                                         "bandwidth": 1e9}),
@@ -408,6 +410,12 @@ CLI = [
     ("plan-malformed-machine", ["plan", "alexnet", "--np", "4", "--batch", "64", "--machine",
                                 "{bad.json}"],
      r"--machine .*bad\.json: not valid JSON \(.* at line 1 column 16\)", 1),
+    ("plan-machine-not-an-object", ["plan", "alexnet", "--np", "4", "--batch", "64",
+                                    "--machine", "{list.json}"],
+     r"list\.json: TypeError: `machine` must be a dict.*received list", 1),
+    ("plan-corrupt-keras-file", ["plan", "{corrupt.keras}", "--np", "4", "--batch", "64",
+                                 "--machine", MACHINE],
+     r"MODEL .*corrupt\.keras: .*give a model saved with model\.save", 1),
     ("plan-machine-zero-flops", ["plan", "alexnet", "--np", "4", "--batch", "64", "--machine",
                                  "{zero_flops.json}"],
      r"zero_flops\.json: .*`flop_rate`=0\.0; expected a positive", 1),

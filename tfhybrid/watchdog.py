@@ -193,9 +193,9 @@ class Watchdog:
         """The activity ``token`` completed (``record``: keep its duration as a step time)."""
         with self._lock:
             act = self._active.pop(token, None)
-        if act is not None and record:
-            self._durations[act.kind].append(time.monotonic() - act.start)
-            self._last_done = act.describe()
+            if act is not None and record:
+                self._durations[act.kind].append(time.monotonic() - act.start)
+                self._last_done = act.describe()
 
     def traced(self, op, name, ranks=None):
         """A collective was traced into a ``tf.function`` (counts as progress)."""
@@ -207,8 +207,9 @@ class Watchdog:
     # -- the check -------------------------------------------------------
     def median_step(self, kind=None):
         """Median duration of the completed steps of ``kind`` (any kind: the largest)."""
-        kinds = [kind] if kind else list(self._durations)
-        medians = [statistics.median(self._durations[k]) for k in kinds if self._durations.get(k)]
+        with self._lock:     # the main thread appends while the watchdog thread reads
+            samples = [list(d) for k, d in self._durations.items() if d and kind in (None, k)]
+        medians = [statistics.median(d) for d in samples]
         return max(medians) if medians else None
 
     def bound(self, kind=None) -> float:
@@ -295,7 +296,12 @@ class Watchdog:
             time.sleep(POLL_SECONDS)
             if not self.enabled:
                 continue
-            worst = self.expired()
+            try:
+                worst = self.expired()
+            except Exception as err:  # noqa: BLE001 (the watchdog must outlive a bad check)
+                print(f"tfhybrid watchdog: check failed ({err!r}); still watching.",
+                      file=sys.stderr, flush=True)
+                continue
             if worst is not None:
                 self.fire(*worst)
 

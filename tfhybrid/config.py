@@ -37,6 +37,14 @@ class Config:
         watchdog_seconds: The watchdog's bound in seconds; None (default):
             max(100 s, 10 x the median step time). The environment variable
             TFHYBRID_WATCHDOG_SECONDS overrides it (0 or off: no watchdog).
+        guards: Consistency guards on transformed models (see
+            :mod:`tfhybrid.guards`): at the start of ``fit`` and after the
+            first two steps and every ``guard_every_steps`` steps, ranks that
+            must feed the same rows compare a checksum of their batch and
+            ranks that must hold the same weights compare a checksum of them;
+            a mismatch raises on every rank. False turns them off.
+        guard_every_steps: Period of the guards after the first steps (0:
+            only at the start of each ``fit`` and its first two steps).
 
     Example:
         >>> tfhybrid.init(model_parallel=2, config=tfhybrid.Config(cycle_time_ms=2))
@@ -50,6 +58,8 @@ class Config:
     pin_gpu: bool = True
     watchdog: bool = True
     watchdog_seconds: float | None = None
+    guards: bool = True
+    guard_every_steps: int = 1000
 
     def __post_init__(self):
         for field in ("fusion_threshold_bytes", "cycle_time_ms"):
@@ -73,6 +83,14 @@ class Config:
             raise ValueError(f"Received an invalid value for `watchdog_seconds`: "
                              f"watchdog_seconds={v!r}; expected a positive number of seconds or "
                              "None (default bound); use watchdog=False to turn the watchdog off.")
+        if not isinstance(self.guards, bool):
+            raise ValueError(f"Received an invalid value for `guards`: guards={self.guards!r}; "
+                             "expected True or False.")
+        v = self.guard_every_steps
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"Received an invalid value for `guard_every_steps`: "
+                             f"guard_every_steps={v!r}; expected a non-negative integer "
+                             "(0: only at the start of fit); use guards=False to turn them off.")
 
     def horovod_env(self) -> dict:
         """The Horovod environment variables this config sets."""

@@ -92,6 +92,48 @@ def _shard_arrays(arrays, batch_size, blocks, index):
     return tf.nest.map_structure(rows, arrays)
 
 
+def _pipeline(dataset):
+    """Class names of ``dataset``'s single-input chain, newest first (tf.data internals)."""
+    names = []
+    while dataset is not None and len(names) < 200:
+        names.append(type(dataset).__name__)
+        try:
+            inputs = dataset._inputs()
+        except Exception:  # noqa: BLE001 - unknown dataset kinds: stop walking
+            break
+        dataset = inputs[0] if len(inputs) == 1 else None
+    return names
+
+
+def _batched_upstream(dataset) -> bool:
+    """True if a batching op appears before any unbatch, walking from the end."""
+    for name in _pipeline(dataset):
+        if "Unbatch" in name:
+            return False
+        if "Batch" in name:
+            return True
+    return False
+
+
+def _unbatched_samples(dataset, model=None) -> bool:
+    """True when the dataset yields single samples: by the model's input rank
+    when ``model`` is given (an element one rank short of the model's input),
+    else only when the pipeline reaches ``from_tensor_slices`` (or an unbatch)
+    with no batching op on the way."""
+    inputs = getattr(model, "inputs", None)
+    if inputs and len(inputs) == 1:
+        spec = dataset.element_spec
+        x = spec[0] if isinstance(spec, tuple) else spec
+        if isinstance(x, tf.TensorSpec) and x.shape.rank is not None:
+            return x.shape.rank == len(inputs[0].shape) - 1
+    for name in _pipeline(dataset):
+        if "Unbatch" in name or name == "_TensorSliceDataset":
+            return True
+        if "Batch" in name:
+            return False
+    return False
+
+
 def shard(dataset, model=None, batch_size=None):
     """The rows of every global batch that this rank must feed.
 
@@ -101,14 +143,18 @@ def shard(dataset, model=None, batch_size=None):
             arrays / a tuple of arrays of whole samples with ``batch_size``.
         model: Optional (transformed) model; its ``_tfhybrid_batch_split``
             ("data", the default, or "world") chooses the split.
-        batch_size: The global batch size, required with arrays.
+        batch_size: The global batch size: required with arrays; with a
+            dataset of single samples, ``shard`` batches it (dropping the
+            remainder) before keeping this rank's rows.
 
     Returns:
         A ``tf.data.Dataset`` of local batches, or the arrays of this rank's
         rows (feed them with ``batch_size // blocks`` and ``shuffle=False``).
 
     Raises:
-        ValueError: when a global batch is not divisible by the number of
+        ValueError: for a dataset of single samples without ``batch_size``
+            (it would split each sample's features), ``batch_size`` with a
+            dataset already batched, or when a global batch is not divisible by the number of
             blocks (for a dataset with unknown batch size the check runs
             per batch and raises ``tf.errors.InvalidArgumentError``).
         TypeError: for any other kind of ``dataset``.
@@ -120,6 +166,26 @@ def shard(dataset, model=None, batch_size=None):
     """
     blocks, index = batch_split(model)
     if isinstance(dataset, tf.data.Dataset):
+        if batch_size is not None:      # a dataset of single samples: batch it globally here
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+                raise ValueError(f"Received an invalid value for `batch_size`: {batch_size!r}; "
+                                 "expected the global batch size (a positive integer).")
+            if batch_size % blocks:
+                raise ValueError(_divisible_error(batch_size, blocks))
+            if _batched_upstream(dataset):
+                raise ValueError(
+                    f"Received batch_size={batch_size} with a dataset that is already batched "
+                    "(its pipeline has a .batch()): pass either a dataset of single samples "
+                    "with batch_size=<global batch>, or global batches without batch_size.")
+            dataset = dataset.batch(batch_size, drop_remainder=True)
+        elif _unbatched_samples(dataset, model):
+            raise ValueError(
+                "tfhybrid.data.shard received a dataset of single samples (elements without a "
+                "batch dimension, e.g. from_tensor_slices with no .batch()), so it would split "
+                "each sample's "
+                "features across ranks. Batch it with the global batch size first "
+                "(dataset.batch(64, drop_remainder=True)), or pass batch_size=64 and "
+                "data.shard batches it.")
         return _shard_dataset(dataset, blocks, index) if blocks > 1 else dataset
     if isinstance(dataset, (np.ndarray, tuple, list, dict)):
         return _shard_arrays(dataset, batch_size, blocks, index)

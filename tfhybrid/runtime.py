@@ -55,6 +55,8 @@ def init(model_parallel: int = 1, config: Config | None = None) -> ProcessGrid:
     size, rank, _ = backend.init()
     grid = ProcessGrid(size=size, rank=rank, model_parallel=model_parallel)
     backend.register_groups(grid.all_groups())
+    from tfhybrid import guards   # an unseeded shuffle built after init agrees on every rank
+    guards.set_consistent_seed()
     if size > 1:   # no rank's exit may remove the process sets under the others
         from tfhybrid import exit_barrier
         exit_barrier.install()

@@ -30,7 +30,7 @@ JOBS = {
     "stop_one_rank": (2, ["stop_one_rank", "--watchdog-seconds", SHORT]),
     "terminate_nan": (2, ["terminate_nan", "--watchdog-seconds", SHORT]),
     "layer_names": (2, ["layer_names", "--watchdog-seconds", SHORT]),
-    "layer_names_np4": (4, ["layer_names", "--watchdog-seconds", SHORT]),
+    "layer_names_np4": (4, ["layer_names", "--watchdog-seconds", SHORT, "--no-guards"]),
     "default_bound": (2, ["stop_one_rank"]),
     "slow_rank": (2, ["slow_rank", "--pause", 75, "--epochs", 1, "--steps", 10]),
 }
@@ -92,8 +92,19 @@ def test_terminate_on_nan_on_one_rank(runs):
     assert "collective 'tfh.metric_average.0'" in reports[1]
 
 
-@pytest.mark.parametrize("job", ["layer_names", "layer_names_np4"])
+def test_layer_names_drift_is_caught_by_the_structure_guard(runs):
+    """With the guards on (the default) drifted names never reach a collective:
+    fit raises tfhybrid.guards.ConsistencyError on every rank before its first step."""
+    run = runs["layer_names"]
+    assert run.rc not in (0, "timeout"), run
+    assert run.out.count("ConsistencyError") >= 2, run
+    assert "other layer names" in run.out and "explicit names" in run.out, run
+    assert run.end - run.fault <= MARGIN + 10, run
+
+
+@pytest.mark.parametrize("job", ["layer_names_np4"])
 def test_layer_names_drift(runs, job):
+    """Without the guards (Config(guards=False)) the watchdog ends the hang."""
     reports = _ended_by_watchdog(runs[job], SHORT)
     assert all("train step 1 (epoch 1, batch 0)" in text for text in reports.values())
     # the traced collective names show the drift: dense_2 on the last rank is dense_1 elsewhere

@@ -105,17 +105,21 @@ def main():
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20, help="train steps per epoch")
     ap.add_argument("--watchdog-seconds", type=float, help="Config(watchdog_seconds=...)")
+    ap.add_argument("--no-guards", action="store_true",
+                    help="Config(guards=False): without the structure guard, drifted names hang")
     ap.add_argument("--no-watchdog-callback", action="store_true",
                     help="do not list tfhybrid.watchdog.callback() (rely on tfhybrid's fit hook)")
     args = ap.parse_args()
     strategy = args.strategy or ("d" if args.case == "terminate_nan" else "df")
     mp = args.model_parallel or (1 if strategy == "d" else 2)
 
-    config = tfhybrid.Config(watchdog_seconds=args.watchdog_seconds)
+    config = tfhybrid.Config(watchdog_seconds=args.watchdog_seconds, guards=not args.no_guards)
     grid = tfhybrid.init(model_parallel=mp, config=config)
     keras.utils.set_random_seed(0)
     if args.case == "layer_names" and grid.rank == grid.size - 1:
         keras.layers.Dense(4)(keras.Input((3,)))      # a throwaway layer: shifts the auto-names
+        if not args.no_guards:                        # the guard stops fit before any step
+            fault("built a throwaway layer: auto-names drift")
     model = tfhybrid.transform(make_model(), strategy=strategy)
     model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -99,7 +99,8 @@ def transform(model, strategy="d", **options):
         _reduce_replicas_over_data(new)
     object.__setattr__(new, INFO_ATTR, TransformInfo(plan, graph, source, grid, objects))
     object.__setattr__(new, BATCH_SPLIT_ATTR, plan.batch_split)
-    return new
+    from tfhybrid import guards   # compile wraps plain optimizers; fit checks consistency
+    return guards.install(new)
 
 
 def _refuse_transformed(model):

@@ -1,0 +1,54 @@
+"""tfhybrid.guards in one process: checksums, the compile hook, Config fields."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid import guards
+
+
+def _model(name="fc"):
+    inputs = keras.Input((3,), name="x")
+    return keras.Model(inputs, keras.layers.Dense(2, name=name)(inputs), name="m")
+
+
+def test_batch_checksum_sees_row_order_and_values():
+    x = tf.constant(np.arange(12, dtype=np.float32).reshape(4, 3))
+    y = tf.constant([0, 1, 2, 3])
+    base = float(guards.batch_checksum((x, y)))
+    assert float(guards.batch_checksum((tf.reverse(x, [0]), y))) != base
+    assert float(guards.batch_checksum((x + 1e-3, y))) != base
+    assert float(guards.batch_checksum((x, y))) == base
+
+
+def test_structure_digest_changes_with_layer_names():
+    assert guards.structure_digest(_model("a")) != guards.structure_digest(_model("b"))
+    assert guards.structure_digest(_model("a")) == guards.structure_digest(_model("a"))
+
+
+def test_weight_checksums_follow_values():
+    m = _model()
+    before = guards.weight_checksums(m.trainable_variables)
+    m.trainable_variables[1].assign(m.trainable_variables[1] + 1.0)
+    after = guards.weight_checksums(m.trainable_variables)
+    assert before[0] == after[0] and before[1] != after[1]
+
+
+def test_transformed_model_is_guarded_and_trains_alone():
+    model = tfhybrid.transform(_model(), "d")
+    assert model._tfhybrid_guarded
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")   # one process: not wrapped
+    x = np.ones((4, 3), np.float32)
+    model.fit(x, np.zeros((4, 2), np.float32), batch_size=4, verbose=0)
+    assert float(model._tfhybrid_batch_checksum.numpy()) != 0.0     # the step recorded it
+
+
+@pytest.mark.parametrize("kwargs, phrase", [
+    ({"guards": 1}, "guards"),
+    ({"guard_every_steps": -1}, "guard_every_steps"),
+    ({"guard_every_steps": 2.5}, "guard_every_steps"),
+])
+def test_config_refuses_bad_guard_values(kwargs, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        tfhybrid.Config(**kwargs)

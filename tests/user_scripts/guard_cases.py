@@ -1,0 +1,121 @@
+"""User script: the ways ranks silently disagree, as users write them (issue 13, item 2).
+
+    horovodrun -np 4 python guard_cases.py good          # model groups of 2
+    horovodrun -np 2 python guard_cases.py per_rank_shuffle
+    horovodrun -np 2 python guard_cases.py perturbed
+
+``good``: a plain Keras optimizer (wrapped by compile, with a warning; the
+weights after 3 steps equal single-process training), an unseeded
+``dataset.shuffle()`` built after init and ``fit(shuffle=True)`` on sharded
+arrays (the guards check every step and must stay quiet), and data.shard of
+a dataset of single samples (refused, or batched with batch_size=).
+The other cases must raise tfhybrid.guards.ConsistencyError on every rank.
+"""
+import argparse
+import json
+import os
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfhybrid  # noqa: E402
+
+B = 16
+
+
+def make_model():
+    inputs = keras.Input((6, 6, 1))
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="conv")(inputs)
+    x = keras.layers.Flatten(name="flat")(x)
+    x = keras.layers.Dense(8, activation="relu", name="fc1")(x)
+    return keras.Model(inputs, keras.layers.Dense(4, name="fc2")(x))
+
+
+def data(n):
+    x = np.random.default_rng(1).standard_normal((n, 6, 6, 1)).astype("float32")
+    y = np.random.default_rng(2).integers(0, 4, n)
+    return x, y
+
+
+def loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def good(grid):
+    out = {"rank": grid.rank}
+    x, y = data(B * 3)
+    keras.utils.set_random_seed(0)
+    ref = make_model()
+    ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss())
+    for s in range(3):
+        ref.train_on_batch(x[s * B:(s + 1) * B], y[s * B:(s + 1) * B])
+    keras.utils.set_random_seed(0)
+    model = tfhybrid.transform(make_model(), "df")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss())
+    out["wrapped"] = type(model.optimizer).__name__
+    out["warned"] = any("wrapped in tfhybrid.DistributedOptimizer" in str(w.message)
+                        for w in caught)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True)
+    model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0, shuffle=False)
+    full = tfhybrid.gather(model)
+    out["plain_optimizer_rel"] = max(
+        float(np.max(np.abs(a.numpy() - b.numpy())) / (np.max(np.abs(b.numpy())) + 1e-12))
+        for a, b in zip(full.trainable_variables, ref.trainable_variables))
+    # An unseeded shuffle built after init, and fit(shuffle=True) on sharded arrays:
+    # the guards compare every step's batch across each model group.
+    x, y = data(B * 6)
+    shuffled = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).batch(B, drop_remainder=True)
+    h = model.fit(tfhybrid.data.shard(shuffled, model=model), epochs=2, verbose=0)
+    out["unseeded_shuffle_epochs"] = len(h.epoch)
+    xs, ys = tfhybrid.data.shard((x, y), batch_size=B, model=model)
+    h = model.fit(xs, ys, batch_size=tfhybrid.data.local_batch_size(B, model), epochs=2,
+                  verbose=0)   # shuffle=True is Keras' default
+    out["array_shuffle_epochs"] = len(h.epoch)
+    # A dataset of single samples: refused without batch_size, batched with it.
+    samples = tf.data.Dataset.from_tensor_slices((x, y))
+    try:
+        tfhybrid.data.shard(samples, model=model)
+        out["unbatched_error"] = None
+    except ValueError as err:
+        out["unbatched_error"] = str(err)
+    local = next(iter(tfhybrid.data.shard(samples, model=model, batch_size=B)))
+    out["unbatched_local_rows"] = int(local[0].shape[0])
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def per_rank_shuffle(grid):
+    x, y = data(B * 4)
+    model = tfhybrid.transform(make_model(), "df")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=loss())
+    ds = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=grid.rank)
+          .batch(B, drop_remainder=True))
+    model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0,
+              callbacks=tfhybrid.callbacks.standard())
+
+
+def perturbed(grid):
+    x, y = data(B * 4)
+    model = tfhybrid.transform(make_model(), "df")
+    if grid.rank == 1:      # e.g. load_weights on some ranks only, after transform
+        w = model.get_layer("fc2").bias
+        w.assign(w + 1.0)
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=loss())
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True)
+    model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0)   # no broadcast
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("case", choices=["good", "per_rank_shuffle", "perturbed"])
+    args = ap.parse_args()
+    grid = tfhybrid.init(model_parallel=2, config=tfhybrid.Config(guard_every_steps=1))
+    globals()[args.case](grid)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Consistency guards: catch silent wrong training before it costs a run.
+
+SPMD training is only exact when the ranks agree on what they compute. The
+ways they stop agreeing are silent: an unseeded shuffle feeds the ranks of a
+model group different rows, a plain Keras optimizer lets replicas drift,
+weights restored on some ranks only after ``transform`` never reach the
+others, auto-named layers drift between ranks and pair the wrong
+collectives. :func:`install` (called by :func:`tfhybrid.transform`) makes a
+transformed model check for them itself:
+
+- ``compile``: a non-distributed optimizer is wrapped in
+  :class:`tfhybrid.DistributedOptimizer`, with a warning (multi-process jobs);
+- ``fit``: before the first collective, every rank compares a digest of the
+  model's structure (layer names and classes, variable paths and shapes);
+  at the start of training (after the broadcast callbacks) and after the
+  first :data:`FIRST_STEPS` steps and every ``Config.guard_every_steps``
+  steps, ranks compare a checksum of their batch (the ranks of a model group
+  must feed the same rows) and of their trainable weights (replicated and
+  partial weights agree over the world, sharded blocks over the data group).
+  A mismatch raises :class:`ConsistencyError` on every rank (every rank sees
+  the same gathered checksums), naming the cause and the fix;
+- ``fit``/``evaluate``/``predict`` also get the hang watchdog's callback
+  (:class:`tfhybrid.watchdog.WatchdogCallback`).
+
+A guarded step costs one small eager allgather (a few floats per rank) and
+one pass over the weights in numpy; other steps only add the batch checksum
+(one reduction per input tensor) to the traced step. ``Config(guards=False)``
+turns the checks off (the optimizer wrapping stays).
+
+The companion to the batch check: :func:`tfhybrid.init` broadcasts one seed
+from rank 0 and sets it as TensorFlow's global seed when the script has not
+set one, so an unseeded ``dataset.shuffle()`` or ``fit(shuffle=True)`` built
+after ``init`` shuffles identically on every rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import types
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfhybrid import runtime
+from tfhybrid.layout import layout_of
+
+#: Steps checked at the start of every ``fit`` (then every ``guard_every_steps``).
+FIRST_STEPS = 2
+#: Relative tolerance of the weight checksums (replicas are bitwise equal when exact).
+RTOL = 1e-6
+
+
+class ConsistencyError(RuntimeError):
+    """Ranks that must agree (rows fed, replicated weights, model structure) do not."""
+
+
+def _config():
+    from tfhybrid.config import Config
+
+    return runtime._STATE.get("config") or Config()
+
+
+def _world_gather(values, name):
+    """``values`` (1-D float64) of every rank, stacked: shape (world, n)."""
+    from tfhybrid.comm import backend
+
+    grid = runtime.current_grid()
+    row = tf.constant(np.asarray(values, np.float64)[None, :])
+    return backend.allgather(row, tuple(range(grid.size)), name).numpy()
+
+
+# -- what is compared ---------------------------------------------------------
+
+def structure_digest(model) -> float:
+    """A number identifying the model's layer names/classes and variable paths/shapes."""
+    parts = [f"{layer.name}:{type(layer).__name__}" for layer in model.layers]
+    parts += [f"{v.path}:{tuple(v.shape)}" for v in model.variables]
+    digest = hashlib.sha256("|".join(parts).encode()).digest()
+    return float(int.from_bytes(digest[:6], "little"))   # exact in float64
+
+
+def weight_checksums(variables) -> np.ndarray:
+    """Position-weighted sums of each variable (order and value sensitive)."""
+    out = []
+    for v in variables:
+        flat = np.asarray(v.numpy(), np.float64).ravel()
+        weights = 1.0 + (np.arange(flat.size) % 97) / 97.0
+        out.append(float(flat @ weights))
+    return np.asarray(out)
+
+
+def batch_checksum(data):
+    """A traced float64 checksum of a batch, sensitive to row order and values."""
+    total = tf.constant(0.0, tf.float64)
+    for t in tf.nest.flatten(data):
+        if t is None or not tf.is_tensor(t) or not (t.dtype.is_floating or t.dtype.is_integer
+                                                     or t.dtype.is_bool):
+            continue
+        t = tf.cast(t, tf.float64)
+        if t.shape.rank == 0:
+            total += t
+            continue
+        rows = tf.reshape(t, [tf.shape(t)[0], -1])
+        cols = 1.0 + tf.cast(tf.range(tf.shape(rows)[1]) % 7, tf.float64) / 7.0
+        row_w = 1.0 + tf.cast(tf.range(tf.shape(rows)[0]), tf.float64)
+        total += tf.reduce_sum(tf.linalg.matvec(rows, cols) * row_w)
+    return total
+
+
+# -- the checks ---------------------------------------------------------------
+
+def check_structure(model):
+    """Every rank holds the same model structure (collective), else raise."""
+    grid = runtime.current_grid()
+    if grid.size == 1:
+        return
+    digests = _world_gather([structure_digest(model)], "guard.structure")[:, 0]
+    bad = [r for r in range(grid.size) if digests[r] != digests[0]]
+    if bad:
+        raise ConsistencyError(
+            f"tfhybrid guard: model {model.name!r} differs between ranks: ranks {bad} hold "
+            "other layer names, classes or weight shapes than rank 0, so their collectives "
+            "would pair with the wrong layers and hang. Usually Keras' auto-generated layer "
+            "names drifted: some rank built an extra layer or model first (e.g. inside "
+            "`if rank == 0:`). Build the same models in the same order on every rank, give "
+            "layers explicit names, or call keras.utils.clear_session() before building.")
+
+
+def _weight_groups(variables):
+    """Per variable, a function rank -> key: ranks with equal keys must agree."""
+    grid = runtime.current_grid()
+    keys = []
+    for v in variables:
+        if layout_of(v).kind == "sharded":    # one block per model rank: agree over data group
+            keys.append(lambda r: r % grid.model_size)
+        else:                                 # replicated / partial: full weight everywhere
+            keys.append(lambda r: 0)
+    return keys
+
+
+def check_weights(model, when):
+    """Replicas of every trainable weight agree (collective), else raise."""
+    grid = runtime.current_grid()
+    variables = model.trainable_variables
+    if grid.size == 1 or not variables:
+        return
+    sums = _world_gather(weight_checksums(variables), "guard.weights")
+    for i, (v, key) in enumerate(zip(variables, _weight_groups(variables))):
+        groups = {}
+        for r in range(grid.size):
+            groups.setdefault(key(r), []).append(r)
+        for ranks in groups.values():
+            vals = sums[ranks, i]
+            if np.max(vals) - np.min(vals) > RTOL * max(1.0, float(np.max(np.abs(vals)))):
+                other = next(r for r in ranks if abs(sums[r, i] - sums[ranks[0], i])
+                             > RTOL * max(1.0, abs(sums[ranks[0], i])))
+                raise ConsistencyError(_weights_message(model, v, ranks[0], other, when))
+
+
+def _weights_message(model, v, a, b, when):
+    head = (f"tfhybrid guard: weight {v.path!r} of model {model.name!r} differs between "
+            f"ranks {a} and {b} {when}, but they must hold the same values")
+    if when == "at the start of fit":
+        return (head + ". It was changed on some ranks only after tfhybrid.transform (e.g. "
+                "load_weights or set_weights on rank 0 only). Restore weights before "
+                "transform (transform starts every rank from rank 0's weights), or pass "
+                "tfhybrid.callbacks.standard() to fit, which broadcasts rank 0's state.")
+    return (head + ": the replicas drifted apart. Compile with "
+            "tfhybrid.DistributedOptimizer(...) (a plain Keras optimizer does not reduce "
+            "gradients across ranks), do not change weights on some ranks only, and keep "
+            "custom training steps identical on every rank.")
+
+
+def check_batch(model, checksum, step):
+    """The ranks of each model group fed the same rows (collective), else raise."""
+    grid = runtime.current_grid()
+    if grid.size == 1:
+        return
+    sums = _world_gather([checksum], "guard.batch")[:, 0]
+    if getattr(model, "_tfhybrid_batch_split", "data") != "data" or grid.model_size == 1:
+        return
+    for d in range(grid.data_size):
+        ranks = list(grid.model_group_ranks(d))
+        vals = sums[ranks]
+        if np.max(vals) - np.min(vals) > 1e-9 * max(1.0, float(np.max(np.abs(vals)))):
+            other = next(r for r in ranks if sums[r] != sums[ranks[0]])
+            raise ConsistencyError(
+                f"tfhybrid guard: ranks {ranks[0]} and {other} of model group {tuple(ranks)} "
+                f"fed different rows at step {step} (batch checksums {sums[ranks[0]]:.6g} and "
+                f"{sums[other]:.6g}), but the ranks of a model group must feed the same rows. "
+                "Likely an unseeded or per-rank shuffle (dataset.shuffle() built before "
+                "tfhybrid.init or with a rank-dependent seed, fit(shuffle=True) on arrays) or "
+                "data read per rank. Build the same global pipeline on every rank, give "
+                "shuffle a seed (shuffle(n, seed=0)), feed it through "
+                "tfhybrid.data.shard(dataset, model=model), and pass shuffle=False to fit "
+                "with arrays.")
+
+
+class GuardCallback(keras.callbacks.Callback):
+    """Run the weight and batch checks at the start of ``fit`` and on guarded steps.
+
+    Added by the ``fit`` of a transformed model, last in the list (after the
+    broadcast callbacks). ``every``: period after the first steps (0: none).
+    """
+
+    def __init__(self, checksum_variable, every):
+        super().__init__()
+        self._checksum = checksum_variable
+        self._every = every
+        self._step = 0
+
+    def on_train_begin(self, logs=None):
+        self._step = 0
+        check_weights(self.model, "at the start of fit")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        if self._step <= FIRST_STEPS or (self._every and self._step % self._every == 0):
+            check_batch(self.model, float(self._checksum.numpy()), self._step)
+            check_weights(self.model, f"after step {self._step}")
+
+
+# -- the hook on transformed models ----------------------------------------
+
+def _callbacks_arg(method, model, args, kwargs):
+    """(bound arguments, their callbacks list) of a fit/evaluate/predict call."""
+    bound = inspect.signature(method).bind(model, *args, **kwargs)
+    return bound, list(bound.arguments.get("callbacks") or [])
+
+
+def _call_with_callbacks(method, model, args, kwargs, extra):
+    bound, callbacks = _callbacks_arg(method, model, args, kwargs)
+    bound.arguments["callbacks"] = callbacks + extra
+    return method(*bound.args, **bound.kwargs)
+
+
+def _watchdog_callbacks():
+    from tfhybrid import watchdog
+
+    return [watchdog.WatchdogCallback()]
+
+
+def _wrap_optimizer(optimizer):
+    from tfhybrid.optimizer import DistributedOptimizer
+
+    if isinstance(optimizer, DistributedOptimizer) or runtime.current_grid().size == 1:
+        return optimizer
+    wrapped = DistributedOptimizer(optimizer)
+    if runtime.is_root():
+        warnings.warn(
+            f"tfhybrid: the transformed model was compiled with a plain "
+            f"{type(wrapped.inner_optimizer).__name__} optimizer, which does not reduce "
+            "gradients across ranks (replicas would drift apart); it was wrapped in "
+            "tfhybrid.DistributedOptimizer. Wrap it yourself to choose bucket_bytes, "
+            "compression, etc.", stacklevel=3)
+    return wrapped
+
+
+def install(model):
+    """Make transformed ``model``'s compile/fit/evaluate/predict run the guards.
+
+    Instance-level wrappers (the class and serialization are unchanged);
+    idempotent.
+    """
+    if getattr(model, "_tfhybrid_guarded", False):
+        return model
+    cls = type(model)
+    checksum = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="tfhybrid_batch_checksum")
+
+    def compile(self, *args, **kwargs):   # noqa: A001 - Keras' name
+        bound = inspect.signature(cls.compile).bind(self, *args, **kwargs)
+        bound.arguments["optimizer"] = _wrap_optimizer(bound.arguments.get("optimizer",
+                                                                            "rmsprop"))
+        return cls.compile(*bound.args, **bound.kwargs)
+
+    def train_step(self, data):
+        if _config().guards:
+            checksum.assign(batch_checksum(data))
+        return cls.train_step(self, data)
+
+    def fit(self, *args, **kwargs):
+        extra = _watchdog_callbacks()
+        config = _config()
+        if config.guards:
+            check_structure(self)
+            extra.append(GuardCallback(checksum, config.guard_every_steps))
+        return _call_with_callbacks(cls.fit, self, args, kwargs, extra)
+
+    def evaluate(self, *args, **kwargs):
+        return _call_with_callbacks(cls.evaluate, self, args, kwargs, _watchdog_callbacks())
+
+    def predict(self, *args, **kwargs):
+        return _call_with_callbacks(cls.predict, self, args, kwargs, _watchdog_callbacks())
+
+    for name, fn in (("compile", compile), ("train_step", train_step), ("fit", fit),
+                     ("evaluate", evaluate), ("predict", predict)):
+        object.__setattr__(model, name, types.MethodType(fn, model))
+    object.__setattr__(model, "_tfhybrid_batch_checksum", checksum)
+    object.__setattr__(model, "_tfhybrid_guarded", True)
+    return model
+
+
+def set_consistent_seed():
+    """Set TensorFlow's global seed to one broadcast from rank 0, unless the
+    script set one (collective; called by :func:`tfhybrid.init`)."""
+    from tensorflow.python.eager import context
+
+    from tfhybrid.comm import backend
+
+    if backend.size() == 1 or context.global_seed() is not None:
+        return
+    seed = tf.constant([np.random.SeedSequence().entropy % (2**31 - 1)], tf.int64)
+    seed = int(backend.broadcast(seed, 0, tuple(range(backend.size())), "guard.seed").numpy()[0])
+    tf.random.set_seed(seed)

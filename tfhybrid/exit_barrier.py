@@ -72,6 +72,14 @@ def install():
     _STATE["installed"] = True
 
 
+def reinstall():
+    """Register the exit barrier again (after an elastic re-initialisation of
+    Horovod, whose own atexit shutdown was registered later and would run first)."""
+    if _STATE["installed"]:
+        atexit.unregister(_barrier_at_exit)
+        atexit.register(_barrier_at_exit)
+
+
 def _wrap_exit():
     """Record a non-zero ``sys.exit`` status (atexit cannot see the exit code)."""
     original = sys.exit
@@ -88,7 +96,10 @@ def _wrap_exit():
 def _barrier_at_exit():
     from tfhybrid.comm import backend
 
-    if _STATE["failed"] or not backend.is_initialized() or backend.size() <= 1:
+    try:
+        if _STATE["failed"] or not backend.is_initialized() or backend.size() <= 1:
+            return
+    except ValueError:      # Horovod already shut down (its atexit ran first): nothing to wait for
         return
     bound = bound_seconds()
     if bound == 0:

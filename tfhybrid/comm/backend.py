@@ -264,3 +264,49 @@ def join():
         return 0
     with watchdog.collective("join", "join", tuple(range(size()))):
         return hvd.join()
+
+
+# -- elastic (horovodrun --min-np/--max-np) ----------------------------------
+
+def reset():
+    """Shut Horovod down and initialise it again for the current workers
+    (elastic re-formation); every registered process set is forgotten."""
+    hvd = _hvd()
+    if hvd is None:
+        return
+    with _LOCK:
+        hvd.shutdown()
+        _STATE["sets"].clear()
+        hvd.init(process_sets="dynamic")
+
+
+def elastic_object_state(**values):
+    """Horovod's elastic ``ObjectState`` holding ``values`` (synced from rank 0)."""
+    from horovod.common.elastic import ObjectState
+
+    hvd = _hvd()
+    return ObjectState(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **values)
+
+
+def elastic_run(func, on_reset):
+    """Horovod's elastic retry loop around ``func(state)``: on a lost worker
+    (``HorovodInternalError``, including TensorFlow's wrapping of it) the state
+    is restored, Horovod re-initialised with dynamic process sets, ``on_reset()``
+    called, and ``func`` run again after ``state.sync()``."""
+    from horovod.common.elastic import run_fn
+    from horovod.common.exceptions import HorovodInternalError
+    from tensorflow.python.framework.errors_impl import UnknownError
+
+    def guarded(state, *args, **kwargs):
+        try:
+            return func(state, *args, **kwargs)
+        except UnknownError as err:
+            if "horovod" in str(err).lower():
+                raise HorovodInternalError(err) from err
+            raise
+
+    def do_reset():
+        reset()
+        on_reset()
+
+    return run_fn(guarded, do_reset)

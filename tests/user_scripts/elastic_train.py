@@ -1,0 +1,82 @@
+"""User script for elastic runs: the worker on host 127.0.0.1 dies at a given
+step of the first attempt; the survivors restore the last commit and finish.
+
+    horovodrun -np 3 --min-np 2 --max-np 3 --host-discovery-script discover.sh \
+        python elastic_train.py --die-at 3 --steps 6
+
+Rank 0 prints ``RESULT {json}`` with the largest relative difference between
+the final gathered weights and plain Keras training on the same global
+batches (``d`` on any world size equals single-process training).
+"""
+import argparse
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfhybrid  # noqa: E402
+import tfhybrid.elastic  # noqa: E402
+
+B = 12      # divisible by 3 and 2 workers
+
+
+def make_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,), name="x")
+    x = keras.layers.Dense(8, activation="relu", name="fc1")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, name="fc2")(x), name="net")
+
+
+def compile_model(model):
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.Adam(0.01)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def data(steps):
+    x = np.random.default_rng(3).standard_normal((B * steps, 5)).astype("float32")
+    y = np.random.default_rng(4).integers(0, 3, B * steps)
+    return x, y
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--die-at", type=int, default=3)
+    args = ap.parse_args()
+    tfhybrid.init()
+    x, y = data(args.steps)
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True)
+    state = tfhybrid.elastic.State(make_model, compile_model, strategy="d")
+    doomed = os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1"
+
+    class Die(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if doomed and state.resets == 0 and state.batch == args.die_at:
+                print(f"DYING at committed batch {state.batch}", flush=True)
+                os._exit(1)
+
+    @tfhybrid.elastic.run
+    def train(state):
+        ds = tfhybrid.data.shard(batches.skip(state.batch), model=state.model)
+        state.model.fit(ds, epochs=1, verbose=0, callbacks=[state.callback(1), Die()])
+
+    train(state)
+    full = tfhybrid.gather(state.model)
+    ref = make_model()
+    compile_ref = keras.optimizers.Adam(0.01)
+    ref.compile(optimizer=compile_ref,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    for s in range(args.steps):
+        ref.train_on_batch(x[s * B:(s + 1) * B], y[s * B:(s + 1) * B])
+    rel = max(float(np.max(np.abs(a.numpy() - b.numpy())) / (np.max(np.abs(b.numpy())) + 1e-12))
+              for a, b in zip(full.trainable_variables, ref.trainable_variables))
+    grid = tfhybrid.grid()
+    print("RESULT " + json.dumps({"rank": grid.rank, "size": grid.size, "resets": state.resets,
+                                  "weights_rel": rel}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,12 @@ survivors re-initialise Horovod, re-form the process grid for the new world
 size, rebuild and re-transform the model from the committed state and
 continue from the committed batch.
 
+Works with ``d`` and with f/c/s over the whole world (``model_parallel`` =
+world size, re-formed to the new world size). Strategies with model groups
+smaller than the world (df, ds, gmp) register Horovod process sets, and
+Horovod 0.28.1 aborts the survivors of a lost worker while process sets
+exist; :class:`State` warns.
+
 Example (``horovodrun -np 3 --min-np 2 --host-discovery-script discover.sh
 python train.py``)::
 
@@ -61,6 +67,14 @@ class State:
         self.model = None
         self.resets = 0
         self._inner = backend.elastic_object_state(snapshot=None, epoch=0, batch=0)
+        if 1 < model_parallel < backend.size():
+            import warnings
+            warnings.warn(
+                f"tfhybrid.elastic: model_parallel={model_parallel} on {backend.size()} workers "
+                "registers Horovod process sets, and Horovod 0.28.1 aborts the survivors when a "
+                "worker is lost while process sets exist (a Gloo IoException in a process set's "
+                "thread). Elastic runs recover with strategy 'd', or f/c/s over the whole world "
+                "(model_parallel = world size).", stacklevel=2)
 
     # -- what Horovod's elastic loop calls ----------------------------------
     @property

@@ -8,11 +8,20 @@ host keeps the survivors). The worker on ``127.0.0.1`` exits at committed
 batch 3 of 6; the survivors restore the last commit, re-form a 2-rank grid,
 re-transform the model and finish. Strategy ``d`` on any world size equals
 single-process training on the same global batches, so the final gathered
-weights must match plain Keras on all 6 batches.
+weights must match plain Keras on all 6 batches; so must ``f`` over the
+whole world, re-formed as ``f`` over the survivors.
+
+Limitation (Horovod 0.28.1): a strategy with model groups smaller than the
+world (df, ds, gmp) registers Horovod process sets, and a lost worker makes
+Gloo throw inside a process set's context thread, which aborts the
+survivors (``terminate called after throwing an instance of
+'gloo::IoException'``); elastic runs need d, or f/c/s over the whole world.
 """
 import subprocess
 import sys
 import time
+
+import pytest
 
 from userscripts import HOROVODRUN, ROOT, SCRIPTS, Run, env_for, results
 
@@ -27,11 +36,14 @@ def _elastic(args, timeout=400):
     return Run(proc.returncode, proc.stdout + proc.stderr, time.time() - start)
 
 
-def test_lost_worker_survivors_finish_exactly():
-    run = _elastic(["--steps", 6, "--die-at", 3])
+@pytest.mark.parametrize("strategy, mp, mp_after", [("d", 1, 1), ("f", 3, 2)])
+def test_lost_worker_survivors_finish_exactly(strategy, mp, mp_after):
+    """``f`` over the whole world (3 ranks) re-forms as ``f`` over the 2 survivors."""
+    run = _elastic(["--steps", 6, "--die-at", 3, "--strategy", strategy,
+                    "--model-parallel", mp])
     assert run.rc == 0, run
     assert "DYING at committed batch 3" in run.out, run
-    assert "2 workers, model_parallel=1, resuming at epoch 0 batch 3" in run.out, run
+    assert f"2 workers, model_parallel={mp_after}, resuming at epoch 0 batch 3" in run.out, run
     rows = results(run)
     assert len(rows) == 2, run                      # the two survivors finished
     for row in rows:

@@ -26,8 +26,8 @@ B = 12      # divisible by 3 and 2 workers
 def make_model():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,), name="x")
-    x = keras.layers.Dense(8, activation="relu", name="fc1")(inputs)
-    return keras.Model(inputs, keras.layers.Dense(3, name="fc2")(x), name="net")
+    x = keras.layers.Dense(6, activation="relu", name="fc1")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(4, name="fc2")(x), name="net")
 
 
 def compile_model(model):
@@ -37,7 +37,7 @@ def compile_model(model):
 
 def data(steps):
     x = np.random.default_rng(3).standard_normal((B * steps, 5)).astype("float32")
-    y = np.random.default_rng(4).integers(0, 3, B * steps)
+    y = np.random.default_rng(4).integers(0, 4, B * steps)
     return x, y
 
 
@@ -45,11 +45,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--die-at", type=int, default=3)
+    ap.add_argument("--strategy", default="d")
+    ap.add_argument("--model-parallel", type=int, default=1)
     args = ap.parse_args()
-    tfhybrid.init()
+    tfhybrid.init(model_parallel=args.model_parallel)
     x, y = data(args.steps)
     batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True)
-    state = tfhybrid.elastic.State(make_model, compile_model, strategy="d")
+    state = tfhybrid.elastic.State(make_model, compile_model, strategy=args.strategy,
+                                   model_parallel=args.model_parallel,
+                                   **({"fallback": "replicate"} if args.strategy != "d" else {}))
     doomed = os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1"
 
     class Die(keras.callbacks.Callback):

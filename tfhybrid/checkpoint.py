@@ -122,6 +122,48 @@ def _full_presence(present, values):
     return [True] * len(values)
 
 
+# -- random-generator state --------------------------------------------------
+
+def _seed_variables(model):
+    """The model's Keras ``SeedGenerator`` states (dropout etc.), in model order."""
+    return [v for v in model.variables if "seed_generator_state" in v.path]
+
+
+def gather_rng_state(model) -> dict:
+    """Every rank's seed-generator states and TensorFlow's global seed (collective).
+
+    Returns ``{"global_seed": int or None, "per_rank": array (world, n, 2)}``
+    (identical on every rank). Replicas keep their own dropout streams, so
+    each rank's state is kept.
+    """
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    from tfhybrid.comm import backend
+
+    seeds = _seed_variables(model)
+    grid = runtime.current_grid()
+    mine = (np.stack([np.asarray(v.numpy(), np.int64) for v in seeds]) if seeds
+            else np.zeros((0, 2), np.int64))
+    if grid.size > 1:
+        rows = backend.allgather(tf.constant(mine[None]), tuple(range(grid.size)),
+                                 "checkpoint.rng").numpy()
+    else:
+        rows = mine[None]
+    return {"global_seed": context.global_seed(), "per_rank": rows}
+
+
+def restore_rng_state(model, per_rank):
+    """Give each rank the seed states rank ``rank % saved world`` had."""
+    seeds = _seed_variables(model)
+    if per_rank is None or not len(per_rank) or per_rank.shape[1] != len(seeds):
+        return False
+    row = per_rank[runtime.current_grid().rank % per_rank.shape[0]]
+    for v, value in zip(seeds, row):
+        v.assign(value.astype(v.dtype))
+    return True
+
+
 # -- files -------------------------------------------------------------------
 
 def _serializable(obj):
@@ -158,8 +200,10 @@ def _meta(model, state, epoch, step):
     }
 
 
-def _write_side_file(path, meta, state):
+def _write_side_file(path, meta, state, rng=None):
     arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
+    if rng is not None:
+        arrays["rng/per_rank"] = rng["per_rank"]
     if state:
         for name, values in state["slots"].items():
             for i, value in enumerate(values):
@@ -225,9 +269,11 @@ def save(model, path, epoch: int | None = None, step: int | None = None,
     path = _check_path(path)
     full = gather(model)
     state = gather_optimizer_state(model)
+    rng = gather_rng_state(model)
     if runtime.is_root():
         meta = _meta(model, state, epoch, step)
-        _write_side_file(path, meta, state)
+        meta["global_seed"] = rng["global_seed"]
+        _write_side_file(path, meta, state, rng)
         directory = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(prefix=".tfhybrid-", suffix=".keras", dir=directory)
         os.close(fd)
@@ -321,6 +367,9 @@ def load(path, strategy: str | None = None, compile: bool = True, **options):
     strategy = strategy or meta["strategy"]
     full = keras.saving.load_model(path, compile=False)
     model = transform(full, strategy, **options)
+    with np.load(path + SIDE_SUFFIX) as data:
+        if "rng/per_rank" in data.files:
+            restore_rng_state(model, data["rng/per_rank"])
     if compile:
         _compile_from(model, meta, path)
         _restore_slots(model, full, _read_slots(path, meta), meta["iterations"], strategy, options)

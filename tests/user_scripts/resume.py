@@ -60,7 +60,7 @@ def reference(total_steps, opt_name):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", choices=["train", "resume"], required=True)
+    ap.add_argument("--phase", choices=["train", "resume", "rng"], required=True)
     ap.add_argument("--strategy", required=True)
     ap.add_argument("--model-parallel", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
@@ -75,6 +75,23 @@ def main():
     tfhybrid.init(model_parallel=args.model_parallel)
     x, y = data(args.before + args.steps)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH, drop_remainder=True)
+    if args.phase == "rng":      # dropout streams survive save -> load on every rank
+        inputs = keras.Input((8, 8, 2))
+        x = keras.layers.Flatten(name="flat")(inputs)
+        x = keras.layers.Dropout(0.5, name="drop")(keras.layers.Dense(8, name="fc1")(x))
+        model = tfhybrid.transform(keras.Model(inputs, keras.layers.Dense(4, name="fc2")(x)), "d")
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(optimizer(args.optimizer)),
+                      loss=loss())
+        model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0)
+        before = [v.numpy().tolist() for v in tfhybrid.checkpoint._seed_variables(model)]
+        tfhybrid.save(model, args.ckpt, epoch=1)
+        loaded = tfhybrid.load(args.ckpt)
+        after = [v.numpy().tolist() for v in tfhybrid.checkpoint._seed_variables(loaded)]
+        print("RESULT " + json.dumps({"rank": tfhybrid.grid().rank, "before": before,
+                                      "after": after,
+                                      "global_seed": tfhybrid.checkpoint.read_meta(
+                                          args.ckpt).get("global_seed")}))
+        return
     if args.phase == "train":
         keras.utils.set_random_seed(0)
         model = tfhybrid.transform(make_model(), strategy=args.strategy)

@@ -49,26 +49,30 @@ def _inner(optimizer):
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
-def _slot_prefix(variable):
-    return variable.path.replace("/", "_") + "_"
-
-
 def slots_of(optimizer, variables) -> list:
     """Per variable of ``variables``, ``{slot name: optimizer variable}``.
 
-    Each optimizer variable is matched to the variable with the longest
-    name prefix that it starts with and whose shape it has (so ``fc1_kernel``
-    does not capture the slots of ``fc1_kernel_2``'s variable).
+    Uses the slot -> variable links of :mod:`tfhybrid.optimizer.slots`
+    (recorded while the optimizer built, else made here from Keras' slot
+    names); a slot's name is its Keras name without its variable's prefix
+    (``"momentum"``, ``"velocity"``), so slots of different models and
+    world sizes line up by name.
     """
-    prefixes = [(_slot_prefix(v), i, tuple(v.shape)) for i, v in enumerate(variables)]
-    prefixes.sort(key=lambda p: -len(p[0]))
+    from tfhybrid.layout import slot_owner
+    from tfhybrid.optimizer.slots import link_slots, slot_prefix
+
+    slots = _inner(optimizer).variables
+    link_slots(slots, variables)
+    index = {id(v): i for i, v in enumerate(variables)}
     out = [dict() for _ in variables]
-    for slot in _inner(optimizer).variables:
-        name = slot.name
-        for prefix, i, shape in prefixes:
-            if name.startswith(prefix) and tuple(slot.shape) == shape:
-                out[i][name[len(prefix):]] = slot
-                break
+    for slot in slots:
+        owner = slot_owner(slot)
+        i = index.get(id(owner))
+        if i is None or tuple(slot.shape) != tuple(owner.shape):
+            continue
+        prefix = slot_prefix(owner)
+        if slot.name.startswith(prefix):
+            out[i][slot.name[len(prefix):]] = slot
     return out
 
 
@@ -102,24 +106,17 @@ def gather_optimizer_state(model) -> dict:
         for name in _slot_names(slots):
             for v, per_var in zip(variables, slots):
                 v.assign(per_var[name] if name in per_var else np.zeros(v.shape, v.dtype))
-            full = gather(model)
+            values = [w.numpy() for w in gather(model).trainable_variables]
+            # A variable without this slot gathered zeros: record None for it (the
+            # full and transformed variables line up one to one when counts agree).
             present = [name in per_var for per_var in slots]
-            values = [w.numpy() for w in full.trainable_variables]
-            # Which full variables have this slot: all of them unless some rank's
-            # variable lacked it (then its gathered value is zeros and unused).
-            gathered[name] = values if all(present) else [
-                val if ok else None for val, ok in zip(values, _full_presence(present, values))]
+            if len(present) == len(values):
+                values = [val if ok else None for val, ok in zip(values, present)]
+            gathered[name] = values
     finally:
         for v, value in zip(variables, backup):
             v.assign(value)
     return {"iterations": int(_inner(optimizer).iterations.numpy()), "slots": gathered}
-
-
-def _full_presence(present, values):
-    """Presence flags per full variable (same count when layers map one to one)."""
-    if len(present) == len(values):
-        return present
-    return [True] * len(values)
 
 
 # -- random-generator state --------------------------------------------------
@@ -175,18 +172,20 @@ def _serializable(obj):
         return None
 
 
+def _compile_config(model):
+    """The optimizer (unwrapped) and loss of a compiled model, if serializable."""
+    optimizer = getattr(model, "optimizer", None)
+    if not getattr(model, "compiled", False) or optimizer is None:
+        return None
+    return {"optimizer": _serializable(_inner(optimizer)),
+            "loss": _serializable(getattr(model, "loss", None))}
+
+
 def _meta(model, state, epoch, step):
     from tfhybrid.transform.api import info_of
 
     info = info_of(model)
     grid = runtime.current_grid()
-    optimizer = getattr(model, "optimizer", None)
-    compile_config = None
-    if getattr(model, "compiled", False):
-        compile_config = {
-            "optimizer": _serializable(_inner(optimizer)) if optimizer is not None else None,
-            "loss": _serializable(getattr(model, "loss", None)),
-        }
     return {
         "format": FORMAT,
         "strategy": info.plan.strategy,
@@ -196,7 +195,7 @@ def _meta(model, state, epoch, step):
         "step": step,
         "iterations": state["iterations"] if state else 0,
         "slot_names": sorted(state["slots"]) if state else [],
-        "compile": compile_config,
+        "compile": _compile_config(model),
     }
 
 
@@ -671,7 +670,6 @@ def save_sharded(model, directory, epoch=None, step=None, redundant=False):
         with open(_rank_file(tmp, previous, copy=True), "wb") as f:
             f.write(_pass_to_next_rank(payload, "checkpoint.redundant"))
     if runtime.is_root():
-        optimizer = getattr(model, "optimizer", None)
         slot_names = sorted({k.split("/")[1] for k in arrays if k.startswith("slot/")})
         manifest = {
             "format": FORMAT, "sharded": True, "strategy": info.plan.strategy,
@@ -679,9 +677,7 @@ def save_sharded(model, directory, epoch=None, step=None, redundant=False):
             "epoch": epoch, "step": step, "iterations": iterations, "slot_names": slot_names,
             "redundant": bool(redundant), "source": info.source,
             "variables": _variable_records(model),
-            "compile": ({"optimizer": _serializable(_inner(optimizer)),
-                         "loss": _serializable(getattr(model, "loss", None))}
-                        if getattr(model, "compiled", False) and optimizer is not None else None),
+            "compile": _compile_config(model),
         }
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f)

@@ -128,30 +128,22 @@ def check_structure(model):
             "layers explicit names, or call keras.utils.clear_session() before building.")
 
 
-def _weight_groups(variables):
-    """Per variable, a function rank -> key: ranks with equal keys must agree."""
-    grid = runtime.current_grid()
-    keys = []
-    for v in variables:
-        if layout_of(v).kind == "sharded":    # one block per model rank: agree over data group
-            keys.append(lambda r: r % grid.model_size)
-        else:                                 # replicated / partial: full weight everywhere
-            keys.append(lambda r: 0)
-    return keys
-
-
 def check_weights(model, when):
-    """Replicas of every trainable weight agree (collective), else raise."""
+    """Replicas of every trainable weight agree (collective), else raise.
+
+    Replicated and partial weights are full on every rank (they agree over
+    the world); a sharded block agrees over its data group (the ranks with
+    the same model rank).
+    """
     grid = runtime.current_grid()
     variables = model.trainable_variables
     if grid.size == 1 or not variables:
         return
     sums = _world_gather(weight_checksums(variables), "guard.weights")
-    for i, (v, key) in enumerate(zip(variables, _weight_groups(variables))):
-        groups = {}
-        for r in range(grid.size):
-            groups.setdefault(key(r), []).append(r)
-        for ranks in groups.values():
+    world = [list(range(grid.size))]
+    data_groups = [list(grid.data_group_ranks(m)) for m in range(grid.model_size)]
+    for i, v in enumerate(variables):
+        for ranks in (data_groups if layout_of(v).kind == "sharded" else world):
             vals = sums[ranks, i]
             if np.max(vals) - np.min(vals) > RTOL * max(1.0, float(np.max(np.abs(vals)))):
                 other = next(r for r in ranks if abs(sums[r, i] - sums[ranks[0], i])
@@ -176,11 +168,11 @@ def _weights_message(model, v, a, b, when):
 def check_batch(model, checksum, step):
     """The ranks of each model group fed the same rows (collective), else raise."""
     grid = runtime.current_grid()
-    if grid.size == 1:
+    # Same answer on every rank (grid and model are): no collective when nothing is shared.
+    if (grid.size == 1 or grid.model_size == 1
+            or getattr(model, "_tfhybrid_batch_split", "data") != "data"):
         return
     sums = _world_gather([checksum], "guard.batch")[:, 0]
-    if getattr(model, "_tfhybrid_batch_split", "data") != "data" or grid.model_size == 1:
-        return
     for d in range(grid.data_size):
         ranks = list(grid.model_group_ranks(d))
         vals = sums[ranks]

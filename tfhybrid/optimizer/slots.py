@@ -50,7 +50,8 @@ def tracking_slots(optimizer):
         object.__delattr__(optimizer, _METHOD)
 
 
-def _slot_prefix(variable):
+def slot_prefix(variable):
+    """Keras' name prefix of ``variable``'s slots: its path, '/' -> '_', then '_'."""
     path = getattr(variable, "path", None)
     if path is None:
         path = str(variable.name).replace(":", "_")
@@ -67,7 +68,7 @@ def link_slots(optimizer_variables, model_variables):
     name (Adafactor's factored moments, which are not per-block state of a
     sharded weight anyway). Returns the number of slots linked.
     """
-    prefixes = sorted(((_slot_prefix(v), v) for v in model_variables),
+    prefixes = sorted(((slot_prefix(v), v) for v in model_variables),
                       key=lambda item: -len(item[0]))
     linked = 0
     for slot in optimizer_variables:
@@ -77,8 +78,8 @@ def link_slots(optimizer_variables, model_variables):
         matches = [v for prefix, v in prefixes if name.startswith(prefix)]
         if not matches:
             continue
-        longest = len(_slot_prefix(matches[0]))
-        same = [v for v in matches if len(_slot_prefix(v)) == longest]
+        longest = len(slot_prefix(matches[0]))
+        same = [v for v in matches if len(slot_prefix(v)) == longest]
         shaped = [v for v in same if tuple(v.shape) == tuple(slot.shape)]
         set_slot_of(slot, (shaped or same)[0])
         linked += 1

@@ -116,7 +116,7 @@ def _tfhybrid_step(name, mp, opts, batch):
     # collective names derive from layer/variable names and must match
     keras.backend.clear_session()
     keras.utils.set_random_seed(0)
-    from tfhybrid.transform import transform  # noqa: WPS433 (tfhybrid.transform may be the module)
+    from tfhybrid.transformer import transform  # noqa: WPS433 (tfhybrid.transform may be the module)
     pm = transform(make_model(), strategy=name, **opts)
     _compile(pm, tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)))
     x, y = tfhybrid.data.shard(_data(batch), model=pm, batch_size=batch)
@@ -172,7 +172,7 @@ def worker(args):
     from tfhybrid.comm import backend  # noqa: WPS433
     n, rank = backend.init()[:2]
     say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
-    from tfhybrid.oracle import calibrate_run  # noqa: WPS433
+    from tfhybrid.oracle.calibration import run as calibrate_run  # noqa: WPS433
     # calibrate in the same job, right before measuring: same load on this shared box
     calibrate_run.run(args.machine_out, max_bytes=2 << 20, n_sizes=5, reps=8,
                       model=MODEL_PATH, batch=args.batch // n, log=say)

@@ -10,20 +10,51 @@ Typical use, launched with ``horovodrun -np N python train.py``::
     model.fit(tfhybrid.data.shard(dataset), callbacks=tfhybrid.callbacks.standard(),
               verbose=tfhybrid.is_root())
 """
-from tfhybrid.config import Config
-from tfhybrid.grid import Group, ProcessGrid
-from tfhybrid.runtime import grid, init, is_initialized, is_root, shutdown
+import importlib
 
-from tfhybrid import callbacks, checkpoint, data  # noqa: E402
-from tfhybrid.checkpoint import load, save  # noqa: E402
-from tfhybrid import watchdog  # noqa: E402
-from tfhybrid.optimizer import DistributedOptimizer  # noqa: E402
-from tfhybrid.transform import describe, gather, transform  # noqa: E402  (shadows the subpackage name)
+from tfhybrid.config import Config
+from tfhybrid.process_grid import Group, ProcessGrid
+from tfhybrid.runtime import grid, init, is_initialized, is_root, shutdown
 
 __version__ = "0.1.0"
 
-__all__ = ["init", "shutdown", "grid", "is_root", "is_initialized", "Config", "Group",
-           "ProcessGrid", "__version__"]
+# Everything below needs TensorFlow/Keras; it is imported on first use, so the
+# pure modules (tfhybrid.process_grid, tfhybrid.spatial_geometry,
+# tfhybrid.oracle.formulas, tfhybrid.oracle.machine) import without them.
+_LAZY = {
+    "callbacks": ("tfhybrid.callbacks", None),
+    "checkpoint": ("tfhybrid.checkpoint", None),
+    "data": ("tfhybrid.data", None),
+    "watchdog": ("tfhybrid.watchdog", None),
+    "layers": ("tfhybrid.layers", None),
+    "oracle": ("tfhybrid.oracle", None),
+    "save": ("tfhybrid.checkpoint", "save"),
+    "load": ("tfhybrid.checkpoint", "load"),
+    "DistributedOptimizer": ("tfhybrid.optimizer", "DistributedOptimizer"),
+    "transform": ("tfhybrid.transformer", "transform"),
+    "gather": ("tfhybrid.transformer", "gather"),
+    "describe": ("tfhybrid.transformer", "describe"),
+}
+
+
+def __getattr__(name):
+    """Import the TensorFlow-dependent parts of the API on first use (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tfhybrid' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    if attr is not None:
+        value = getattr(value, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = ["init", "shutdown", "grid", "is_root", "is_initialized", "Config",
+           "Group", "ProcessGrid", "__version__"]
 __all__ += ["DistributedOptimizer", "callbacks", "checkpoint", "data", "save", "load"]
 __all__ += ["watchdog"]
 __all__ += ["transform", "gather", "describe"]

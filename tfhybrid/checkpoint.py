@@ -93,7 +93,7 @@ def gather_optimizer_state(model) -> dict:
         variable of the gathered model, or None]}}`` (identical on every
         rank), or ``None`` when the model has no built optimizer.
     """
-    from tfhybrid.transform.gather import gather
+    from tfhybrid.transformer.gather import gather
 
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or not optimizer.built:
@@ -182,7 +182,7 @@ def _compile_config(model):
 
 
 def _meta(model, state, epoch, step):
-    from tfhybrid.transform.api import info_of
+    from tfhybrid.transformer.api import info_of
 
     info = info_of(model)
     grid = runtime.current_grid()
@@ -257,7 +257,7 @@ def save(model, path, epoch: int | None = None, step: int | None = None,
         >>> model = tfhybrid.load("ckpt/last.keras", strategy="d")
     """
     from tfhybrid.comm import backend
-    from tfhybrid.transform.gather import gather
+    from tfhybrid.transformer.gather import gather
 
     if sharded:
         return save_sharded(model, path, epoch=epoch, step=step, redundant=redundant)
@@ -315,7 +315,7 @@ def _read_slots(path, meta):
 def _shard_like(full, values, strategy, options):
     """``values`` (one array per full trainable variable) laid out as
     ``transform(full, strategy, **options)`` lays out the weights."""
-    from tfhybrid.transform.api import transform
+    from tfhybrid.transformer.api import transform
 
     copy = keras.models.clone_model(full)
     for var, value in zip(copy.trainable_variables, values):
@@ -355,7 +355,7 @@ def load(path, strategy: str | None = None, compile: bool = True, **options):
         >>> model = tfhybrid.load("ckpt/last.keras", strategy="df")
         >>> model.fit(data, initial_epoch=tfhybrid.checkpoint.read_meta("ckpt/last.keras")["epoch"])
     """
-    from tfhybrid.transform.api import transform
+    from tfhybrid.transformer.api import transform
 
     path = str(path)
     if os.path.isdir(path):
@@ -421,7 +421,7 @@ def read_meta(path) -> dict:
 
 
 def _load_sharded(directory, strategy, compile, options):
-    from tfhybrid.transform.api import transform
+    from tfhybrid.transformer.api import transform
 
     manifest = read_manifest(directory)
     grid = runtime.current_grid()
@@ -643,7 +643,7 @@ def save_sharded(model, directory, epoch=None, step=None, redundant=False):
     import shutil
 
     from tfhybrid.comm import backend
-    from tfhybrid.transform.api import info_of
+    from tfhybrid.transformer.api import info_of
 
     directory = os.path.abspath(str(directory))
     parent = os.path.dirname(directory)

@@ -106,7 +106,7 @@ def _model_problem(name, flag="MODEL"):
 
 def _check_plan_args(args):
     """Every problem with the arguments and files of ``plan`` that needs no model (cheap)."""
-    from tfhybrid.oracle.predict import STRATEGY_NAMES  # noqa: WPS433
+    from tfhybrid.oracle.api import STRATEGY_NAMES  # noqa: WPS433
     problems = [_positive(args.p, "--np", 8), _positive(args.batch, "--batch", 256),
                 _positive(args.dataset_size, "--dataset-size", 1281167)]
     if args.strategies is not None:
@@ -255,7 +255,7 @@ def _calibrate_args(ap):
 
 @command("calibrate", "fit alpha/beta, flop rate, layer times and gamma on this machine")
 def calibrate(args):
-    from tfhybrid.oracle import calibrate_run  # noqa: WPS433
+    from tfhybrid.oracle.calibration import run as calibrate_run  # noqa: WPS433
     problems = [_writable_path(args.output, "-o", "machine.json"), _positive(args.sizes, "--sizes", 6),
                 _positive(args.reps, "--reps", 5), _positive(args.batch, "--batch", 8)]
     if args.max_bytes < 4096:

@@ -106,7 +106,7 @@ class State:
         """Save the full state in memory on every rank (collective); raises
         Horovod's ``HostsUpdatedInterrupt`` when workers were added or removed."""
         from tfhybrid import checkpoint
-        from tfhybrid.transform.gather import gather
+        from tfhybrid.transformer.gather import gather
 
         full = gather(self.model)
         state = checkpoint.gather_optimizer_state(self.model)
@@ -127,7 +127,7 @@ class State:
     def _rebuild(self, snapshot):
         from tfhybrid import checkpoint
         from tfhybrid.comm import backend
-        from tfhybrid.transform.api import transform
+        from tfhybrid.transformer.api import transform
 
         size = backend.size()
         mp = _model_parallel_for(size, self.model_parallel)

@@ -6,7 +6,7 @@ Horovod reports and registered as process sets by :mod:`tfhybrid.comm`.
 from __future__ import annotations
 
 from tfhybrid.config import Config
-from tfhybrid.grid import ProcessGrid
+from tfhybrid.process_grid import ProcessGrid
 
 _STATE = {"grid": None, "args": None, "config": None}
 
@@ -25,7 +25,7 @@ def init(model_parallel: int = 1, config: Config | None = None) -> ProcessGrid:
             timeouts, GPU pinning).
 
     Returns:
-        The :class:`tfhybrid.grid.ProcessGrid` of this rank.
+        The :class:`tfhybrid.process_grid.ProcessGrid` of this rank.
 
     Raises:
         ValueError: if ``model_parallel`` does not divide the world size, or
@@ -112,7 +112,7 @@ def current_grid() -> ProcessGrid:
 
 
 def grid() -> ProcessGrid:
-    """This rank's process grid (see :class:`tfhybrid.grid.ProcessGrid`)."""
+    """This rank's process grid (see :class:`tfhybrid.process_grid.ProcessGrid`)."""
     return current_grid()
 
 

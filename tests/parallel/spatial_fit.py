@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfhybrid
-from tfhybrid.transform import gather, transform
+from tfhybrid.transformer import gather, transform
 
 LR, LOSS = 0.1, "sparse_categorical_crossentropy"
 _REFERENCES = {}

@@ -24,7 +24,7 @@ def spec(tmp_path_factory):
     tag = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "0")   # same on every rank of the job
     path = f"/tmp/tfh_calib_model_{tag}_{rank}.keras"
     model.save(path)
-    from tfhybrid.oracle.calibrate import sync
+    from tfhybrid.oracle.calibration.fit import sync
     out = f"/tmp/tfh_calib_{tag}.json"
     assert main(["calibrate", "-o", out, "--quick", "--model", path, "--batch", "4"]) == 0
     sync(backend)

@@ -18,7 +18,7 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid.comm import backend
 from tfhybrid.layers import SpatialConv2D
-from tfhybrid.layers.spatial_plan import AxisGeometry
+from tfhybrid.spatial_geometry import AxisGeometry
 from tfhybrid.layout import layout_of
 
 from conftest import randn, world_size

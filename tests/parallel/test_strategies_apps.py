@@ -77,7 +77,7 @@ import tensorflow as tf
 
 import tfhybrid
 from tfhybrid.comm import backend
-from tfhybrid.transform import describe, gather, transform
+from tfhybrid.transformer import describe, gather, transform
 
 from conftest import randn, rng, world_size
 

@@ -105,8 +105,8 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid.comm import backend
 from tfhybrid.layers import SpatialZeroPadding2D
-from tfhybrid.transform import gather, transform
-from tfhybrid.transform.api import info_of
+from tfhybrid.transformer import gather, transform
+from tfhybrid.transformer.api import info_of
 
 from conftest import randn, rng, world_size
 from test_spatial_conv import GRAD, check_against, grid_of_split, valid_size

@@ -22,7 +22,7 @@ import pytest
 
 import tfhybrid
 from tfhybrid import cli, oracle, runtime
-from tfhybrid.grid import ProcessGrid
+from tfhybrid.process_grid import ProcessGrid
 from tfhybrid.oracle import paradl_io
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

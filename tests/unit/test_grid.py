@@ -1,7 +1,7 @@
 """ProcessGrid: layout, groups, validation (pure Python, no Horovod)."""
 import pytest
 
-from tfhybrid.grid import ProcessGrid
+from tfhybrid.process_grid import ProcessGrid
 
 
 @pytest.mark.parametrize("size,mp", [(1, 1), (2, 1), (2, 2), (4, 2), (8, 4), (6, 3), (12, 4)])

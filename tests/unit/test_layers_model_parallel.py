@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfhybrid.grid import Group
+from tfhybrid.process_grid import Group
 from tfhybrid.layers import (ChannelParallelConv2D, ChannelParallelDense, FilterParallelConv2D,
                              FilterParallelDense, ModuloInverseLayer, ModuloLayer, ShardLayer,
                              SyncBatchNormalization)

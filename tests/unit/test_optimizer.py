@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfhybrid
-from tfhybrid.grid import Group, ProcessGrid
+from tfhybrid.process_grid import Group, ProcessGrid
 from tfhybrid.layout import VariableLayout, set_layout
 from tfhybrid.optimizer import (DistributedOptimizer, mark_prereduced, plan_buckets,
                                 reduction_of, replicate_fc_gradients)

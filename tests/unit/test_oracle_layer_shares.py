@@ -3,7 +3,7 @@ timed alone, the whole-model slope split by those times (not by FLOPs)."""
 import keras
 import pytest
 
-from tfhybrid.oracle import calibrate_run
+from tfhybrid.oracle.calibration import run as calibrate_run
 from tfhybrid.oracle.profile import profile
 
 

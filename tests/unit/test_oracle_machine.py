@@ -5,7 +5,7 @@ import math
 import pytest
 
 from tfhybrid.oracle import Machine, Prediction, as_machine, default_machine_path
-from tfhybrid.oracle import calibrate as cal
+from tfhybrid.oracle.calibration import fit as cal
 from tfhybrid.oracle import report
 
 BASE = {"alpha": 1e-5, "beta": 1e-9, "flop_rate": 1e10}

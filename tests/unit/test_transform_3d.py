@@ -6,11 +6,11 @@ tests/parallel/test_transform_3d.py."""
 import keras
 import pytest
 
-from tfhybrid.transform import rules
-from tfhybrid.transform.describe import _halo_bytes
-from tfhybrid.transform.graph import as_functional, describe_graph
-from tfhybrid.transform.options import spatial_grid
-from tfhybrid.transform.rewrite import _split_arg
+from tfhybrid.transformer import rules
+from tfhybrid.transformer.describe import _halo_bytes
+from tfhybrid.transformer.graph import as_functional, describe_graph
+from tfhybrid.transformer.options import spatial_grid
+from tfhybrid.transformer.rewrite import _split_arg
 
 from test_transform_spatial_cropping import plan_of
 

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfhybrid.transform import describe, gather, transform
+from tfhybrid.transformer import describe, gather, transform
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_transform_planner import cnn  # noqa: E402

@@ -14,11 +14,11 @@ import sys
 import keras
 import pytest
 
-from tfhybrid.grid import ProcessGrid
-from tfhybrid.transform import transform
-from tfhybrid.transform.graph import as_functional, describe_graph
-from tfhybrid.transform.options import make_options
-from tfhybrid.transform.planner import make_plan
+from tfhybrid.process_grid import ProcessGrid
+from tfhybrid.transformer import transform
+from tfhybrid.transformer.graph import as_functional, describe_graph
+from tfhybrid.transformer.options import make_options
+from tfhybrid.transformer.planner import make_plan
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_transform_planner import cnn  # noqa: E402

@@ -4,11 +4,11 @@ grid is a ProcessGrid value, Horovod is not involved."""
 import keras
 import pytest
 
-from tfhybrid.grid import ProcessGrid
-from tfhybrid.transform.graph import as_functional, describe_graph
-from tfhybrid.transform.options import make_options, spatial_grid
-from tfhybrid.transform.planner import make_plan
-from tfhybrid.transform.strategies import ccr
+from tfhybrid.process_grid import ProcessGrid
+from tfhybrid.transformer.graph import as_functional, describe_graph
+from tfhybrid.transformer.options import make_options, spatial_grid
+from tfhybrid.transformer.planner import make_plan
+from tfhybrid.transformer.strategies import ccr
 
 
 def cnn(filters=8, units=16, classes=4, size=8):

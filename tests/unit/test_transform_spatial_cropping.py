@@ -7,13 +7,13 @@ import keras
 import numpy as np
 import pytest
 
-from tfhybrid.grid import ProcessGrid
+from tfhybrid.process_grid import ProcessGrid
 from tfhybrid.layers import SpatialCropping2D, SpatialCropping3D
-from tfhybrid.layers.spatial_plan import AxisGeometry, AxisPlan
-from tfhybrid.transform import rules, transform
-from tfhybrid.transform.graph import as_functional, describe_graph
-from tfhybrid.transform.options import make_options
-from tfhybrid.transform.planner import make_plan
+from tfhybrid.spatial_geometry import AxisGeometry, AxisPlan
+from tfhybrid.transformer import rules, transform
+from tfhybrid.transformer.graph import as_functional, describe_graph
+from tfhybrid.transformer.options import make_options
+from tfhybrid.transformer.planner import make_plan
 
 CROP = ((3, 1), (1, 3))
 

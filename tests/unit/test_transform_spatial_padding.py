@@ -10,12 +10,12 @@ import functools
 import keras
 import pytest
 
-from tfhybrid.grid import ProcessGrid
-from tfhybrid.layers.spatial_plan import AxisGeometry, AxisPlan, window_output
-from tfhybrid.transform import rules
-from tfhybrid.transform.graph import as_functional, describe_graph
-from tfhybrid.transform.options import make_options
-from tfhybrid.transform.planner import make_plan
+from tfhybrid.process_grid import ProcessGrid
+from tfhybrid.spatial_geometry import AxisGeometry, AxisPlan, window_output
+from tfhybrid.transformer import rules
+from tfhybrid.transformer.graph import as_functional, describe_graph
+from tfhybrid.transformer.options import make_options
+from tfhybrid.transformer.planner import make_plan
 
 
 def stem(size=32, pad=3, pool_pad=1):

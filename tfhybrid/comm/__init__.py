@@ -2,7 +2,7 @@
 
 Public primitives (DESIGN.md's collective algebra), each differentiable with
 an explicit backward and taking ``group="model"|"data"|"world"`` or a
-:class:`tfhybrid.grid.Group`:
+:class:`tfhybrid.process_grid.Group`:
 
 ``split, gather, shard, reduce, copy, halo_exchange, batch_gather,
 batch_scatter``.

@@ -78,7 +78,7 @@ def halo_exchange(x, axis, lo, hi, group="model", name=None):
             the group's first rank).
         hi: Rows taken from the start of the next rank's block (zeros on the
             group's last rank).
-        group: Group name or :class:`tfhybrid.grid.Group`.
+        group: Group name or :class:`tfhybrid.process_grid.Group`.
         name: Base of the collective names.
 
     Returns:

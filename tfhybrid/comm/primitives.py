@@ -21,7 +21,7 @@ batch_scatter      R -> S(batch): own rows                allgather along batch
 =================  =====================================  ==============================
 
 Every primitive takes ``group`` ("model", "data", "world" or a
-:class:`tfhybrid.grid.Group`) and an optional ``name`` from which the
+:class:`tfhybrid.process_grid.Group`) and an optional ``name`` from which the
 Horovod collective names are derived deterministically. On a group of one
 rank each primitive is the identity.
 """
@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tfhybrid import runtime
 from tfhybrid.comm import backend
-from tfhybrid.grid import Group
+from tfhybrid.process_grid import Group
 
 
 def resolve_group(group) -> Group:
@@ -41,7 +41,7 @@ def resolve_group(group) -> Group:
     if isinstance(group, str):
         return runtime.current_grid().group(group)
     raise TypeError(f"Received an invalid `group`: {group!r}; expected 'model', 'data', "
-                    "'world' or a tfhybrid.grid.Group.")
+                    "'world' or a tfhybrid.process_grid.Group.")
 
 
 # -- axis helpers ------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Parallel Keras 3 layers of tfhybrid."""
 
-# -- spatial (domain) parallelism: tfhybrid/layers/spatial*.py ------------------
+# -- spatial (domain) parallelism: tfhybrid/layers/spatial/ ------------------
 from tfhybrid.layers.spatial import (SpatialAveragePooling2D, SpatialAveragePooling3D,  # noqa: F401
                                      SpatialConv2D, SpatialConv3D, SpatialCropping2D,
                                      SpatialCropping3D, SpatialGather,

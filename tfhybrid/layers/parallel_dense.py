@@ -84,7 +84,7 @@ class FilterParallelDense(_DenseOp, FilterParallel):
         kernel_regularizer, bias_regularizer, activity_regularizer,
         kernel_constraint, bias_constraint: As ``keras.layers.Dense``.
         group: Group the units are split over ("model", "data", "world" or a
-            :class:`tfhybrid.grid.Group`).
+            :class:`tfhybrid.process_grid.Group`).
         input_layout: ``"replicated"`` (default: the input is R and its
             gradient is all-reduced over the group, so it is R too) or
             ``"replicated_partial_grad"`` (the input gradient is left partial

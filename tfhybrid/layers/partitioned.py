@@ -37,7 +37,7 @@ from keras import activations, constraints, initializers, regularizers, ops
 
 from tfhybrid import comm
 from tfhybrid.comm import resolve_group
-from tfhybrid.grid import Group
+from tfhybrid.process_grid import Group
 from tfhybrid.layers.no_xla import NoXLA
 from tfhybrid.layout import VariableLayout, set_layout
 
@@ -224,7 +224,7 @@ class PartitionedLayer(NoXLA, keras.layers.Layer):
     # -- group ------------------------------------------------------------
     @property
     def comm_group(self) -> Group:
-        """The :class:`tfhybrid.grid.Group` this layer is partitioned over."""
+        """The :class:`tfhybrid.process_grid.Group` this layer is partitioned over."""
         return resolve_group(self.group)
 
     def _cname(self, what):

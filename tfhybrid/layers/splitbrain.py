@@ -71,7 +71,7 @@ class _GroupLayer(NoXLA, keras.layers.Layer):
 
     @property
     def comm_group(self):
-        """The :class:`tfhybrid.grid.Group` of this layer."""
+        """The :class:`tfhybrid.process_grid.Group` of this layer."""
         return resolve_group(self.group)
 
     def get_config(self):

@@ -75,7 +75,7 @@ class SyncBatchNormalization(NoXLA, keras.layers.BatchNormalization):
 
     Args:
         groups: Names ("data", "model", "world") or
-            :class:`tfhybrid.grid.Group` objects, or one of them. Several
+            :class:`tfhybrid.process_grid.Group` objects, or one of them. Several
             groups must be orthogonal (share only this rank), e.g.
             ``("data", "model")`` = the world; the moments are reduced over
             every rank reachable through them.

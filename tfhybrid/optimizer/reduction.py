@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Sequence, Tuple
 
-from tfhybrid.grid import Group, ProcessGrid
+from tfhybrid.process_grid import Group, ProcessGrid
 from tfhybrid.layout import layout_of
 
 _PREREDUCED = "_tfhybrid_prereduced"
@@ -64,7 +64,7 @@ def _group_size(group, grid: ProcessGrid, variable) -> int:
     raise ValueError(
         f"Variable {getattr(variable, 'path', variable)!r} has a 'partial' layout over "
         f"group={group!r}, which the DistributedOptimizer cannot size. Use 'model', "
-        "'data', 'world' or a tfhybrid.grid.Group as the layout's group.")
+        "'data', 'world' or a tfhybrid.process_grid.Group as the layout's group.")
 
 
 def reduction_of(variable, grid: ProcessGrid, op: str = "average") -> Reduction:

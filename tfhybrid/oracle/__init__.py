@@ -43,8 +43,8 @@ Example:
     208.0
 """
 from tfhybrid.oracle.machine import Machine, Tier, as_machine, default_machine_path
-from tfhybrid.oracle.predict import STRATEGY_NAMES, best, choose, predict, rank
-from tfhybrid.oracle.prediction import PHASES, Prediction
+from tfhybrid.oracle.api import STRATEGY_NAMES, best, choose, predict, rank
+from tfhybrid.oracle.record import PHASES, Prediction
 from tfhybrid.oracle.profile import LayerRow, ModelProfile, profile
 
 __all__ = ["profile", "predict", "rank", "choose", "best", "Machine", "Tier", "as_machine",

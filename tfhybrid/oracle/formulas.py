@@ -18,7 +18,10 @@ versions of these; this module is the reference for what each paper says.
 * Stanza Eq. 2-7: :func:`stanza_compute`, :func:`stanza_iteration`,
   :func:`stanza_throughput`, :func:`stanza_best_assignment`,
   :func:`ps_iteration`, :func:`ps_throughput` (bandwidth ``bw`` in items/s).
-* SplitBrain group model parallelism: :func:`splitbrain_param_memory`.
+* SplitBrain group model parallelism: :func:`splitbrain_param_memory`,
+  :func:`splitbrain_ccr` and :func:`splitbrain_partitions` (which Dense layers
+  ``gmp`` partitions; the transformer imports these, so what the oracle prices
+  is what ``transform`` builds).
 * Lee et al. replicated FC gradients: :func:`lee_fc_message_sizes`.
 
 Approximations are the papers' own: ring collectives, no overlap, no
@@ -190,6 +193,46 @@ def ps_throughput(n_w, K, t_ps):
 
 
 # -- SplitBrain and Lee et al. ------------------------------------------------
+
+SPLITBRAIN_CCR_THRESHOLD = 64.0
+"""Default CCR (FLOP per byte) from which ``gmp`` partitions a Dense layer."""
+
+
+def splitbrain_ccr(n_in, n_out, delta=4):
+    """SplitBrain's computation-to-communication ratio of a Dense layer.
+
+    FLOPs per example of forward and backward (``6 n_in n_out``: the forward
+    matmul and the input- and weight-gradient matmuls, 2 FLOPs per
+    multiply-add) over the bytes per example a partitioned layer moves (its
+    input and output activations, ``delta (n_in + n_out)``). Bias and
+    activation FLOPs are left out: the decision must not depend on them.
+
+    Args:
+        n_in: input features of the layer.
+        n_out: units of the layer.
+        delta: bytes per activation item (4 for float32, what the layers move).
+
+    Returns:
+        FLOP per byte; 0.0 when either size is 0 or unknown (None).
+
+    Example:
+        >>> round(splitbrain_ccr(4096, 1024), 1)   # SplitBrain's FC0 of VGG
+        1228.8
+    """
+    if not n_in or not n_out:
+        return 0.0
+    return 6.0 * n_in * n_out / (delta * (n_in + n_out))
+
+
+def splitbrain_partitions(ccr, threshold=SPLITBRAIN_CCR_THRESHOLD):
+    """Whether ``gmp`` partitions a Dense layer of this CCR (at the threshold: yes).
+
+    Example:
+        >>> splitbrain_partitions(64.0, 64.0), splitbrain_partitions(63.9, 64.0)
+        (True, False)
+    """
+    return ccr >= threshold
+
 
 def splitbrain_param_memory(conv_params, fc_params, mp, delta=4):
     """Parameter memory per worker under group MP: delta (conv + fc / mp)."""

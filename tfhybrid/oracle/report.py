@@ -4,7 +4,7 @@ The chart is ParaDL Fig. 3's view: one stacked bar per strategy (compute and
 each communication phase), infeasible strategies hatched and labelled.
 
 Example:
-    >>> from tfhybrid.oracle.prediction import Prediction
+    >>> from tfhybrid.oracle.record import Prediction
     >>> p = Prediction("d", 2, 8, 0.5, {"GE-allreduce": 0.1}, 0.0, 2e9, {}, True, ())
     >>> format_table([p]).splitlines()[2].split()[:3]
     ['1', 'd', 'yes']
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 
-from tfhybrid.oracle.prediction import PHASES
+from tfhybrid.oracle.record import PHASES
 
 _SHORT = {"FB-allgather": "FB-ag", "FB-allreduce": "FB-ar", "halo": "halo",
           "GE-allreduce": "GE-ar", "p2p": "p2p"}

@@ -29,7 +29,7 @@ allreduce assumed hidden (as in the paper), contention only via ``phi``.
 Example:
     >>> from tfhybrid.oracle.profile import LayerRow, ModelProfile
     >>> from tfhybrid.oracle.machine import Machine
-    >>> from tfhybrid.oracle.prediction import Context
+    >>> from tfhybrid.oracle.record import Context
     >>> row = LayerRow("fc", "dense", 100, 100, 0, 200, 400, 10, 10, 10, 10)
     >>> ctx = Context(ModelProfile("m", (row,), 10), Machine(0, 0, flop_rate=600), 4)
     >>> STRATEGIES["d"](ctx, 2).compute_s
@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 
 from tfhybrid.oracle import formulas
-from tfhybrid.oracle.prediction import Prediction, divisors
+from tfhybrid.oracle.record import Prediction, divisors
 
 STRATEGIES = {}
 

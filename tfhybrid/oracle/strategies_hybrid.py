@@ -11,9 +11,10 @@ ones, and returns each rank its own rows before the loss. Scheme ``"BK"`` (the d
 ``tfhybrid.transform`` builds) gathers all mp*b samples at once; ``"B/K"``
 (SplitBrain's) runs mp micro-steps of b/mp samples per rank (activation
 memory of b, mp times the latencies). Dense layers are partitioned when
-their CCR in FLOPs per byte moved (the row's per-item CCR / delta, as
-``tfhybrid.transform``'s ``ccr``) is at least ``ccr_threshold`` (default: the
-transformer's, 64) and ``mp`` divides their units; others stay replicated
+their CCR in FLOPs per byte moved
+(:func:`tfhybrid.oracle.formulas.splitbrain_ccr`, the function the transformer
+uses) is at least ``ccr_threshold`` (default
+:data:`tfhybrid.oracle.formulas.SPLITBRAIN_CCR_THRESHOLD`, 64) and ``mp`` divides their units; others stay replicated
 inside the group (recorded in ``options``).
 
 ``ls`` (Stanza, Eq. 2-7): n_c CONV workers run the layers before the first
@@ -34,8 +35,7 @@ from __future__ import annotations
 import math
 
 from tfhybrid.oracle import formulas
-from tfhybrid.oracle.prediction import divisors
-from tfhybrid.transform.options import DEFAULT_CCR_THRESHOLD
+from tfhybrid.oracle.record import divisors
 from tfhybrid.oracle.strategies import (STRATEGIES, _batch_reasons, _best, _result, pairs_of,
                                         strategy)
 
@@ -49,8 +49,10 @@ def _gmp_layers(ctx, mp, ccr_threshold):
         r = ctx.rows[i]
         if r.kind != "dense":
             continue
-        per_byte = r.ccr / ctx.delta
-        if per_byte < ccr_threshold:
+        # float32 activations, as the layers transform builds move them: the
+        # same function and threshold as the transformer, so the same layers.
+        per_byte = formulas.splitbrain_ccr(r.channels, r.filters)
+        if not formulas.splitbrain_partitions(per_byte, ccr_threshold):
             kept.append((r.name, f"CCR {per_byte:.3g} FLOP/B < threshold {ccr_threshold}"))
         elif r.filters % mp:
             kept.append((r.name, f"{r.filters} units not divisible by mp={mp}"))
@@ -125,8 +127,8 @@ def _param_mem(ctx, part, mp):
 
 
 @strategy("gmp")
-def group_model_parallel(ctx, p, mp=None, ccr_threshold=DEFAULT_CCR_THRESHOLD, scheme="BK",
-                         **_):
+def group_model_parallel(ctx, p, mp=None, ccr_threshold=formulas.SPLITBRAIN_CCR_THRESHOLD,
+                         scheme="BK", **_):
     """SplitBrain GMP with model groups of ``mp`` (searched over divisors of p)."""
     if scheme not in ("B/K", "BK"):
         raise ValueError(f"Received scheme={scheme!r} for gmp; expected 'B/K' or 'BK'.")

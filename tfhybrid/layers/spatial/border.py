@@ -1,5 +1,6 @@
-"""Spatially parallel zero padding: ``SpatialZeroPadding2D``, and the shared
-border re-blocking of padding and cropping layers (:class:`BorderReblocking`).
+"""Spatially parallel borders: zero padding (``SpatialZeroPadding2D/3D``),
+cropping (``SpatialCropping2D/3D``) and their shared re-blocking
+(:class:`BorderReblocking`).
 
 ``keras.layers.ZeroPadding2D`` on a tensor split into blocks over a group
 of ranks (as for :class:`tfhybrid.layers.SpatialConv2D`). Zeros are added
@@ -14,16 +15,19 @@ shifts the block boundaries (none for symmetric padding over two ranks,
 e.g. ResNet-50's stem). Zero padding has no weights; the backward of the
 halo exchange returns every row's gradient to the rank that owns the row.
 
-Cropping (:mod:`tfhybrid.layers.spatial_crop`) is the same operation with
-negative border rows: the first rank drops the top rows, the last rank the
-bottom rows, and the blocks are re-blocked the same way.
+Cropping is the same operation with negative border rows: the first rank
+drops the top rows, the last rank the bottom rows, and the blocks are
+re-blocked the same way. A rank receives from a neighbour the rows by which
+the crop shifts the block boundaries (none for a symmetric crop over two
+ranks); the gradient of a cropped row is zero and every kept row's gradient
+returns to the rank that owns the row.
 """
 from __future__ import annotations
 
 import keras
 
-from tfhybrid.layers import spatial_core as core
-from tfhybrid.layers import spatial_plan as sp
+from tfhybrid.layers.spatial import core
+from tfhybrid import spatial_geometry as sp
 
 _SPATIAL_KEYS = ("split", "group")
 
@@ -193,3 +197,85 @@ class SpatialZeroPadding3D(BorderReblocking, keras.layers.ZeroPadding3D):
 
 
 __all__ = ["BorderReblocking", "SpatialZeroPadding2D", "SpatialZeroPadding3D"]
+
+
+# -- cropping: padding by a negative number of rows --------------------------------
+
+def _negated(pairs):
+    return tuple((-int(lo), -int(hi)) for lo, hi in pairs)
+
+
+@keras.saving.register_keras_serializable(package="tfhybrid")
+class SpatialCropping2D(BorderReblocking, keras.layers.Cropping2D):
+    """Cropping of an NHWC input split into blocks over a group of ranks.
+
+    Equals ``keras.layers.Cropping2D`` on the full input, block by block:
+    concatenating the ranks' outputs gives the cropped full tensor, split
+    into equal blocks (e.g. U-Net's crop of an encoder feature map before
+    it joins the decoder).
+
+    Args:
+        cropping: As ``keras.layers.Cropping2D``: an int, ``(rows, cols)``
+            or ``((top, bottom), (left, right))``.
+        split: "height", "width" or a block grid ``(ph, pw)``.
+        group: Group the blocks are split over.
+        **kwargs: Keras layer arguments (``name``, ``dtype``; channels_last
+            only).
+
+    Raises:
+        ValueError: if the cropped size of a split axis does not divide over
+            its ranks, or the re-blocking needs more rows than a block holds
+            (the message gives the nearest valid global sizes).
+
+    Example:
+        >>> crop = SpatialCropping2D(((3, 1), (2, 2)), split="height")   # on 2 ranks
+        >>> y = crop(x_block)    # global (B, 20, 20, C) -> (B, 16, 16, C): (B, 8, 16, C) here
+    """
+
+    _ndim = 2
+    _keras_class = keras.layers.Cropping2D
+
+    def __init__(self, cropping=((0, 0), (0, 0)), split="height", group="model", **kwargs):
+        super().__init__(cropping=cropping, **kwargs)
+        self._init_border(split, group)
+
+    def _border(self):
+        return _negated(self.cropping)
+
+
+@keras.saving.register_keras_serializable(package="tfhybrid")
+class SpatialCropping3D(BorderReblocking, keras.layers.Cropping3D):
+    """Cropping of an NDHWC input split into blocks over a group of ranks.
+
+    The 3-D counterpart of :class:`SpatialCropping2D` (volumes, as split by
+    :class:`tfhybrid.layers.SpatialConv3D`).
+
+    Args:
+        cropping: As ``keras.layers.Cropping3D``: an int, a triple, or
+            ``((d0, d1), (h0, h1), (w0, w1))``.
+        split: "depth", "height", "width" or a block grid ``(pd, ph, pw)``.
+        group: Group the blocks are split over.
+        **kwargs: Keras layer arguments (``name``, ``dtype``; channels_last
+            only).
+
+    Raises:
+        ValueError: as :class:`SpatialCropping2D`.
+
+    Example:
+        >>> crop = SpatialCropping3D(((0, 0), (1, 1), (0, 0)), split="height")
+        >>> y = crop(x_block)    # global (B, 8, 10, 8, C) -> (B, 8, 8, 8, C)
+    """
+
+    _ndim = 3
+    _keras_class = keras.layers.Cropping3D
+
+    def __init__(self, cropping=((1, 1), (1, 1), (1, 1)), split="depth", group="model",
+                 **kwargs):
+        super().__init__(cropping=cropping, **kwargs)
+        self._init_border(split, group)
+
+    def _border(self):
+        return _negated(self.cropping)
+
+
+__all__ = ["SpatialCropping2D", "SpatialCropping3D"]

@@ -27,29 +27,23 @@ from __future__ import annotations
 import math
 from typing import Dict
 
-from tfhybrid.transform import rules
-from tfhybrid.transform.layouts import REPLICATED, ROWS, Layout
-from tfhybrid.layers.spatial_plan import SPATIAL_AXES
-from tfhybrid.transform.options import default_spatial, spatial_grid
+from tfhybrid.oracle import formulas
+from tfhybrid.transformer import rules
+from tfhybrid.transformer.layouts import REPLICATED, ROWS, Layout
+from tfhybrid.spatial_geometry import SPATIAL_AXES
+from tfhybrid.transformer.options import default_spatial, spatial_grid
 
 _OVERRIDE_KINDS = {"f": "filter", "c": "channel", "s": "spatial", "replicate": "replicate"}
 
 
 def ccr(node) -> float:
-    """Computation-to-communication ratio of a Dense layer (SplitBrain's CCR).
-
-    FLOPs per example of forward and backward (6 x in x out) over the bytes
-    per example a partitioned layer moves (float32 input and output
-    activations, 4 x (in + out)).
+    """SplitBrain's CCR of a Dense layer node (:func:`tfhybrid.oracle.formulas.splitbrain_ccr`).
 
     Example:
         >>> round(ccr(node_of(Dense(1024), in=4096)), 1)   # SplitBrain FC0
         1228.8
     """
-    n_in, n_out = node.in_channels or 0, node.attr("units") or 0
-    if not n_in or not n_out:
-        return 0.0
-    return 6.0 * n_in * n_out / (4.0 * (n_in + n_out))
+    return formulas.splitbrain_ccr(node.in_channels or 0, node.attr("units") or 0)
 
 
 class Strategy:
@@ -173,7 +167,7 @@ class GroupModelParallel(Strategy):
         return super().context(grid, opts, graph)
 
     def default_kind(self, node, ctx, opts):
-        if node.cls == "Dense" and ctx.model_size > 1 and ccr(node) >= opts.ccr_threshold:
+        if node.cls == "Dense" and ctx.model_size > 1 and formulas.splitbrain_partitions(ccr(node), opts.ccr_threshold):
             return "filter"
         return None
 

@@ -11,12 +11,12 @@ import dataclasses
 
 from tfhybrid import runtime
 from tfhybrid.layout import layout_of, set_layout
-from tfhybrid.transform.graph import as_functional, describe_graph
-from tfhybrid.transform.options import BUILDABLE, make_options, options_for
-from tfhybrid.transform.planner import make_plan
-from tfhybrid.transform.rewrite import rewrite
-from tfhybrid.transform.root_weights import root_weights
-from tfhybrid.transform.source import record as record_source
+from tfhybrid.transformer.graph import as_functional, describe_graph
+from tfhybrid.transformer.options import BUILDABLE, make_options, options_for
+from tfhybrid.transformer.planner import make_plan
+from tfhybrid.transformer.rewrite import rewrite
+from tfhybrid.transformer.root_weights import root_weights
+from tfhybrid.transformer.source import record as record_source
 
 INFO_ATTR = "_tfhybrid_transform"
 BATCH_SPLIT_ATTR = "_tfhybrid_batch_split"
@@ -26,10 +26,10 @@ class TransformInfo:
     """What a transformed model remembers about its origin (not tracked by Keras).
 
     Attributes:
-        plan: The :class:`~tfhybrid.transform.planner.Plan` it was built from.
-        graph: The original model's :class:`~tfhybrid.transform.graph.GraphSpec`.
+        plan: The :class:`~tfhybrid.transformer.planner.Plan` it was built from.
+        graph: The original model's :class:`~tfhybrid.transformer.graph.GraphSpec`.
         source: JSON of the original model's Keras serialization (architecture only).
-        grid: The :class:`tfhybrid.grid.ProcessGrid` it was built for.
+        grid: The :class:`tfhybrid.process_grid.ProcessGrid` it was built for.
         objects: Live classes/functions ``source`` needs in this process
             (unregistered custom layers, Lambda functions; see :mod:`.source`).
     """
@@ -63,7 +63,7 @@ def transform(model, strategy="d", **options):
             ``spatial_layers`` (s/ds); ``layers`` (per-layer overrides
             ``{"fc1": "f", "fc2": "c", "conv1": "replicate"}``); ``fallback``
             (``"error"`` or ``"replicate"``). See
-            :class:`~tfhybrid.transform.options.TransformOptions`.
+            :class:`~tfhybrid.transformer.options.TransformOptions`.
 
     Returns:
         A Functional Keras model. Compile it with

@@ -14,7 +14,7 @@ Three passes over the layer calls in topological order:
    Dense/Conv2D through channel-preserving layers keeps its output split
    and that consumer becomes channel-parallel on the split input (one
    all-reduce per pair instead of a gather per layer, DESIGN.md).
-3. **propagate** — each layer's :class:`~tfhybrid.transform.rules.Rule`
+3. **propagate** — each layer's :class:`~tfhybrid.transformer.rules.Rule`
    states the input layouts it needs; a boundary (ModuloLayer, spatial
    scatter/gather, ...) is planned wherever a producer's layout differs.
 
@@ -28,9 +28,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Tuple
 
-from tfhybrid.transform import rules
-from tfhybrid.transform.layouts import Layout, convert
-from tfhybrid.transform.strategies import _OVERRIDE_KINDS, strategy_for
+from tfhybrid.transformer import rules
+from tfhybrid.transformer.layouts import Layout, convert
+from tfhybrid.transformer.strategies import _OVERRIDE_KINDS, strategy_for
 
 _PAIR_THROUGH = tuple(c for c in rules.ELEMENTWISE if c != "Softmax") + (
     "Activation", "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
@@ -89,9 +89,9 @@ def make_plan(graph, opts, grid) -> Plan:
     """Plan the rewrite of ``graph`` under ``opts`` on ``grid``.
 
     Args:
-        graph: :class:`~tfhybrid.transform.graph.GraphSpec` of the model.
-        opts: :class:`~tfhybrid.transform.options.TransformOptions`.
-        grid: :class:`tfhybrid.grid.ProcessGrid` (only its sizes are read).
+        graph: :class:`~tfhybrid.transformer.graph.GraphSpec` of the model.
+        opts: :class:`~tfhybrid.transformer.options.TransformOptions`.
+        grid: :class:`tfhybrid.process_grid.ProcessGrid` (only its sizes are read).
 
     Returns:
         The :class:`Plan`.

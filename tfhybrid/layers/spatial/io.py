@@ -13,8 +13,8 @@ import keras
 import tensorflow as tf
 
 from tfhybrid import comm
-from tfhybrid.layers import spatial_core as core
-from tfhybrid.layers import spatial_plan as sp
+from tfhybrid.layers.spatial import core
+from tfhybrid import spatial_geometry as sp
 
 
 class _SpatialIO(core.SpatialMixin, keras.layers.Layer):

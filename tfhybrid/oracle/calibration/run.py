@@ -1,6 +1,6 @@
 """The ``tfhybrid calibrate`` job: compute timings and the machine JSON it writes.
 
-See :mod:`tfhybrid.oracle.calibrate` for what is measured and the fits. This
+See :mod:`tfhybrid.oracle.calibration.fit` for what is measured and the fits. This
 module runs TensorFlow/Keras (and Horovod through :mod:`tfhybrid.comm`);
 only ``tfhybrid calibrate`` imports it.
 
@@ -14,7 +14,7 @@ import os
 import resource
 import time
 
-from tfhybrid.oracle import calibrate as cal
+from tfhybrid.oracle.calibration import fit as cal
 from tfhybrid.oracle.machine import Machine
 
 
@@ -234,7 +234,7 @@ def _group_sizes(world):
 
 def _model_part(model_name, batches, log, reps=5):
     from tfhybrid.oracle.models import build_model  # noqa: WPS433
-    from tfhybrid.oracle.predict import predict  # noqa: WPS433
+    from tfhybrid.oracle.api import predict  # noqa: WPS433
     model = build_model(model_name)
     naive = predict(model, "serial", 1, batches[0],
                     {"alpha": 0, "beta": 0, "flop_rate": 1.0}).memory_bytes

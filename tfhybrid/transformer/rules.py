@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Tuple
 
-from tfhybrid.layers.spatial_plan import SPATIAL_AXES, AxisGeometry
-from tfhybrid.transform.layouts import Layout
+from tfhybrid.spatial_geometry import SPATIAL_AXES, AxisGeometry
+from tfhybrid.transformer.layouts import Layout
 
 # Layers computed independently per element (or per example): any layout passes.
 ELEMENTWISE = ("ReLU", "LeakyReLU", "ELU", "Dropout", "GaussianNoise", "GaussianDropout",
@@ -250,7 +250,7 @@ def spatial_problem(node, spatial) -> Optional[str]:
     volumes), or None when it can.
 
     Uses the geometry of the spatial layers
-    (:class:`tfhybrid.layers.spatial_plan.AxisGeometry`): both sizes of
+    (:class:`tfhybrid.spatial_geometry.AxisGeometry`): both sizes of
     every split axis divide, and the halo fits in one block.
 
     Example:

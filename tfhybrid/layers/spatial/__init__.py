@@ -14,16 +14,16 @@ work on blocks unchanged. Every layer here equals its Keras counterpart on
 the full input, block by block, in outputs and gradients; convolution
 weights are partial over the group (``VariableLayout("partial", group)``).
 
-Modules: :mod:`spatial_plan` (geometry, pure Python), :mod:`spatial_core`
-(halo assembly and overlapped execution), :mod:`spatial_conv`,
-:mod:`spatial_pool`, :mod:`spatial_io`, :mod:`spatial_pad` (zero padding),
-:mod:`spatial_crop` (cropping).
+Modules: :mod:`tfhybrid.spatial_geometry` (which rows each rank holds and
+needs; pure Python, beside the process grid), :mod:`.core` (halo assembly and
+overlapped execution), :mod:`.conv`, :mod:`.pool`, :mod:`.io` (scatter and
+gather), :mod:`.border` (zero padding and cropping).
 """
-from tfhybrid.layers.spatial_conv import SpatialConv2D, SpatialConv3D
-from tfhybrid.layers.spatial_crop import SpatialCropping2D, SpatialCropping3D
-from tfhybrid.layers.spatial_io import SpatialGather, SpatialScatter
-from tfhybrid.layers.spatial_pad import SpatialZeroPadding2D, SpatialZeroPadding3D
-from tfhybrid.layers.spatial_pool import (SpatialAveragePooling2D, SpatialAveragePooling3D,
+from tfhybrid.layers.spatial.conv import SpatialConv2D, SpatialConv3D
+from tfhybrid.layers.spatial.border import (SpatialCropping2D, SpatialCropping3D,
+                                            SpatialZeroPadding2D, SpatialZeroPadding3D)
+from tfhybrid.layers.spatial.io import SpatialGather, SpatialScatter
+from tfhybrid.layers.spatial.pool import (SpatialAveragePooling2D, SpatialAveragePooling3D,
                                           SpatialMaxPooling2D, SpatialMaxPooling3D)
 
 __all__ = ["SpatialConv2D", "SpatialConv3D", "SpatialMaxPooling2D", "SpatialMaxPooling3D",

@@ -11,13 +11,14 @@ import dataclasses
 import math
 from typing import Dict, Optional, Tuple, Union
 
-from tfhybrid.layers.spatial_plan import SPATIAL_AXES
+from tfhybrid.oracle.formulas import SPLITBRAIN_CCR_THRESHOLD
+from tfhybrid.spatial_geometry import SPATIAL_AXES
 
 STRATEGIES = ("d", "f", "c", "s", "df", "ds", "gmp", "auto")
 FALLBACKS = ("error", "replicate")
 LAYER_KINDS = ("f", "c", "s", "replicate")
 MODULO_SCHEMES = ("BK", "B/K")
-DEFAULT_CCR_THRESHOLD = 64.0
+DEFAULT_CCR_THRESHOLD = SPLITBRAIN_CCR_THRESHOLD   # one definition: tfhybrid.oracle.formulas
 
 # Options that only some strategies read.
 _APPLIES = {
@@ -43,7 +44,7 @@ class TransformOptions:
             ``model_parallel``).
         ccr_threshold: gmp partitions a Dense layer when its
             computation-to-communication ratio (FLOPs per byte moved, see
-            :func:`tfhybrid.transform.strategies.ccr`) is at least this.
+            :func:`tfhybrid.transformer.strategies.ccr`) is at least this.
         modulo: gmp's ModuloLayer scheme (SplitBrain): ``"BK"`` (default;
             the model-parallel region runs once on the group's K*B rows) or
             ``"B/K"`` (K micro-steps of B rows, each recomputed in the

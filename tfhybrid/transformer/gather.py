@@ -14,9 +14,9 @@ import json
 import keras
 
 from tfhybrid.comm import backend
-from tfhybrid.transform.api import info_of
-from tfhybrid.transform.rewrite import find_layer
-from tfhybrid.transform.source import rebuild
+from tfhybrid.transformer.api import info_of
+from tfhybrid.transformer.rewrite import find_layer
+from tfhybrid.transformer.source import rebuild
 
 _SLICED = ("filter", "channel")
 

@@ -28,7 +28,7 @@ import dataclasses
 import math
 from typing import Optional, Sequence, Tuple
 
-from tfhybrid.grid import Group, _ravel, _unravel
+from tfhybrid.process_grid import Group, _ravel, _unravel
 
 SPATIAL_AXES = {2: ("height", "width"), 3: ("depth", "height", "width")}
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from tfhybrid.layers import spatial_core as core
+from tfhybrid.layers.spatial import core
 from tfhybrid.layout import VariableLayout, set_layout
 
 _SPATIAL_KEYS = ("split", "group", "overlap")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tfhybrid.oracle import strategies_hybrid  # noqa: F401 (registers gmp, ls)
 from tfhybrid.oracle.machine import as_machine
-from tfhybrid.oracle.prediction import Context, Prediction
+from tfhybrid.oracle.record import Context, Prediction
 from tfhybrid.oracle.profile import ModelProfile, profile
 from tfhybrid.oracle.strategies import STRATEGIES
 
@@ -138,7 +138,7 @@ def choose(model_or_profile, p: int | None = None, batch: int | None = None, mac
             never assumed).
         strategies: Candidate names (default: all but ``exclude``).
         exclude: Names never chosen (serial by default, since p ranks exist).
-        grid: A ``tfhybrid.grid.ProcessGrid``: sets p = grid.size and
+        grid: A ``tfhybrid.process_grid.ProcessGrid``: sets p = grid.size and
             model_parallel = grid.model_size.
         model_parallel: Restrict to strategies with model groups of this size.
 

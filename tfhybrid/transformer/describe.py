@@ -16,9 +16,9 @@ from typing import List, Tuple
 import numpy as np
 
 from tfhybrid.optimizer.reduction import reduction_of
-from tfhybrid.transform import rules
-from tfhybrid.transform.api import info_of
-from tfhybrid.transform.rewrite import find_layer
+from tfhybrid.transformer import rules
+from tfhybrid.transformer.api import info_of
+from tfhybrid.transformer.rewrite import find_layer
 
 _F32 = 4
 

@@ -128,7 +128,7 @@ class ProcessGrid:
         if name == "data":
             return Group("data", self.data_group_ranks(self.model_rank), self.data_rank)
         raise ValueError(f"Received an invalid group name: {name!r}; expected one of "
-                         f"{GROUP_NAMES} or a tfhybrid.grid.Group.")
+                         f"{GROUP_NAMES} or a tfhybrid.process_grid.Group.")
 
     def all_groups(self) -> Tuple[Tuple[int, ...], ...]:
         """Every model and data group of the world (same order on all ranks).

@@ -14,8 +14,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from tfhybrid.layers import spatial_core as core
-from tfhybrid.layers.spatial_plan import window_output
+from tfhybrid.layers.spatial import core
+from tfhybrid.spatial_geometry import window_output
 
 
 class _SpatialPool(core.SpatialMixin):

@@ -1,6 +1,6 @@
 """Execution of a sliding-window op on a block-split tensor (TensorFlow side).
 
-:mod:`tfhybrid.layers.spatial_plan` says which rows each rank needs; this
+:mod:`tfhybrid.spatial_geometry` says which rows each rank needs; this
 module moves them (``tfhybrid.comm.halo_exchange``, one spatial axis after
 the other so that corner blocks of a 2-D/3-D grid travel through the
 neighbour that already received them), pads the global border locally with
@@ -24,7 +24,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfhybrid import comm, runtime
-from tfhybrid.layers import spatial_plan as sp
+from tfhybrid import spatial_geometry as sp
 from tfhybrid.layers.no_xla import NoXLA
 
 

@@ -1,4 +1,4 @@
-"""Build the parallel Keras model of a :class:`~tfhybrid.transform.planner.Plan`.
+"""Build the parallel Keras model of a :class:`~tfhybrid.transformer.planner.Plan`.
 
 The original Functional graph is re-run node by node
 (``Functional._run_through_graph``, the walk ``keras.models.clone_model``
@@ -17,8 +17,8 @@ import keras
 
 from tfhybrid import layers as P
 from tfhybrid.layers.partitioned import PARTIAL_GRAD, REPLICATED
-from tfhybrid.layers.spatial_plan import SPATIAL_AXES
-from tfhybrid.transform.source import copy_layer
+from tfhybrid.spatial_geometry import SPATIAL_AXES
+from tfhybrid.transformer.source import copy_layer
 
 GROUP = "model"
 
@@ -230,8 +230,8 @@ def rewrite(model, plan, grid, modulo="BK"):
 
     Args:
         model: A built Functional model (see ``graph.as_functional``).
-        plan: Its :class:`~tfhybrid.transform.planner.Plan`.
-        grid: This rank's :class:`tfhybrid.grid.ProcessGrid`.
+        plan: Its :class:`~tfhybrid.transformer.planner.Plan`.
+        grid: This rank's :class:`tfhybrid.process_grid.ProcessGrid`.
         modulo: ``"BK"`` or ``"B/K"``: the scheme of gmp's ModuloLayer.
 
     Returns:

@@ -39,7 +39,9 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
-KINDS = ("replicated", "partial", "sharded")
+from tfhybrid._compat import module_aliases
+
+WEIGHT_LAYOUT_KINDS = ("replicated", "partial", "sharded")
 _ATTR = "_tfhybrid_layout"
 _SLOT_ATTR = "_tfhybrid_slot_of"
 
@@ -64,11 +66,12 @@ class VariableLayout:
     grad_scale: float = 1.0
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"Received an invalid layout kind: {self.kind!r}; expected one of {KINDS}.")
+        if self.kind not in WEIGHT_LAYOUT_KINDS:
+            raise ValueError(f"Received an invalid layout kind: {self.kind!r}; expected one of "
+                             f"{WEIGHT_LAYOUT_KINDS}.")
 
 
-REPLICATED = VariableLayout()
+REPLICATED_WEIGHT = VariableLayout()
 
 
 def set_layout(variable, layout: VariableLayout):
@@ -86,7 +89,7 @@ def layout_of(variable) -> VariableLayout:
     if layout is not None:
         return layout
     owner = slot_owner(variable)
-    return layout_of(owner) if owner is not None else REPLICATED
+    return layout_of(owner) if owner is not None else REPLICATED_WEIGHT
 
 
 def set_slot_of(slot, variable):
@@ -104,3 +107,7 @@ def slot_owner(slot):
     """The model variable ``slot`` was linked to by :func:`set_slot_of`, or None."""
     ref = getattr(slot, _SLOT_ATTR, None)
     return ref() if ref is not None else None
+
+
+__getattr__ = module_aliases(__name__, globals(), {"KINDS": "WEIGHT_LAYOUT_KINDS",
+                                                  "REPLICATED": "REPLICATED_WEIGHT"})

@@ -54,7 +54,7 @@ def test_default_machine_file_is_valid():
 def test_fit_alpha_beta_recovers_parameters():
     alpha, beta = 2e-4, 3e-9
     samples = []
-    for kind in cal.KINDS:
+    for kind in cal.COLLECTIVE_KINDS:
         for p in (2, 4):
             for m in (1e3, 1e5, 1e6):
                 ca, cb = cal.design_row(kind, p, m)
@@ -69,7 +69,7 @@ def test_fit_alpha_beta_recovers_parameters():
 def test_fit_collective_costs_recovers_latency_alpha_beta():
     lat, alpha, beta = 1.5e-3, 2e-4, 3e-9
     samples = []
-    for kind in cal.KINDS:
+    for kind in cal.COLLECTIVE_KINDS:
         for m in (4e3, 1e5, 2e6):
             ca, cb = cal.design_row(kind, 4, m)
             samples.append((kind, 4, m, lat + ca * alpha + cb * beta))

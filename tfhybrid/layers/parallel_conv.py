@@ -16,7 +16,7 @@ import math
 import keras
 from keras import ops
 
-from tfhybrid.layers.partitioned import REPLICATED, ChannelParallel, FilterParallel
+from tfhybrid.layers.partitioned import IO_REPLICATED, ChannelParallel, FilterParallel
 
 _PACKAGE = "tfhybrid"
 
@@ -50,7 +50,7 @@ class _Conv2DOp:
                  kernel_initializer="glorot_uniform", bias_initializer="zeros",
                  kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None,
                  kernel_constraint=None, bias_constraint=None, group="model",
-                 input_layout=REPLICATED, output_layout=REPLICATED, **kwargs):
+                 input_layout=IO_REPLICATED, output_layout=IO_REPLICATED, **kwargs):
         super().__init__(activation, use_bias, kernel_initializer, bias_initializer,
                          kernel_regularizer, bias_regularizer, activity_regularizer,
                          kernel_constraint, bias_constraint, group, input_layout,

@@ -36,15 +36,16 @@ import tensorflow as tf
 from keras import activations, constraints, initializers, regularizers, ops
 
 from tfhybrid import comm
+from tfhybrid._compat import module_aliases
 from tfhybrid.comm import resolve_group
 from tfhybrid.process_grid import Group
 from tfhybrid.layers.no_xla import NoXLA
 from tfhybrid.layout import VariableLayout, set_layout
 
-REPLICATED = "replicated"
-PARTIAL_GRAD = "replicated_partial_grad"
-SPLIT = "split"
-PARTIAL = "partial"
+IO_REPLICATED = "replicated"
+IO_PARTIAL_GRAD = "replicated_partial_grad"
+IO_SPLIT = "split"
+IO_PARTIAL = "partial"
 
 # Activations that mix the channel axis: wrong on a block or a partial sum.
 _CHANNEL_MIXING = ("softmax", "log_softmax")
@@ -203,7 +204,7 @@ class PartitionedLayer(NoXLA, keras.layers.Layer):
     def __init__(self, activation=None, use_bias=True, kernel_initializer="glorot_uniform",
                  bias_initializer="zeros", kernel_regularizer=None, bias_regularizer=None,
                  activity_regularizer=None, kernel_constraint=None, bias_constraint=None,
-                 group="model", input_layout=REPLICATED, output_layout=REPLICATED, **kwargs):
+                 group="model", input_layout=IO_REPLICATED, output_layout=IO_REPLICATED, **kwargs):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         self.activation = activations.get(activation)
         self.use_bias = bool(use_bias)
@@ -238,7 +239,7 @@ class PartitionedLayer(NoXLA, keras.layers.Layer):
             raise ValueError(
                 f"Layer '{self.name}': activation={self._activation_name()!r} mixes the "
                 f"channel axis and cannot be applied to {why}; use output_layout="
-                f"'{REPLICATED}' or apply the activation after the gather/reduce.")
+                f"'{IO_REPLICATED}' or apply the activation after the gather/reduce.")
 
     # -- weights ------------------------------------------------------------
     def _add_weights(self, kernel_shape, kernel_layout, bias_shape, bias_layout):
@@ -353,12 +354,12 @@ class FilterParallel(PartitionedLayer):
     channel-parallel layer).
     """
 
-    INPUT_LAYOUTS = (REPLICATED, PARTIAL_GRAD)
-    OUTPUT_LAYOUTS = (REPLICATED, PARTIAL_GRAD, SPLIT)
+    INPUT_LAYOUTS = (IO_REPLICATED, IO_PARTIAL_GRAD)
+    OUTPUT_LAYOUTS = (IO_REPLICATED, IO_PARTIAL_GRAD, IO_SPLIT)
 
     def _init_partition(self):
         check_divisible(self.name, self._OUT_ARG, self._out_dim(), self.comm_group.size, self.group)
-        if self.output_layout == SPLIT:
+        if self.output_layout == IO_SPLIT:
             self._check_elementwise_activation("a block of the output channels")
 
     def _local_in_dim(self, full_in):
@@ -375,21 +376,21 @@ class FilterParallel(PartitionedLayer):
     def call(self, inputs):
         g = self.comm_group
         x = inputs
-        if self.input_layout == REPLICATED:
+        if self.input_layout == IO_REPLICATED:
             x = comm.copy(x, g, self._cname("copy"))
         y = self._linear(x, self.kernel)
         if self.use_bias:
             y = ops.add(y, self.bias)
-        if self.output_layout == REPLICATED:
+        if self.output_layout == IO_REPLICATED:
             y = keep_grad_shape(y)
             y = with_channels(comm.gather(y, -1, g, self._cname("gather")), y, g.size)
-        elif self.output_layout == PARTIAL_GRAD:
+        elif self.output_layout == IO_PARTIAL_GRAD:
             y = keep_grad_shape(y)
             y = with_channels(comm.shard(y, -1, g, self._cname("shard")), y, g.size)
         return self.activation(y)
 
     def _out_channels(self):
-        k = 1 if self.output_layout != SPLIT else self.comm_group.size
+        k = 1 if self.output_layout != IO_SPLIT else self.comm_group.size
         return self._out_dim() // k
 
     def _load_full_weights(self, kernel, bias):
@@ -417,18 +418,18 @@ class ChannelParallel(PartitionedLayer):
     so the optimizer sums its gradient over the group; no activation).
     """
 
-    INPUT_LAYOUTS = (REPLICATED, PARTIAL_GRAD, SPLIT)
-    OUTPUT_LAYOUTS = (REPLICATED, PARTIAL)
+    INPUT_LAYOUTS = (IO_REPLICATED, IO_PARTIAL_GRAD, IO_SPLIT)
+    OUTPUT_LAYOUTS = (IO_REPLICATED, IO_PARTIAL)
 
     def _init_partition(self):
-        if self.output_layout == PARTIAL and self._activation_name() != "linear":
+        if self.output_layout == IO_PARTIAL and self._activation_name() != "linear":
             raise ValueError(
                 f"Layer '{self.name}': output_layout='partial' leaves the output as a "
                 f"partial sum, to which activation={self._activation_name()!r} cannot be "
                 "applied; use activation=None or output_layout='replicated'.")
 
     def _local_in_dim(self, full_in):
-        if self.input_layout == SPLIT:
+        if self.input_layout == IO_SPLIT:
             check_divisible(self.name, "input channels", full_in, self.comm_group.size,
                             self.group)
             return full_in // self.comm_group.size
@@ -437,10 +438,10 @@ class ChannelParallel(PartitionedLayer):
     def build(self, input_shape):
         k = self.comm_group.size
         in_dim = input_shape[-1]
-        if self.input_layout != SPLIT:
+        if self.input_layout != IO_SPLIT:
             check_divisible(self.name, "input channels", in_dim, k, self.group)
             in_dim //= k
-        bias_kind = "partial" if self.output_layout == PARTIAL else "replicated"
+        bias_kind = "partial" if self.output_layout == IO_PARTIAL else "replicated"
         bias_layout = VariableLayout(bias_kind, layout_group(self.group))
         self._add_weights(self._kernel_shape(in_dim, self._out_dim()), self._sharded(-2),
                           (self._out_dim(),), bias_layout)
@@ -449,12 +450,12 @@ class ChannelParallel(PartitionedLayer):
     def call(self, inputs):
         g = self.comm_group
         x = inputs
-        if self.input_layout == REPLICATED:
+        if self.input_layout == IO_REPLICATED:
             x = comm.split(keep_grad_shape(x), -1, g, self._cname("split"))
-        elif self.input_layout == PARTIAL_GRAD:
+        elif self.input_layout == IO_PARTIAL_GRAD:
             x = split_partial_grad(x, -1, g, self._cname("split"))
         y = self._linear(x, self.kernel)
-        if self.output_layout == REPLICATED:
+        if self.output_layout == IO_REPLICATED:
             y = comm.reduce(y, g, self._cname("reduce"))
             if self.use_bias:
                 y = ops.add(y, self.bias)
@@ -476,3 +477,8 @@ class ChannelParallel(PartitionedLayer):
         kernel = self._gather_weight(self.kernel, -2, "kernel")
         bias = self.bias.numpy() if self.use_bias else None
         return kernel, bias
+
+
+__getattr__ = module_aliases(__name__, globals(), {
+    "REPLICATED": "IO_REPLICATED", "PARTIAL_GRAD": "IO_PARTIAL_GRAD", "SPLIT": "IO_SPLIT",
+    "PARTIAL": "IO_PARTIAL"})

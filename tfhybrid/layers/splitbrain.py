@@ -49,7 +49,7 @@ import tensorflow as tf
 from tfhybrid import comm
 from tfhybrid.comm import resolve_group
 from tfhybrid.layers.no_xla import NoXLA
-from tfhybrid.layers.partitioned import (PARTIAL_GRAD, REPLICATED, check_choice,
+from tfhybrid.layers.partitioned import (IO_PARTIAL_GRAD, IO_REPLICATED, check_choice,
                                          collective_base, deserialize_group,
                                          keep_grad_shape, scale_grad,
                                          serialize_group, split_partial_grad, with_channels)
@@ -124,7 +124,7 @@ class ShardLayer(_GroupLayer):
 def _enter(x, g, output_layout, name):
     """Own rows -> the group's rows (R); gradient scaled by K (see module doc)."""
     x, name = scale_grad(x, float(g.size)), collective_base(name)
-    if output_layout == PARTIAL_GRAD:
+    if output_layout == IO_PARTIAL_GRAD:
         return comm.batch_gather(x, g, name)
     return comm.gather(x, 0, g, name)
 
@@ -147,7 +147,7 @@ def _leave(y, g, input_layout, name):
 
 def _own_rows(y, g, input_layout, name):
     name, rows = collective_base(name), y.shape[0]
-    if input_layout == PARTIAL_GRAD:
+    if input_layout == IO_PARTIAL_GRAD:
         out = split_partial_grad(y, 0, g, name)
     else:
         out = comm.batch_scatter(y, g, name)
@@ -232,13 +232,13 @@ class ModuloLayer(_GroupLayer):
     """
 
     def __init__(self, scheme="BK", group="model", body=None,
-                 output_layout=PARTIAL_GRAD, inverse_input_layout=REPLICATED,
+                 output_layout=IO_PARTIAL_GRAD, inverse_input_layout=IO_REPLICATED,
                  recompute=True, **kwargs):
         super().__init__(group=group, **kwargs)
         check_choice(self.name, "scheme", scheme, SCHEMES)
-        check_choice(self.name, "output_layout", output_layout, (PARTIAL_GRAD, REPLICATED))
+        check_choice(self.name, "output_layout", output_layout, (IO_PARTIAL_GRAD, IO_REPLICATED))
         check_choice(self.name, "inverse_input_layout", inverse_input_layout,
-                     (REPLICATED, PARTIAL_GRAD))
+                     (IO_REPLICATED, IO_PARTIAL_GRAD))
         if isinstance(body, dict):
             body = keras.saving.deserialize_keras_object(body)
         if scheme == "B/K" and body is None:
@@ -337,9 +337,9 @@ class ModuloInverseLayer(_GroupLayer):
         >>> logits = ModuloInverseLayer()(ChannelParallelDense(10)(h))
     """
 
-    def __init__(self, group="model", input_layout=REPLICATED, **kwargs):
+    def __init__(self, group="model", input_layout=IO_REPLICATED, **kwargs):
         super().__init__(group=group, **kwargs)
-        check_choice(self.name, "input_layout", input_layout, (REPLICATED, PARTIAL_GRAD))
+        check_choice(self.name, "input_layout", input_layout, (IO_REPLICATED, IO_PARTIAL_GRAD))
         self.input_layout = input_layout
 
     def call(self, inputs):

@@ -15,8 +15,9 @@ from tfhybrid.oracle.machine import as_machine
 from tfhybrid.oracle.record import Context, Prediction
 from tfhybrid.oracle.profile import ModelProfile, profile
 from tfhybrid.oracle.strategies import STRATEGIES
+from tfhybrid.strategy_names import PREDICTED
 
-STRATEGY_NAMES = ("serial", "d", "s", "p", "f", "c", "df", "ds", "gmp", "ls")
+STRATEGY_NAMES = PREDICTED   # the one table: tfhybrid.strategy_names
 _OPTIONS = {"d": {"replicated_fc"}, "s": {"grid"}, "ds": {"grid"}, "p": {"segments"},
             "f": {"pairing"}, "c": set(), "df": {"grid", "model_parallel", "pairing"},
             "serial": set(),

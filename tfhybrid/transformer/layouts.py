@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-KINDS = ("rows", "replicated", "channel", "space")
+ACTIVATION_LAYOUT_KINDS = ("rows", "replicated", "channel", "space")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Layout:
     """Layout of one activation tensor along the model axis.
 
     Attributes:
-        kind: One of :data:`KINDS`.
+        kind: One of :data:`ACTIVATION_LAYOUT_KINDS`.
         grouped: True for tensors holding the rows of the whole model group
             (after a ModuloLayer); weights that consume them get gradient
             scale 1/K because the group's K losses are summed.
@@ -46,8 +46,9 @@ class Layout:
     grouped: bool = False
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"Received an invalid layout kind {self.kind!r}; expected one of {KINDS}.")
+        if self.kind not in ACTIVATION_LAYOUT_KINDS:
+            raise ValueError(f"Received an invalid layout kind {self.kind!r}; expected one of "
+                             f"{ACTIVATION_LAYOUT_KINDS}.")
 
     def with_kind(self, kind: str) -> "Layout":
         """The same rows, held as ``kind``."""
@@ -60,7 +61,7 @@ class Layout:
 
 
 ROWS = Layout("rows")
-REPLICATED = Layout("replicated")
+REPLICATED_ACTIVATION = Layout("replicated")
 CHANNEL = Layout("channel")
 SPACE = Layout("space")
 GROUPED = Layout("replicated", grouped=True)

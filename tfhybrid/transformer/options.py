@@ -13,8 +13,9 @@ from typing import Dict, Optional, Tuple, Union
 
 from tfhybrid.oracle.formulas import SPLITBRAIN_CCR_THRESHOLD
 from tfhybrid.spatial_geometry import SPATIAL_AXES
+from tfhybrid.strategy_names import BUILT, TRANSFORM_NAMES
 
-STRATEGIES = ("d", "f", "c", "s", "df", "ds", "gmp", "auto")
+STRATEGIES = TRANSFORM_NAMES   # the one table: tfhybrid.strategy_names
 FALLBACKS = ("error", "replicate")
 LAYER_KINDS = ("f", "c", "s", "replicate")
 MODULO_SCHEMES = ("BK", "B/K")
@@ -31,7 +32,7 @@ _APPLIES = {
     "machine": ("auto",),
 }
 # Strategies the transformer builds (auto picks among them).
-BUILDABLE = ("d", "f", "c", "s", "df", "ds", "gmp")
+BUILDABLE = BUILT
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import zlib
 import keras
 
 from tfhybrid import layers as P
-from tfhybrid.layers.partitioned import PARTIAL_GRAD, REPLICATED
+from tfhybrid.layers.partitioned import IO_PARTIAL_GRAD, IO_REPLICATED
 from tfhybrid.spatial_geometry import SPATIAL_AXES
 from tfhybrid.transformer.source import copy_layer
 
@@ -39,7 +39,7 @@ def _split_arg(split):
 def _entry_partial(np) -> bool:
     """True when a ModuloLayer feeds a partitioned layer that leaves its input gradient P."""
     return np.kind in ("filter", "channel") and np.conversions[:1] == ("modulo",) and \
-        np.params.get("input_layout", REPLICATED) == REPLICATED
+        np.params.get("input_layout", IO_REPLICATED) == IO_REPLICATED
 
 
 # -- builders: original layer + NodePlan -> new layer ------------------------------
@@ -60,7 +60,7 @@ def _dropout_seed(layer, np, grid):
 
 def _filter(layer, np, grid):
     cls = P.FilterParallelDense if np.cls == "Dense" else P.FilterParallelConv2D
-    inp = PARTIAL_GRAD if _entry_partial(np) else REPLICATED
+    inp = IO_PARTIAL_GRAD if _entry_partial(np) else IO_REPLICATED
     return cls.from_layer(layer, group=GROUP, input_layout=inp,
                           output_layout=np.params["output_layout"])
 
@@ -69,8 +69,8 @@ def _channel(layer, np, grid):
     cls = P.ChannelParallelDense if np.cls == "Dense" else P.ChannelParallelConv2D
     inp = np.params["input_layout"]
     if _entry_partial(np):
-        inp = PARTIAL_GRAD
-    return cls.from_layer(layer, group=GROUP, input_layout=inp, output_layout=REPLICATED)
+        inp = IO_PARTIAL_GRAD
+    return cls.from_layer(layer, group=GROUP, input_layout=inp, output_layout=IO_REPLICATED)
 
 
 _SPATIAL_POOLS = {"MaxPooling2D": "SpatialMaxPooling2D", "AveragePooling2D": "SpatialAveragePooling2D",
@@ -103,12 +103,12 @@ _COPIES_WEIGHTS_AFTER_CALL = ("replicate",)
 # -- boundaries: (conversion, consumer plan, ctx) -> layer -----------------------
 
 def _modulo(np, ctx, name):
-    out = PARTIAL_GRAD if np is not None and _entry_partial(np) else REPLICATED
+    out = IO_PARTIAL_GRAD if np is not None and _entry_partial(np) else IO_REPLICATED
     return P.ModuloLayer("BK", group=GROUP, output_layout=out, name=name)
 
 
 def _unmodulo(np, ctx, name):
-    return P.ModuloInverseLayer(group=GROUP, input_layout=REPLICATED, name=name)
+    return P.ModuloInverseLayer(group=GROUP, input_layout=IO_REPLICATED, name=name)
 
 
 def _space_scatter(np, ctx, name):

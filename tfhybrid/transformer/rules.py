@@ -19,7 +19,7 @@ output. Rules are small classes in a registry keyed by Keras class name:
   feature of its rows, so split inputs are gathered first.
 
 Example:
-    >>> rule_for("Dense").plan(node, [REPLICATED], "filter", ctx).output
+    >>> rule_for("Dense").plan(node, [REPLICATED_ACTIVATION], "filter", ctx).output
     Layout(kind='replicated', grouped=False)
 """
 from __future__ import annotations

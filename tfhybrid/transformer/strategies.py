@@ -29,7 +29,7 @@ from typing import Dict
 
 from tfhybrid.oracle import formulas
 from tfhybrid.transformer import rules
-from tfhybrid.transformer.layouts import REPLICATED, ROWS, Layout
+from tfhybrid.transformer.layouts import REPLICATED_ACTIVATION, ROWS, Layout
 from tfhybrid.spatial_geometry import SPATIAL_AXES
 from tfhybrid.transformer.options import default_spatial, spatial_grid
 
@@ -51,7 +51,7 @@ class Strategy:
 
     name = "?"
     batch_split = "data"
-    layout = REPLICATED
+    layout = REPLICATED_ACTIVATION
 
     def context(self, grid, opts, graph=None) -> rules.Context:
         """Check the grid and options; return the rules' context (``graph``,

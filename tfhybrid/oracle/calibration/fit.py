@@ -57,7 +57,7 @@ import numpy as np
 
 from tfhybrid.oracle.machine import Machine, Tier
 
-KINDS = ("allreduce", "allgather", "alltoall")
+COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall")
 
 
 def design_row(kind: str, p: int, nbytes: float) -> tuple:
@@ -72,7 +72,7 @@ def design_row(kind: str, p: int, nbytes: float) -> tuple:
         return p - 1, (p - 1) * nbytes
     if kind == "alltoall":
         return p - 1, (p - 1) * nbytes / p
-    raise ValueError(f"Received kind={kind!r}; expected one of {KINDS}.")
+    raise ValueError(f"Received kind={kind!r}; expected one of {COLLECTIVE_KINDS}.")
 
 
 def fit_alpha_beta(samples) -> tuple:
@@ -101,7 +101,7 @@ def fit_collective_costs(samples) -> tuple:
     Example:
         >>> rows = [(k, 2, m, 1e-3 + design_row(k, 2, m)[0] * 1e-4
         ...          + design_row(k, 2, m)[1] * 1e-9)
-        ...         for k in KINDS for m in (1e3, 1e6)]
+        ...         for k in COLLECTIVE_KINDS for m in (1e3, 1e6)]
         >>> [round(v, 10) for v in fit_collective_costs(rows)[:3]]
         [0.001, 0.0001, 1e-09]
     """
@@ -258,7 +258,7 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4) -> list:
     samples = []
     for g in group_sizes:
         ranks = next((b for b in blocks.get(g, ()) if me in b), None)
-        for kind in KINDS:
+        for kind in COLLECTIVE_KINDS:
             for nbytes in sizes:
                 n = max(g, int(nbytes) // 4 // g * g)
                 if ranks is not None:

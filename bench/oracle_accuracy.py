@@ -217,12 +217,12 @@ def _predict(machine_path, name, np_, batch, mp):
     model = build_model(MODEL_PATH)
     if name == "serial":
         return predict(model, "serial", 1, batch, machine_path)
-    opts = {"df": {"grid": (np_ // 2, 2)}, "ds": {"grid": (np_ // 2, 2, 1)},
+    opts = {"df": {"grid": (np_ // 2, 2)}, "ds": {"spatial": (2, 1)},
             "gmp": {"mp": 2}}.get(name, {})
     if name == "gmp":
         opts["scheme"] = "BK"          # the ModuloLayer scheme tfhybrid.transform builds
     if name == "s":
-        opts = {"grid": (np_, 1)}
+        opts = {"spatial": (np_, 1)}
     return predict(model, name, np_, batch, machine_path, **opts)
 
 

@@ -58,7 +58,7 @@ def _options(strategy, p):
     if strategy == "df":
         return {"grid": (p // GPU_PER_NODE, GPU_PER_NODE), "pairing": False}
     if strategy == "ds":
-        return {"grid": (p // GPU_PER_NODE, GPU_PER_NODE, 1)}
+        return {"spatial": (GPU_PER_NODE, 1)}
     return {}
 
 

@@ -251,3 +251,46 @@ def all_factored(groups: Sequence[Sequence[int]], shape) -> Tuple[Tuple[int, ...
                     result.append(sub.ranks)
     return tuple(result)
 
+
+# -- the `spatial=` option of transform and the oracle: one reading -------------
+
+def default_spatial(ndim: int = 2) -> str:
+    """The split s/ds use when ``spatial`` is not given: the first spatial axis
+    (``"height"`` for images, ``"depth"`` for volumes)."""
+    return SPATIAL_AXES[ndim][0]
+
+
+def spatial_grid(spatial, model_size: int, strategy: str, ndim: int = 2) -> Tuple[int, ...]:
+    """The block grid for the ``spatial`` option over a model group of ``model_size``:
+    (ph, pw) for image models (``ndim=2``), (pd, ph, pw) for volumes (``ndim=3``).
+
+    Raises:
+        ValueError: when the grid does not have ``model_size`` ranks or does
+            not fit the model's number of spatial axes.
+
+    Example:
+        >>> spatial_grid("height", 4, "s")
+        (4, 1)
+        >>> spatial_grid(None, 2, "ds", ndim=3)
+        (2, 1, 1)
+    """
+    names = SPATIAL_AXES[ndim]
+    if spatial is None:
+        spatial = default_spatial(ndim)
+    if isinstance(spatial, str) and spatial in names:
+        return tuple(model_size if n == spatial else 1 for n in names)
+    if isinstance(spatial, (tuple, list)) and len(spatial) == ndim and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in spatial):
+        if math.prod(spatial) != model_size:
+            what = " * ".join("p" + n[0] for n in names)
+            raise ValueError(
+                f"Received spatial={tuple(spatial)!r} ({math.prod(spatial)} ranks) for "
+                f"strategy {strategy!r} on model groups of {model_size} ranks; {what} must "
+                f"equal model_parallel, e.g. spatial={(model_size,) + (1,) * (ndim - 1)!r} or "
+                f"call tfhybrid.init(model_parallel={math.prod(spatial)}).")
+        return tuple(spatial)
+    shape = "(pd, ph, pw)" if ndim == 3 else "(ph, pw)"
+    kind = "a volume (5-D input)" if ndim == 3 else "an image (4-D input)"
+    raise ValueError(f"Received an invalid value for `spatial`: spatial={spatial!r} for {kind} "
+                     f"model; expected one of {', '.join(map(repr, names))} or a "
+                     f"tuple {shape}.")

@@ -54,7 +54,7 @@ socket send buffers at 4.6 KB (see ``tfhybrid/comm/backend.py``), and
 VGG16 strategies (-np 4: whole file 200 s; -np 2: 110 s). A world barrier
 ends the module (``_world_barrier_at_end``).
 
-gmp with ``modulo="B/K"`` is tested at -np 2 (local batch 2, K=2).
+gmp with ``scheme="B/K"`` is tested at -np 2 (local batch 2, K=2).
 
 ResNet50 under every strategy is tested in ``test_strategies_resnet.py``.
 
@@ -292,7 +292,7 @@ def test_splitbrain_vgg_gmp_modulo_b_over_k(grid_of, references):
     """SplitBrain's B/K scheme: FC0-FC2 run in 2 micro-steps of 1 row per rank."""
     grid_of(2)
     pmodel, full = train_transformed("splitbrain_vgg", "gmp", references["splitbrain_vgg"],
-                                     modulo="B/K")
+                                     scheme="B/K")
     modulo = [layer for layer in pmodel.layers if isinstance(layer, tfhybrid.layers.ModuloLayer)]
     assert [m.scheme for m in modulo] == ["B/K"]
     assert {"fc0", "fc1", "fc2"} <= {layer.name for layer in modulo[0].body.layers}

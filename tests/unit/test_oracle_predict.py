@@ -113,12 +113,12 @@ def test_layer_separation_hand():
 
 
 def test_spatial_hand():
-    r = predict(CPROF, "s", 2, 4, M, grid=(2, 1))
+    r = predict(CPROF, "s", 2, 4, M, spatial=(2, 1))
     assert r.compute_s == pytest.approx(4 * 24 * 0.5)
     # the first layer (the model input's) exchanges forward only: 2 (alpha + h_x beta)
     assert r.comm_s["halo"] == pytest.approx(2 * (1 + 4 * 0.5 * 8))
     two = ModelProfile("conv2", (CONV, dataclasses.replace(CONV, name="c2")), 64)
-    r2 = predict(two, "s", 2, 4, M.replace(latency=0.25), grid=(2, 1))
+    r2 = predict(two, "s", 2, 4, M.replace(latency=0.25), spatial=(2, 1))
     # + the second layer's forward and backward (h_dy = 16), 0.25 latency per exchange
     assert r2.comm_s["halo"] == pytest.approx(
         3 * 0.25 + 2 * (1 + 4 * 0.5 * 8) * 2 + 2 * (1 + 4 * 0.5 * 16))
@@ -127,14 +127,14 @@ def test_spatial_hand():
 
 
 def test_data_spatial_grid():
-    r = predict(CPROF, "ds", 4, 4, M, grid=(2, 2, 1))
+    r = predict(CPROF, "ds", 4, 4, M, spatial=(2, 1))
     assert r.compute_s == pytest.approx(2 * 24 * 0.5)
     assert r.comm_s["halo"] == pytest.approx(2 * (1 + 2 * 0.5 * 8))
 
 
 def test_spatial_gradients_world_for_spatial_layers_data_groups_for_the_rest():
     prof = ModelProfile("conv_fc", (CONV, FC2), 64)
-    r = predict(prof, "ds", 4, 4, M, grid=(2, 2, 1))
+    r = predict(prof, "ds", 4, 4, M, spatial=(2, 1))
     # conv (20 params, partial sums) over all 4 ranks; fc2 (10) over the 2 data replicas
     assert r.comm_s["GE-allreduce"] == pytest.approx(6 * (1 + 20 / 4 * 0.5) + 2 * (1 + 10 / 2 * 0.5))
 
@@ -156,7 +156,7 @@ def test_infeasible_reasons(strategy, p, batch, opts, match):
 
 
 def test_spatial_limit_reason_not_clipped():
-    r = predict(CPROF, "s", 16, 4, M, grid=(16, 1))
+    r = predict(CPROF, "s", 16, 4, M, spatial=(16, 1))
     assert not r.feasible and "exceeds the extent 8 of layer 'c1'" in r.reasons[0]
     assert r.compute_s > 0   # still predicted, flagged, not clipped
 
@@ -179,16 +179,16 @@ def test_rank_and_choose():
 def test_choose_with_grid_restricts_model_parallel():
     class Grid:
         size, model_size = 4, 2
-    best = choose(PROF, batch=4, machine=M, grid=Grid())
+    best = choose(PROF, batch_size=4, machine=M, grid=Grid())
     assert best.strategy in ("df", "ds", "gmp")
     if best.strategy == "df":
         assert best.options["grid"] == {"data": 2, "model": 2}
 
 
 def test_choose_errors():
-    with pytest.raises(ValueError, match="needs p \\(or grid\\), batch and machine"):
+    with pytest.raises(ValueError, match="needs p \\(or grid\\), batch_size and machine"):
         choose(PROF, 2)
-    with pytest.raises(ValueError, match="No feasible strategy for p=8, batch=4"):
+    with pytest.raises(ValueError, match="No feasible strategy for p=8, batch_size=4"):
         choose(PROF, 8, 4, M, strategies=("d", "f"))
 
 
@@ -256,3 +256,15 @@ def test_replicated_fc_lee():
                                              "allgather_items": 24}
     assert r.comm_s["GE-allreduce"] == pytest.approx(2 * (1 + 10 / 2 * 0.5))
     assert r.comm_s["FB-allgather"] == pytest.approx(1 + 2 * 6 * 0.5)
+
+
+def test_deprecated_option_spellings_still_work_and_warn():
+    """batch= and grid= (s/ds) are the old spellings of batch_size= and spatial=."""
+    with pytest.warns(DeprecationWarning, match="'batch' is deprecated; use 'batch_size'"):
+        old = predict(CPROF, "s", 2, batch=4, machine=M, spatial=(2, 1))
+    with pytest.warns(DeprecationWarning, match="'grid' is deprecated; use 'spatial'"):
+        old_grid = predict(CPROF, "ds", 4, 4, M, grid=(2, 2, 1))
+    assert old.total_s == predict(CPROF, "s", 2, 4, M, spatial=(2, 1)).total_s
+    assert old_grid.total_s == predict(CPROF, "ds", 4, 4, M, spatial=(2, 1)).total_s
+    by_name = predict(CPROF, "s", 2, 4, M, spatial="height")
+    assert by_name.options["grid"]["spatial"] == [2, 1]

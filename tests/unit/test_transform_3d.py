@@ -9,7 +9,7 @@ import pytest
 from tfhybrid.transformer import rules
 from tfhybrid.transformer.describe import _halo_bytes
 from tfhybrid.transformer.graph import as_functional, describe_graph
-from tfhybrid.transformer.options import spatial_grid
+from tfhybrid.spatial_geometry import spatial_grid
 from tfhybrid.transformer.rewrite import _split_arg
 
 from test_transform_spatial_cropping import plan_of

@@ -167,11 +167,15 @@ def test_invalid_option_values():
         make_options("gmp", ccr_threshold=-1)
     with pytest.raises(ValueError, match=r"mp=0"):
         make_options("gmp", mp=0)
-    with pytest.raises(ValueError, match=r"modulo='BK2'.*\('BK', 'B/K'\)"):
-        make_options("gmp", modulo="BK2")
-    with pytest.raises(ValueError, match=r"modulo='B/K' does not apply to strategy 'df'.*'gmp'"):
-        make_options("df", modulo="B/K")
-    assert make_options("gmp").modulo == "BK" and make_options("gmp", modulo="B/K").modulo == "B/K"
+    with pytest.raises(ValueError, match=r"scheme='BK2'.*\('BK', 'B/K'\)"):
+        make_options("gmp", scheme="BK2")
+    with pytest.raises(ValueError, match=r"scheme='B/K' does not apply to strategy 'df'.*'gmp'"):
+        make_options("df", scheme="B/K")
+    assert make_options("gmp").scheme == "BK" and make_options("gmp", scheme="B/K").scheme == "B/K"
+    with pytest.warns(DeprecationWarning, match="'modulo' is deprecated; use 'scheme'"):
+        assert make_options("gmp", modulo="B/K").scheme == "B/K"
+    with pytest.raises(ValueError, match="both modulo= .deprecated. and scheme="):
+        make_options("gmp", modulo="B/K", scheme="BK")
 
 
 def test_units_not_divisible_names_layer_strategy_and_fix():

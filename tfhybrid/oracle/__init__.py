@@ -9,16 +9,16 @@ importable and testable without Horovod.
 API::
 
     profile(model) -> ModelProfile                       # per-layer rows
-    predict(model_or_profile, strategy, p, batch, machine, **options) -> Prediction
-    rank(model_or_profile, p, batch, machine, strategies=None,
+    predict(model_or_profile, strategy, p, batch_size, machine, **options) -> Prediction
+    rank(model_or_profile, p, batch_size, machine, strategies=None,
          model_parallel=None) -> [Prediction]
-    choose(model_or_profile, p=None, batch=None, machine=None, strategies=None,
+    choose(model_or_profile, p=None, batch_size=None, machine=None, strategies=None,
            exclude=("serial",), grid=None, model_parallel=None) -> Prediction
                                                         # alias: best(...)
 
 ``choose`` is what ``tfhybrid.transform(model, strategy="auto")`` calls: it
 returns the fastest feasible :class:`Prediction` (pass ``grid=tfhybrid.grid()``
-to restrict it to the initialised model-group size, plus ``batch`` and
+to restrict it to the initialised model-group size, plus ``batch_size`` and
 ``machine``, which are required); use ``.strategy`` and
 ``.options`` (``grid`` for df/ds, ``mp`` and ``partitioned_layers`` for gmp,
 ``n_f`` for ls, ``segments`` for p). It raises ``ValueError`` listing every

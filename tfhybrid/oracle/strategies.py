@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import math
 
+from tfhybrid._compat import renamed_option
 from tfhybrid.oracle import formulas
 from tfhybrid.oracle.record import Prediction, divisors
+from tfhybrid.spatial_geometry import SPATIAL_AXES, spatial_grid
 
 STRATEGIES = {}
 
@@ -185,17 +187,43 @@ def _spatial_candidates(ctx, p_sp, grid):
     return _grids(p_sp, min(ndim, 2))
 
 
+def _spatial_option(ctx, p_sp, spatial, name):
+    """The block grid of the ``spatial=`` option (a tuple, or an axis name as in transform)."""
+    if spatial is None or not isinstance(spatial, str):
+        return None if spatial is None else tuple(spatial)
+    ndim = max((len(ctx.rows[i].spatial_out) for i in ctx.spatial_prefix()), default=2)
+    return spatial_grid(spatial, p_sp, name, ndim if ndim in SPATIAL_AXES else 2)
+
+
 @strategy("s")
-def spatial(ctx, p, grid=None, **_):
-    """Table 3 row Spatial (Eq. 8-10) for the spatial prefix, replicated after it."""
-    return _best(_spatial_one(ctx, p, 1, g) for g in _spatial_candidates(ctx, p, grid))
+def spatial(ctx, p, spatial=None, grid=None, **_):
+    """Table 3 row Spatial (Eq. 8-10) for the spatial prefix, replicated after it.
+
+    ``spatial``: the block grid ``(ph, pw)`` (or an axis name); ``grid`` is its
+    deprecated spelling.
+    """
+    if grid is not None:
+        spatial = renamed_option({"grid": grid}, "grid", "spatial",
+                                 "oracle strategy 's'")["spatial"]
+    fixed = _spatial_option(ctx, p, spatial, "s")
+    return _best(_spatial_one(ctx, p, 1, g) for g in _spatial_candidates(ctx, p, fixed))
 
 
 @strategy("ds")
-def data_spatial(ctx, p, grid=None, **_):
-    """Data groups x spatial groups: grid = (p_data, ph[, pw])."""
+def data_spatial(ctx, p, spatial=None, grid=None, **_):
+    """Data groups x spatial groups: ``spatial`` = the block grid ``(ph, pw)`` of each
+    spatial group (or an axis name), p_data = p / (ph pw); the deprecated ``grid`` =
+    ``(p_data, ph[, pw])``.
+    """
     if grid is not None:
-        return _spatial_one(ctx, p, grid[0], tuple(grid[1:]), name="ds")
+        spatial = renamed_option({"grid": tuple(grid[1:])}, "grid", "spatial",
+                                 "oracle strategy 'ds'")["spatial"]
+    if spatial is not None and not isinstance(spatial, str):
+        return _spatial_one(ctx, p, max(p // math.prod(spatial), 1), tuple(spatial), name="ds")
+    if isinstance(spatial, str):   # an axis name: every spatial-group size along it
+        sizes = [k for k in divisors(p) if 1 < k < p]
+        return _best(_spatial_one(ctx, p, p // k, _spatial_option(ctx, k, spatial, "ds"),
+                                  name="ds") for k in sizes) or _no_grid(ctx, "ds", p)
     cands = []
     for p1 in divisors(p):
         if 1 < p1 < p:

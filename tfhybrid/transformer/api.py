@@ -58,7 +58,7 @@ def transform(model, strategy="d", **options):
             groups x filter/spatial groups), ``"gmp"`` (SplitBrain: convs data
             parallel over all ranks, FC layers with high CCR partitioned in
             groups of ``mp``) or ``"auto"`` (the oracle's choice).
-        **options: ``mp``, ``ccr_threshold``, ``modulo`` (``"BK"`` or
+        **options: ``mp``, ``ccr_threshold``, ``scheme`` (``"BK"`` or
             ``"B/K"``: the ModuloLayer scheme) (gmp); ``spatial``,
             ``spatial_layers`` (s/ds); ``layers`` (per-layer overrides
             ``{"fc1": "f", "fc2": "c", "conv1": "replicate"}``); ``fallback``
@@ -81,7 +81,7 @@ def transform(model, strategy="d", **options):
         >>> tfhybrid.init(model_parallel=2)                # horovodrun -np 4
         >>> pmodel = tfhybrid.transform(model, "df")
         >>> pmodel = tfhybrid.transform(model, "gmp", ccr_threshold=100)
-        >>> pmodel = tfhybrid.transform(model, "gmp", modulo="B/K")   # K micro-steps
+        >>> pmodel = tfhybrid.transform(model, "gmp", scheme="B/K")   # K micro-steps
         >>> tfhybrid.describe(pmodel)
     """
     _refuse_transformed(model)
@@ -94,7 +94,7 @@ def transform(model, strategy="d", **options):
     plan = make_plan(graph, opts, grid)
     source, objects = record_source(model)   # what gather needs; raises before any collective
     with root_weights(model):     # slice every block from global rank 0's weights
-        new = rewrite(functional, plan, grid, opts.modulo)
+        new = rewrite(functional, plan, grid, opts.scheme)
     if plan.batch_split == "data" and grid.model_size > 1:
         _reduce_replicas_over_data(new)
     object.__setattr__(new, INFO_ATTR, TransformInfo(plan, graph, source, grid, objects))
@@ -148,7 +148,7 @@ def _oracle_options(model, graph, grid, options):
                          "for: pass batch_size=<global batch>, e.g. "
                          "tfhybrid.transform(model, 'auto', batch_size=64).")
     machine = options.get("machine") or oracle.default_machine_path()
-    choice = oracle.choose(model, batch=options["batch_size"], machine=machine,
+    choice = oracle.choose(model, batch_size=options["batch_size"], machine=machine,
                            strategies=BUILDABLE, grid=grid)
     return options_for(choice.strategy, options)
 

@@ -8,11 +8,11 @@ misplaced option fails loudly instead of being ignored.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Dict, Optional, Tuple, Union
 
+from tfhybrid._compat import renamed_option
 from tfhybrid.oracle.formulas import SPLITBRAIN_CCR_THRESHOLD
-from tfhybrid.spatial_geometry import SPATIAL_AXES
+from tfhybrid.spatial_geometry import SPATIAL_AXES, default_spatial, spatial_grid  # noqa: F401
 from tfhybrid.strategy_names import BUILT, TRANSFORM_NAMES
 
 STRATEGIES = TRANSFORM_NAMES   # the one table: tfhybrid.strategy_names
@@ -25,7 +25,7 @@ DEFAULT_CCR_THRESHOLD = SPLITBRAIN_CCR_THRESHOLD   # one definition: tfhybrid.or
 _APPLIES = {
     "mp": ("gmp",),
     "ccr_threshold": ("gmp",),
-    "modulo": ("gmp",),
+    "scheme": ("gmp",),
     "spatial": ("s", "ds"),
     "spatial_layers": ("s", "ds"),
     "batch_size": ("auto",),
@@ -46,7 +46,9 @@ class TransformOptions:
         ccr_threshold: gmp partitions a Dense layer when its
             computation-to-communication ratio (FLOPs per byte moved, see
             :func:`tfhybrid.transformer.strategies.ccr`) is at least this.
-        modulo: gmp's ModuloLayer scheme (SplitBrain): ``"BK"`` (default;
+        scheme: gmp's ModuloLayer scheme (SplitBrain; the oracle's and
+            :class:`tfhybrid.layers.ModuloLayer`'s name; ``modulo=`` is the
+            deprecated spelling): ``"BK"`` (default;
             the model-parallel region runs once on the group's K*B rows) or
             ``"B/K"`` (K micro-steps of B rows, each recomputed in the
             backward pass: activation memory of B rows instead of K*B; needs
@@ -72,7 +74,7 @@ class TransformOptions:
     strategy: str
     mp: Optional[int] = None
     ccr_threshold: float = DEFAULT_CCR_THRESHOLD
-    modulo: str = "BK"
+    scheme: str = "BK"
     spatial: Union[None, str, Tuple[int, ...]] = None
     spatial_layers: Optional[int] = None
     layers: Dict[str, str] = dataclasses.field(default_factory=dict)
@@ -95,6 +97,7 @@ def make_options(strategy, **options) -> TransformOptions:
     if strategy not in STRATEGIES:
         raise ValueError(f"Received an unknown strategy: strategy={strategy!r}; expected one "
                          f"of {STRATEGIES} (see DESIGN.md, 'The transformer').")
+    options = renamed_option(options, "modulo", "scheme", "tfhybrid.transform")
     known = {f.name for f in dataclasses.fields(TransformOptions)} - {"strategy"}
     for key in options:
         if key not in known:
@@ -119,8 +122,8 @@ def _validate(o: TransformOptions):
             or o.ccr_threshold < 0:
         raise ValueError(f"Received an invalid value for `ccr_threshold`, expected a "
                          f"non-negative number. Received: ccr_threshold={o.ccr_threshold!r}")
-    if o.modulo not in MODULO_SCHEMES:
-        raise ValueError(f"Received an invalid value for `modulo`: modulo={o.modulo!r}; "
+    if o.scheme not in MODULO_SCHEMES:
+        raise ValueError(f"Received an invalid value for `scheme`: scheme={o.scheme!r}; "
                          f"expected one of {MODULO_SCHEMES} (gmp's ModuloLayer scheme: 'BK' "
                          "gathers the group's K*B rows, 'B/K' runs K micro-steps of B rows).")
     if o.fallback not in FALLBACKS:
@@ -154,45 +157,3 @@ def options_for(strategy: str, options: dict) -> TransformOptions:
     kept = {k: v for k, v in options.items()
             if strategy in _APPLIES.get(k, (strategy,))}
     return make_options(strategy, **kept)
-
-
-def default_spatial(ndim: int = 2) -> str:
-    """The split s/ds use when ``spatial`` is not given: the first spatial axis
-    (``"height"`` for images, ``"depth"`` for volumes)."""
-    return SPATIAL_AXES[ndim][0]
-
-
-def spatial_grid(spatial, model_size: int, strategy: str, ndim: int = 2) -> Tuple[int, ...]:
-    """The block grid for the ``spatial`` option over a model group of ``model_size``:
-    (ph, pw) for image models (``ndim=2``), (pd, ph, pw) for volumes (``ndim=3``).
-
-    Raises:
-        ValueError: when the grid does not have ``model_size`` ranks or does
-            not fit the model's number of spatial axes.
-
-    Example:
-        >>> spatial_grid("height", 4, "s")
-        (4, 1)
-        >>> spatial_grid(None, 2, "ds", ndim=3)
-        (2, 1, 1)
-    """
-    names = SPATIAL_AXES[ndim]
-    if spatial is None:
-        spatial = default_spatial(ndim)
-    if isinstance(spatial, str) and spatial in names:
-        return tuple(model_size if n == spatial else 1 for n in names)
-    if isinstance(spatial, (tuple, list)) and len(spatial) == ndim and all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in spatial):
-        if math.prod(spatial) != model_size:
-            what = " * ".join("p" + n[0] for n in names)
-            raise ValueError(
-                f"Received spatial={tuple(spatial)!r} ({math.prod(spatial)} ranks) for "
-                f"strategy {strategy!r} on model groups of {model_size} ranks; {what} must "
-                f"equal model_parallel, e.g. spatial={(model_size,) + (1,) * (ndim - 1)!r} or "
-                f"call tfhybrid.init(model_parallel={math.prod(spatial)}).")
-        return tuple(spatial)
-    shape = "(pd, ph, pw)" if ndim == 3 else "(ph, pw)"
-    kind = "a volume (5-D input)" if ndim == 3 else "an image (4-D input)"
-    raise ValueError(f"Received an invalid value for `spatial`: spatial={spatial!r} for {kind} "
-                     f"model; expected one of {', '.join(map(repr, names))} or a "
-                     f"tuple {shape}.")

@@ -135,8 +135,8 @@ def _boundary(conversion, np, ctx, name):
 class _Rewriter:
     """Holds the maps between original layers, new layers and node plans."""
 
-    def __init__(self, model, plan, grid, modulo="BK"):
-        self.model, self.plan, self.grid, self.modulo = model, plan, grid, modulo
+    def __init__(self, model, plan, grid, scheme="BK"):
+        self.model, self.plan, self.grid, self.scheme = model, plan, grid, scheme
         self.by_name = {np.name: np for np in plan.nodes}
         self.source = {}    # id(new layer) -> (original layer, NodePlan)
 
@@ -178,7 +178,7 @@ class _Rewriter:
         final = keras.tree.pack_sequence_as(structure, final)
         inputs = inputs[0] if len(inputs) == 1 else inputs
         new = keras.Model(inputs, final, name=self.model.name)
-        return _micro_steps(new, self.plan) if self.modulo == "B/K" else new
+        return _micro_steps(new, self.plan) if self.scheme == "B/K" else new
 
 
 def _micro_steps(model, plan):
@@ -186,20 +186,20 @@ def _micro_steps(model, plan):
     ModuloLayer("B/K", body=region): SplitBrain's K micro-steps of B rows."""
     entries = [layer for layer in model.layers if isinstance(layer, P.ModuloLayer)]
     exits = [layer for layer in model.layers if isinstance(layer, P.ModuloInverseLayer)]
-    head = f"modulo='B/K' under strategy {plan.strategy!r} for model {model.name!r}"
+    head = f"scheme='B/K' under strategy {plan.strategy!r} for model {model.name!r}"
     if not entries:   # nothing model parallel (mp=1, or no FC layer above ccr_threshold)
         return model
     if len(entries) != 1 or len(exits) != 1 or len(model.outputs) != 1 or \
             exits[0].output is not model.outputs[0]:
         raise ValueError(f"{head}: 'B/K' needs a single model-parallel region that ends at "
                          f"the model's single output; found {len(entries)} ModuloLayer(s) and "
-                         f"{len(model.outputs)} output(s). Use modulo='BK'.")
+                         f"{len(model.outputs)} output(s). Use scheme='BK'.")
     entry, leave = entries[0], exits[0]
     try:
         body = keras.Model(entry.output, leave.input, name=f"{entry.name}_region")
     except ValueError as err:
         raise ValueError(f"{head}: the model-parallel region after {entry.name!r} reads "
-                         f"tensors from before it ({err}). Use modulo='BK'.") from None
+                         f"tensors from before it ({err}). Use scheme='BK'.") from None
     out = P.ModuloLayer("B/K", group=GROUP, body=body, output_layout=entry.output_layout,
                         inverse_input_layout=leave.input_layout, name=entry.name)(entry.input)
     return keras.Model(model.inputs[0] if len(model.inputs) == 1 else model.inputs, out,
@@ -225,17 +225,17 @@ def find_layer(model, name):
         raise
 
 
-def rewrite(model, plan, grid, modulo="BK"):
+def rewrite(model, plan, grid, scheme="BK"):
     """The parallel counterpart of Functional ``model`` under ``plan``.
 
     Args:
         model: A built Functional model (see ``graph.as_functional``).
         plan: Its :class:`~tfhybrid.transformer.planner.Plan`.
         grid: This rank's :class:`tfhybrid.process_grid.ProcessGrid`.
-        modulo: ``"BK"`` or ``"B/K"``: the scheme of gmp's ModuloLayer.
+        scheme: ``"BK"`` or ``"B/K"``: the scheme of gmp's ModuloLayer.
 
     Returns:
         A new Functional model whose layers hold this rank's part of the
         original weights.
     """
-    return _Rewriter(model, plan, grid, modulo).build()
+    return _Rewriter(model, plan, grid, scheme).build()

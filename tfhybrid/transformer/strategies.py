@@ -30,8 +30,7 @@ from typing import Dict
 from tfhybrid.oracle import formulas
 from tfhybrid.transformer import rules
 from tfhybrid.transformer.layouts import REPLICATED_ACTIVATION, ROWS, Layout
-from tfhybrid.spatial_geometry import SPATIAL_AXES
-from tfhybrid.transformer.options import default_spatial, spatial_grid
+from tfhybrid.spatial_geometry import SPATIAL_AXES, default_spatial, spatial_grid
 
 _OVERRIDE_KINDS = {"f": "filter", "c": "channel", "s": "spatial", "replicate": "replicate"}
 

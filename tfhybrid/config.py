@@ -45,6 +45,11 @@ class Config:
             a mismatch raises on every rank. False turns them off.
         guard_every_steps: Period of the guards after the first steps (0:
             only at the start of each ``fit`` and its first two steps).
+        average_metrics: ``evaluate`` of a transformed model (also
+            ``fit``'s validation) returns the metrics of the whole global
+            data set, identical on every rank: the metrics' states (totals,
+            counts, confusion counts) are summed over the ranks before
+            ``result()``. False: each rank's own values, as plain Keras does.
 
     Example:
         >>> tfhybrid.init(model_parallel=2, config=tfhybrid.Config(cycle_time_ms=2))
@@ -60,6 +65,7 @@ class Config:
     watchdog_seconds: float | None = None
     guards: bool = True
     guard_every_steps: int = 1000
+    average_metrics: bool = True
 
     def __post_init__(self):
         for field in ("fusion_threshold_bytes", "cycle_time_ms"):
@@ -91,6 +97,10 @@ class Config:
             raise ValueError(f"Received an invalid value for `guard_every_steps`: "
                              f"guard_every_steps={v!r}; expected a non-negative integer "
                              "(0: only at the start of fit); use guards=False to turn them off.")
+        if not isinstance(self.average_metrics, bool):
+            raise ValueError(f"Received an invalid value for `average_metrics`: "
+                             f"average_metrics={self.average_metrics!r}; expected True (evaluate "
+                             "returns global metrics) or False (each rank's own).")
 
     def horovod_env(self) -> dict:
         """The Horovod environment variables this config sets."""

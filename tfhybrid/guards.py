@@ -20,7 +20,11 @@ transformed model check for them itself:
   A mismatch raises :class:`ConsistencyError` on every rank (every rank sees
   the same gathered checksums), naming the cause and the fix;
 - ``fit``/``evaluate``/``predict`` also get the hang watchdog's callback
-  (:class:`tfhybrid.watchdog.WatchdogCallback`).
+  (:class:`tfhybrid.watchdog.WatchdogCallback`);
+- ``evaluate`` (and ``fit``'s validation) returns the metrics of the global
+  data set on every rank (:func:`sum_metric_states`; ``Config(average_metrics=
+  False)`` keeps Keras' per-rank values);
+- ``summary`` adds a line saying the counts are this rank's (per-rank blocks).
 
 A guarded step costs one small eager allgather (a few floats per rank) and
 one pass over the weights in numpy; other steps only add the batch checksum
@@ -228,6 +232,93 @@ def _call_with_callbacks(method, model, args, kwargs, extra):
     return method(*bound.args, **bound.kwargs)
 
 
+def metric_ranks(model):
+    """The ranks whose metric states together cover each global batch once.
+
+    With the batch split over the data axis, the ranks of a model group
+    compute on the same rows: one member per model group (this rank's data
+    group) covers the batch once. With a world split every rank holds its
+    own rows: the world.
+    """
+    grid = runtime.current_grid()
+    if getattr(model, "_tfhybrid_batch_split", "data") == "world":
+        return tuple(range(grid.size))
+    return tuple(grid.data_group_ranks(grid.model_rank))
+
+
+def sum_metric_states(model):
+    """Sum every metric variable of ``model`` over :func:`metric_ranks` (collective).
+
+    Keras metrics keep additive states (Mean: total and count; accuracy,
+    precision, AUC: counts), so after the sum each ``metric.result()`` is the
+    metric of the rows of every rank, as one process evaluating the whole
+    data set computes it (float64 sums, then the variables' own dtype).
+    The states stay summed until the next ``reset_metrics``.
+
+    Example:
+        >>> tfhybrid.guards.sum_metric_states(model)   # custom evaluation loops
+        >>> {m.name: float(m.result()) for m in model.metrics}
+    """
+    from tfhybrid.comm import backend
+
+    ranks = metric_ranks(model)
+    variables = [v for v in model.metrics_variables
+                 if v.dtype in ("float16", "bfloat16", "float32", "float64", "int32", "int64")]
+    if len(ranks) < 2 or not variables:
+        return
+    flat = tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in variables], 0)
+    total = backend.allreduce(flat, ranks, "metric_states.sum").numpy()
+    start = 0
+    for v in variables:
+        n = int(np.prod(v.shape))
+        value = total[start:start + n].reshape(tuple(v.shape))
+        if "int" in str(v.dtype):
+            value = np.rint(value)
+        v.assign(value.astype(str(v.dtype)))
+        start += n
+
+
+def _average_step_logs(logs, ranks):
+    """Average the scalar logs of a custom ``test_step`` over ``ranks`` (collective)."""
+    from tfhybrid.comm import backend
+
+    keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+    if len(ranks) < 2 or not keys:
+        return logs
+    values = tf.constant([float(logs[k]) for k in keys], tf.float64)
+    mean = backend.allreduce(values, ranks, "metric_states.logs", average=True).numpy()
+    return {**logs, **{k: float(v) for k, v in zip(keys, mean)}}
+
+
+def summary_note(model) -> str:
+    """The line ``model.summary()`` adds: the counts above are this rank's.
+
+    Local, not collective (``summary`` is often called on rank 0 only): the
+    full size is estimated from the blocks' layouts (sharded blocks x model
+    group size); ``tfhybrid.gather(model).summary()`` prints the exact counts.
+    """
+    grid = runtime.current_grid()
+    info = getattr(model, "_tfhybrid_transform", None)
+    strategy = getattr(getattr(info, "plan", None), "strategy", "?")
+    local = sharded = 0
+    for v in model.weights:
+        n = int(np.prod(v.shape))
+        local += n
+        if layout_of(v).kind == "sharded":
+            sharded += n
+    full = local + sharded * (grid.model_size - 1)
+    text = (f"tfhybrid: the parameter counts above are global rank {grid.rank}'s "
+            f"(of {grid.size}; strategy {strategy!r}, grid {grid.data_size} data x "
+            f"{grid.model_size} model)")
+    if sharded:
+        text += (f": {sharded:,} of its {local:,} parameters are its blocks of weights "
+                 f"sharded over its model group; the full model has about {full:,} "
+                 "(tfhybrid.gather(model).summary() prints the exact counts).")
+    else:
+        text += f": every weight is whole on every rank ({local:,} parameters)."
+    return text
+
+
 def _watchdog_callbacks():
     from tfhybrid import watchdog
 
@@ -281,13 +372,40 @@ def install(model):
         return _call_with_callbacks(cls.fit, self, args, kwargs, extra)
 
     def evaluate(self, *args, **kwargs):
-        return _call_with_callbacks(cls.evaluate, self, args, kwargs, _watchdog_callbacks())
+        outer = getattr(self, "_tfhybrid_evaluating", False)
+        object.__setattr__(self, "_tfhybrid_evaluating", True)
+        try:
+            return _call_with_callbacks(cls.evaluate, self, args, kwargs, _watchdog_callbacks())
+        finally:
+            object.__setattr__(self, "_tfhybrid_evaluating", outer)
+
+    def _get_metrics_result_or_logs(self, logs):
+        # Called eagerly at the end of evaluate (and of each fit epoch: not reduced).
+        if not (getattr(self, "_tfhybrid_evaluating", False) and tf.executing_eagerly()
+                and _config().average_metrics and runtime.current_grid().size > 1):
+            return cls._get_metrics_result_or_logs(self, logs)
+        sum_metric_states(self)
+        out = cls._get_metrics_result_or_logs(self, logs)
+        if out is logs and isinstance(logs, dict):   # custom test_step: its own logs
+            out = _average_step_logs(logs, metric_ranks(self))
+        return out
+
+    def summary(self, *args, **kwargs):
+        bound = inspect.signature(cls.summary).bind(self, *args, **kwargs)
+        out = cls.summary(*bound.args, **bound.kwargs)
+        print_fn = bound.arguments.get("print_fn")
+        note = summary_note(self)
+        (print_fn or print)(note)     # Keras calls print_fn(text) the same way
+        return out
 
     def predict(self, *args, **kwargs):
         return _call_with_callbacks(cls.predict, self, args, kwargs, _watchdog_callbacks())
 
-    for name, fn in (("compile", compile), ("train_step", train_step), ("fit", fit),
-                     ("evaluate", evaluate), ("predict", predict)):
+    methods = [("compile", compile), ("train_step", train_step), ("fit", fit),
+               ("evaluate", evaluate), ("predict", predict), ("summary", summary)]
+    if hasattr(cls, "_get_metrics_result_or_logs"):    # Keras 3 trainers (3.0 .. 3.15)
+        methods.append(("_get_metrics_result_or_logs", _get_metrics_result_or_logs))
+    for name, fn in methods:
         object.__setattr__(model, name, types.MethodType(fn, model))
     object.__setattr__(model, "_tfhybrid_batch_checksum", checksum)
     object.__setattr__(model, "_tfhybrid_guarded", True)

@@ -24,3 +24,59 @@ def test_evaluate_results_are_world_averages(grid_of):
     averaged = tfhybrid.callbacks.average_logs(results)
     np.testing.assert_allclose(averaged["loss"], np.mean(local), rtol=1e-5)
     backend.barrier()
+
+
+def _evaluate_case(grid, strategy):
+    """(single-process results, transformed-model results) on the same 36 samples."""
+    import pytest
+    import tensorflow as tf
+
+    from conftest import rng
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu", name="fc1")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="fc2")(hidden))
+    x = randn((36, 6), "eval-x")
+    y = rng("eval-y").integers(0, 4, 36)
+    metrics = lambda: ["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(2, name="top2")]  # noqa: E731
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(loss=loss, metrics=metrics())
+    # 36 rows in global batches of 8: the last batch has 4 rows, so a mean of
+    # per-batch means would weigh it wrong; the metric states do not.
+    reference = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    pmodel = tfhybrid.transform(model, strategy=strategy)
+    pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                   loss=loss, metrics=metrics())
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    if tfhybrid.data.batch_split(pmodel)[0] > 4:
+        pytest.skip("the last batch of 4 rows does not split over more than 4 blocks")
+    got = pmodel.evaluate(tfhybrid.data.shard(data, model=pmodel), verbose=0, return_dict=True)
+    return reference, got
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("strategy,mp", [("d", 1), ("df", 2), ("gmp", 2), ("f", 4)])
+def test_transformed_evaluate_equals_single_process(grid_of, strategy, mp):
+    """evaluate of a transformed model: the global metrics, on every rank (Config default)."""
+    grid = grid_of(mp)
+    reference, got = _evaluate_case(grid, strategy)
+    assert set(got) == set(reference)
+    for key in reference:
+        np.testing.assert_allclose(got[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    backend.barrier()
+
+
+def test_average_metrics_false_keeps_per_rank_values():
+    tfhybrid.shutdown()
+    tfhybrid.init(model_parallel=1, config=tfhybrid.Config(average_metrics=False))
+    try:
+        reference, got = _evaluate_case(tfhybrid.grid(), "d")
+        losses = backend.allgather(np.array([got["loss"]], np.float64), tuple(
+            range(tfhybrid.grid().size)), "test.losses").numpy()
+        assert np.ptp(losses) > 1e-3        # each rank's own rows
+        assert abs(got["loss"] - reference["loss"]) > 1e-4
+        backend.barrier()
+    finally:
+        tfhybrid.shutdown()

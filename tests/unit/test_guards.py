@@ -48,7 +48,31 @@ def test_transformed_model_is_guarded_and_trains_alone():
     ({"guards": 1}, "guards"),
     ({"guard_every_steps": -1}, "guard_every_steps"),
     ({"guard_every_steps": 2.5}, "guard_every_steps"),
+    ({"average_metrics": "yes"}, "average_metrics"),
 ])
 def test_config_refuses_bad_guard_values(kwargs, phrase):
     with pytest.raises(ValueError, match=phrase):
         tfhybrid.Config(**kwargs)
+
+
+def test_summary_says_counts_are_per_rank():
+    model = tfhybrid.transform(_model(), "d")
+    lines = []
+    model.summary(print_fn=lines.append)
+    assert "Total params" in "".join(lines[:-1])
+    assert lines[-1].startswith("tfhybrid: the parameter counts above are global rank 0's")
+    assert "strategy 'd'" in lines[-1] and "8 parameters" in lines[-1]
+
+
+def test_evaluate_alone_is_plain_keras():
+    model = tfhybrid.transform(_model(), "d")
+    model.compile(loss="mse", metrics=["mae"])
+    x = np.ones((6, 3), np.float32)
+    got = model.evaluate(x, np.zeros((6, 2), np.float32), batch_size=4, verbose=0,
+                         return_dict=True)
+    ref = _model()
+    ref.set_weights(model.get_weights())
+    ref.compile(loss="mse", metrics=["mae"])
+    want = ref.evaluate(x, np.zeros((6, 2), np.float32), batch_size=4, verbose=0,
+                        return_dict=True)
+    assert got == pytest.approx(want)

@@ -29,8 +29,6 @@ import keras
 from tfhybrid.layers.spatial import core
 from tfhybrid import spatial_geometry as sp
 
-_SPATIAL_KEYS = ("split", "group")
-
 
 class BorderReblocking(core.SpatialMixin):
     """Rows added (positive) or removed (negative) at the global border, then re-blocked.
@@ -102,22 +100,8 @@ class BorderReblocking(core.SpatialMixin):
 
     def get_config(self):
         config = super().get_config()
-        config.update({"split": self.split, "group": self.group})
+        config.update({"split": self.split, "group": core.serialize_group(self.group)})
         return config
-
-    @classmethod
-    def from_layer(cls, layer, split="height", group="model"):
-        """A spatial copy of the Keras layer it parallelises (same arguments and name).
-
-        Raises:
-            TypeError: if ``layer`` is not an instance of that Keras class.
-        """
-        keras_class = cls._keras_class
-        if not isinstance(layer, keras_class):
-            raise TypeError(f"{cls.__name__}.from_layer: Received layer={layer!r}; expected a "
-                            f"keras.layers.{keras_class.__name__}.")
-        config = {k: v for k, v in layer.get_config().items() if k not in _SPATIAL_KEYS}
-        return cls.from_config({**config, "split": split, "group": group})
 
 
 def _rows(pairs):

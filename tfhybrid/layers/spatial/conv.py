@@ -22,7 +22,7 @@ from keras import ops
 from tfhybrid.layers.spatial import core
 from tfhybrid.layout import VariableLayout, set_layout
 
-_SPATIAL_KEYS = ("split", "group", "overlap")
+_SPATIAL_KEYS = core.SPATIAL_KEYS
 
 
 class _SpatialConv(core.SpatialMixin):
@@ -77,7 +77,8 @@ class _SpatialConv(core.SpatialMixin):
 
     def get_config(self):
         config = super().get_config()
-        config.update({"split": self.split, "group": self.group, "overlap": self.overlap})
+        config.update({"split": self.split, "group": core.serialize_group(self.group),
+                       "overlap": self.overlap})
         return config
 
     @classmethod

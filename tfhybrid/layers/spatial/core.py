@@ -26,6 +26,8 @@ import tensorflow as tf
 from tfhybrid import comm, runtime
 from tfhybrid import spatial_geometry as sp
 from tfhybrid.layers.no_xla import NoXLA
+from tfhybrid.layers.partitioned import deserialize_group, serialize_group  # noqa: F401
+from tfhybrid.process_grid import Group
 
 
 # -- moving rows -----------------------------------------------------------------
@@ -115,6 +117,9 @@ def windowed(x, plans, groups, op, pad_value, name, overlap):
 
 # -- the shared layer machinery ---------------------------------------------------
 
+SPATIAL_KEYS = ("split", "group", "overlap")   # config keys the Keras counterpart lacks
+
+
 class SpatialMixin(NoXLA):
     """Split/group handling shared by every spatial layer.
 
@@ -126,13 +131,50 @@ class SpatialMixin(NoXLA):
 
     _ndim = 2
     _eager_overlap = False
+    _keras_class = None          # the Keras layer a subclass parallelises
+    _default_split = "height"
+
+    @classmethod
+    def from_layer(cls, layer, split=None, group="model", **spatial_options):
+        """A spatial copy of the (weightless) Keras layer it parallelises: same
+        arguments and name. Layers with weights (convolutions) override it.
+
+        Args:
+            layer: An instance of the class's Keras counterpart (e.g.
+                ``keras.layers.MaxPooling2D`` for ``SpatialMaxPooling2D``).
+            split: Spatial axis name or block-grid tuple (default: the class's).
+            group: Group the blocks are split over (a name or a Group).
+            **spatial_options: e.g. ``overlap`` for the sliding-window layers.
+
+        Raises:
+            TypeError: if ``layer`` is not an instance of the Keras counterpart.
+
+        Example:
+            >>> SpatialMaxPooling2D.from_layer(keras.layers.MaxPooling2D(2), split="width")
+        """
+        base = cls._keras_class
+        if base is None or not isinstance(layer, base):
+            expected = f"keras.layers.{base.__name__}" if base else "its Keras counterpart"
+            raise TypeError(f"{cls.__name__}.from_layer: Received layer={layer!r}; expected a "
+                            f"{expected}.")
+        config = {k: v for k, v in layer.get_config().items() if k not in SPATIAL_KEYS}
+        config.update(split=cls._default_split if split is None else split, group=group,
+                      **spatial_options)
+        return cls.from_config(config)
+
+    def to_layer(self):
+        """The plain Keras layer with this layer's arguments (and weights, if any)."""
+        config = {k: v for k, v in self.get_config().items() if k not in SPATIAL_KEYS}
+        return self._keras_class.from_config(config)
 
     def _init_spatial(self, split, group, overlap=None):
         split = sp.normalize_split(split)
         sp.check_split(split, self._ndim, self._label())
-        if not isinstance(group, str):
+        group = deserialize_group(group)
+        if not isinstance(group, (str, Group)):
             raise TypeError(f"{self._label()}: Received an invalid `group`: {group!r}; "
-                            "expected a group name ('model', 'data' or 'world').")
+                            "expected a group name ('model', 'data' or 'world') or a "
+                            "tfhybrid.process_grid.Group (as every parallel layer accepts).")
         if not (overlap is None or isinstance(overlap, bool)):
             raise TypeError(f"{self._label()}: Received an invalid `overlap`: {overlap!r}; "
                             "expected None (automatic), True or False.")
@@ -156,15 +198,32 @@ class SpatialMixin(NoXLA):
         """One sub-Group per spatial axis (registering them on first use)."""
         if self._groups is None:
             grid = runtime.current_grid()
-            mine = grid.group(self.group)
+            axis = self._axis_name(grid)
+            mine = grid.group(axis)
             shape = sp.grid_shape(self.split, self._ndim, mine.size, self._label())
-            names = [f"{self.group}.{n}" for n in sp.SPATIAL_AXES[self._ndim]]
-            every = sp.all_factored(_all_groups(grid, self.group), shape)
+            names = [f"{axis}.{n}" for n in sp.SPATIAL_AXES[self._ndim]]
+            every = sp.all_factored(_all_groups(grid, axis), shape)
             multi = [r for r in every if len(r) > 1]
             if multi:
                 comm.register_groups(multi)
             self._groups = sp.factor_group(mine, shape, names)
         return self._groups
+
+    def _axis_name(self, grid):
+        """The grid axis of ``group`` (a name, or this rank's Group of that axis).
+
+        The block sub-groups are registered collectively by every rank, so the
+        group must be one of the grid's axes ('model', 'data', 'world').
+        """
+        if isinstance(self.group, str):
+            return self.group
+        name = self.group.name
+        if name in ("model", "data", "world") and grid.group(name).ranks == self.group.ranks:
+            return name
+        raise ValueError(
+            f"{self._label()}: Received group={self.group!r}; spatial layers split over a "
+            "whole axis of the process grid (their block sub-groups are registered by every "
+            "rank), so pass 'model', 'data' or 'world' (or tfhybrid.grid().group(name)).")
 
     def _grid_shape(self):
         return tuple(g.size for g in self._spatial_groups())

@@ -44,7 +44,7 @@ class _SpatialIO(core.SpatialMixin, keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update({"split": self.split, "group": self.group})
+        config.update({"split": self.split, "group": core.serialize_group(self.group)})
         return config
 
 

@@ -61,7 +61,8 @@ class _SpatialPool(core.SpatialMixin):
 
     def get_config(self):
         config = super().get_config()
-        config.update({"split": self.split, "group": self.group, "overlap": self.overlap})
+        config.update({"split": self.split, "group": core.serialize_group(self.group),
+                       "overlap": self.overlap})
         return config
 
 
@@ -109,6 +110,7 @@ class SpatialMaxPooling2D(_SpatialPool, keras.layers.MaxPooling2D):
     """
 
     _ndim, _mode = 2, "max"
+    _keras_class = keras.layers.MaxPooling2D
 
 
 @keras.saving.register_keras_serializable(package="tfhybrid")
@@ -135,6 +137,7 @@ class SpatialAveragePooling2D(_SpatialPool, keras.layers.AveragePooling2D):
     """
 
     _ndim, _mode = 2, "average"
+    _keras_class = keras.layers.AveragePooling2D
 
 
 @keras.saving.register_keras_serializable(package="tfhybrid")
@@ -157,6 +160,7 @@ class SpatialMaxPooling3D(_SpatialPool, keras.layers.MaxPooling3D):
     """
 
     _ndim, _mode, _default_split = 3, "max", "depth"
+    _keras_class = keras.layers.MaxPooling3D
 
 
 @keras.saving.register_keras_serializable(package="tfhybrid")
@@ -180,3 +184,4 @@ class SpatialAveragePooling3D(_SpatialPool, keras.layers.AveragePooling3D):
     """
 
     _ndim, _mode, _default_split = 3, "average", "depth"
+    _keras_class = keras.layers.AveragePooling3D

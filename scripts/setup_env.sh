@@ -1,30 +1,101 @@
 #!/usr/bin/env bash
 # Create the project's virtual environment (.venv) with the pinned stack:
-# tensorflow-cpu 2.18.1, Keras 3, numpy, horovod 0.28.1 built from source with Gloo.
+# TensorFlow 2.18.1 (CPU build, or the CUDA build on GPU nodes), Keras 3, numpy,
+# and horovod 0.28.1 built from source (Gloo; NCCL GPU operations on GPU nodes).
 # The horovod wheel is built once and cached outside the clone, keyed by the
-# horovod, TensorFlow and Python versions, so later set-ups take seconds.
+# horovod, TensorFlow and Python versions, the device and the controllers, so
+# later set-ups take seconds.
+#
+# Usage: scripts/setup_env.sh [--device cpu|gpu|auto] [--mpi] [--no-project] [--print-config]
+#   --device        cpu: tensorflow-cpu; gpu: tensorflow[and-cuda] (CUDA 12.5, cuDNN 9.3,
+#                   NCCL 2.21.5 from TensorFlow's pinned pip wheels) and horovod with
+#                   HOROVOD_GPU_OPERATIONS=NCCL; auto (default): gpu when an NVIDIA
+#                   driver is present (nvidia-smi on PATH or /proc/driver/nvidia), else cpu.
+#                   The environment variable TFHYBRID_DEVICE sets the same.
+#   --mpi           also build horovod's MPI controller (needs mpicxx; for mpirun and the
+#                   Kubernetes MPI Operator). TFHYBRID_WITH_MPI=1 sets the same.
+#   --no-project    install the stack but not tfhybrid itself (Docker layer caching).
+#   --print-config  print what would be installed and the wheel cache used, then exit.
+# Other environment: PYTHON (interpreter), TFHYBRID_VENV (default .venv),
+# TFHYBRID_CACHE (default ~/.cache/tfhybrid), CUDA_HOME (gpu builds, default
+# /usr/local/cuda), HOROVOD_NCCL_HOME (default: the nvidia-nccl-cu12 wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+usage() { sed -n '9,21p' "$0" | sed 's/^# \{0,1\}//'; }
+die() { echo "[setup] error: $*" >&2; exit 2; }
+
+DEVICE=${TFHYBRID_DEVICE:-auto}
+WITH_MPI=${TFHYBRID_WITH_MPI:-0}
+INSTALL_PROJECT=1
+PRINT_ONLY=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) [ $# -ge 2 ] || die "--device needs a value: cpu, gpu or auto"; DEVICE=$2; shift 2 ;;
+    --device=*) DEVICE=${1#--device=}; shift ;;
+    --mpi) WITH_MPI=1; shift ;;
+    --no-project) INSTALL_PROJECT=0; shift ;;
+    --print-config) PRINT_ONLY=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1'; expected --device cpu|gpu|auto, --mpi, --no-project, --print-config (see --help)" ;;
+  esac
+done
+
+nvidia_driver_present() {
+  command -v nvidia-smi >/dev/null 2>&1 || [ -d /proc/driver/nvidia ]
+}
+case "$DEVICE" in
+  auto|"") if nvidia_driver_present; then DEVICE=gpu; DEVICE_WHY="NVIDIA driver found";
+           else DEVICE=cpu; DEVICE_WHY="no NVIDIA driver found"; fi ;;
+  cpu|gpu) DEVICE_WHY="requested" ;;
+  *) die "device '$DEVICE' (TFHYBRID_DEVICE or --device): expected cpu, gpu or auto" ;;
+esac
+case "$WITH_MPI" in 0|1) ;; *) die "TFHYBRID_WITH_MPI=$WITH_MPI: expected 0 or 1" ;; esac
 
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 VENV=${TFHYBRID_VENV:-.venv}
 TF_VERSION=2.18.1
 HVD_VERSION=0.28.1
+if [ "$DEVICE" = gpu ]; then
+  TF_REQ="tensorflow[and-cuda]==$TF_VERSION"; TF_DIST=tensorflow; TF_OTHER=tensorflow-cpu
+else
+  TF_REQ="tensorflow-cpu==$TF_VERSION"; TF_DIST=tensorflow-cpu; TF_OTHER=tensorflow
+fi
+CONTROLLERS=gloo
+[ "$WITH_MPI" = 1 ] && CONTROLLERS=gloo-mpi
 PYTAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 CACHE=${TFHYBRID_CACHE:-$HOME/.cache/tfhybrid}
-WHEEL_DIR="$CACHE/wheels/horovod-$HVD_VERSION-tf$TF_VERSION-$PYTAG-gloo"
+WHEEL_DIR="$CACHE/wheels/horovod-$HVD_VERSION-tf$TF_VERSION-$PYTAG-$DEVICE-$CONTROLLERS"
+# Wheels cached before the key named the device were CPU + Gloo builds: reuse them.
+LEGACY_WHEEL_DIR="$CACHE/wheels/horovod-$HVD_VERSION-tf$TF_VERSION-$PYTAG-gloo"
+if [ "$DEVICE-$CONTROLLERS" = cpu-gloo ] && ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1 \
+   && ls "$LEGACY_WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+  WHEEL_DIR=$LEGACY_WHEEL_DIR
+fi
 STAMP="$VENV/.tfhybrid-setup"
-SIG="tf=$TF_VERSION hvd=$HVD_VERSION py=$PYTAG req=$(cat requirements.txt setup.py | cksum | cut -d' ' -f1)"
+SIG="tf=$TF_VERSION hvd=$HVD_VERSION py=$PYTAG device=$DEVICE controllers=$CONTROLLERS project=$INSTALL_PROJECT req=$(cat requirements.txt setup.py | cksum | cut -d' ' -f1)"
 
 say() { echo "[setup] $*"; }
 # pip on some machines warns about unreachable local indexes: keep the log readable.
 quiet() { "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 
+if [ "$PRINT_ONLY" = 1 ]; then
+  echo "device=$DEVICE ($DEVICE_WHY)"
+  echo "tensorflow=$TF_REQ"
+  echo "horovod=$HVD_VERSION controllers=$CONTROLLERS gpu_operations=$([ "$DEVICE" = gpu ] && echo NCCL || echo none)"
+  echo "python=$PY ($PYTAG) venv=$VENV"
+  echo "wheel_dir=$WHEEL_DIR"
+  echo "wheel_cached=$(ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1 && echo yes || echo no)"
+  echo "up_to_date=$([ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$SIG" ] && echo yes || echo no)"
+  exit 0
+fi
+
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$SIG" ]; then
   say "environment $VENV is up to date ($SIG)"
   exit 0
 fi
+say "device: $DEVICE ($DEVICE_WHY; TFHYBRID_DEVICE=cpu|gpu or --device overrides)"
 
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating virtual environment $VENV with $PY"
@@ -33,17 +104,50 @@ fi
 VPY="$VENV/bin/python"
 say "upgrading pip/wheel/setuptools"
 quiet "$VPY" -m pip install -q --upgrade pip wheel "setuptools<80"
-say "installing tensorflow-cpu==$TF_VERSION, Keras 3, numpy and test tools (about a minute)"
-quiet "$VPY" -m pip install -q -r requirements.txt
+# tensorflow and tensorflow-cpu install the same package directory: never both.
+if "$VPY" -m pip show -q "$TF_OTHER" >/dev/null 2>&1; then
+  say "removing $TF_OTHER (switching to $TF_REQ)"
+  quiet "$VPY" -m pip uninstall -q -y "$TF_OTHER"
+fi
+say "installing $TF_REQ, Keras 3, numpy and test tools (about a minute; more for CUDA)"
+reqs=$(mktemp)
+grep -v '^tensorflow' requirements.txt > "$reqs"
+quiet "$VPY" -m pip install -q "$TF_REQ" -r "$reqs"
+rm -f "$reqs"
+
+# Horovod build flags per device and controllers.
+HVD_ENV=(HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1)
+if [ "$WITH_MPI" = 1 ]; then
+  command -v mpicxx >/dev/null 2>&1 || die "--mpi: mpicxx not found; install Open MPI (apt-get install libopenmpi-dev openmpi-bin) or drop --mpi"
+  HVD_ENV+=(HOROVOD_WITH_MPI=1)
+else
+  HVD_ENV+=(HOROVOD_WITHOUT_MPI=1)
+fi
+if [ "$DEVICE" = gpu ]; then
+  CUDA_DIR=${HOROVOD_CUDA_HOME:-${CUDA_HOME:-/usr/local/cuda}}
+  [ -x "$CUDA_DIR/bin/nvcc" ] || die "building horovod with NCCL needs the CUDA 12 toolkit (nvcc), not found in $CUDA_DIR; set CUDA_HOME, install cuda-toolkit-12-5, or use docker/Dockerfile.gpu"
+  if [ -n "${HOROVOD_NCCL_HOME:-}" ]; then
+    NCCL_INC=$HOROVOD_NCCL_HOME/include; NCCL_LIB=$HOROVOD_NCCL_HOME/lib
+  else   # the NCCL that TensorFlow itself loads (nvidia-nccl-cu12, pinned by tensorflow[and-cuda])
+    NCCL_DIR=$("$VPY" -c 'import nvidia.nccl as n; print(list(n.__path__)[0])')
+    NCCL_INC=$NCCL_DIR/include; NCCL_LIB=$NCCL_DIR/lib
+    [ -e "$NCCL_LIB/libnccl.so" ] || ln -s libnccl.so.2 "$NCCL_LIB/libnccl.so"
+  fi
+  [ -f "$NCCL_INC/nccl.h" ] || die "nccl.h not found in $NCCL_INC; set HOROVOD_NCCL_HOME to an NCCL 2.21 install"
+  HVD_ENV+=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED HOROVOD_CUDA_HOME="$CUDA_DIR"
+            HOROVOD_NCCL_INCLUDE="$NCCL_INC" HOROVOD_NCCL_LIB="$NCCL_LIB"
+            LDFLAGS="-Wl,-rpath,$NCCL_LIB ${LDFLAGS:-}")
+else
+  HVD_ENV+=(HOROVOD_WITHOUT_GPU=1)
+fi
 
 if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   say "no cached horovod wheel in $WHEEL_DIR"
-  say "building horovod==$HVD_VERSION with Gloo against TensorFlow $TF_VERSION (4-6 minutes on 2 cores)"
+  say "building horovod==$HVD_VERSION ($DEVICE, $CONTROLLERS) against TensorFlow $TF_VERSION (4-6 minutes on 2 cores)"
+  say "  ${HVD_ENV[*]}"
   mkdir -p "$WHEEL_DIR"
   tmp=$(mktemp -d)
-  ( HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
-    HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GPU=1 \
-    MAKEFLAGS="-j$(nproc)" \
+  ( env "${HVD_ENV[@]}" MAKEFLAGS="-j$(nproc)" \
     "$VPY" -m pip wheel --no-build-isolation --no-deps --no-cache-dir \
       "horovod==$HVD_VERSION" -w "$tmp" ) > "$tmp/build.log" 2>&1 &
   pid=$!
@@ -60,13 +164,15 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   mv "$tmp"/horovod-*.whl "$WHEEL_DIR"/
   say "cached $(ls "$WHEEL_DIR")"
 else
-  say "using cached horovod wheel $(ls "$WHEEL_DIR")"
+  say "using cached horovod wheel $(ls "$WHEEL_DIR"/horovod-*.whl)"
 fi
 say "installing horovod wheel"
 quiet "$VPY" -m pip install -q --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
 quiet "$VPY" -m pip install -q cloudpickle psutil pyyaml packaging
-say "installing tfhybrid (editable)"
-quiet "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
-say "checking horovod: $("$VPY" -c 'import horovod.tensorflow as h; print("horovod", __import__("horovod").__version__, "gloo built:", h.gloo_built())')"
+if [ "$INSTALL_PROJECT" = 1 ]; then
+  say "installing tfhybrid (editable)"
+  quiet "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
+fi
+say "checking horovod: $("$VPY" -c 'import horovod.tensorflow as h; print("horovod", __import__("horovod").__version__, "gloo built:", h.gloo_built(), "mpi built:", h.mpi_built(), "nccl built:", bool(h.nccl_built()))')"
 echo "$SIG" > "$STAMP"
 say "done"

@@ -14,7 +14,7 @@ import importlib
 
 from tfhybrid.config import Config
 from tfhybrid.process_grid import Group, ProcessGrid
-from tfhybrid.runtime import grid, init, is_initialized, is_root, shutdown
+from tfhybrid.runtime import grid, init, is_initialized, is_root, local_rank, shutdown
 
 __version__ = "0.1.0"
 
@@ -53,7 +53,7 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["init", "shutdown", "grid", "is_root", "is_initialized", "Config",
+__all__ = ["init", "shutdown", "grid", "is_root", "is_initialized", "local_rank", "Config",
            "Group", "ProcessGrid", "__version__"]
 __all__ += ["DistributedOptimizer", "callbacks", "checkpoint", "data", "save", "load"]
 __all__ += ["watchdog"]

@@ -66,19 +66,116 @@ def init(model_parallel: int = 1, config: Config | None = None) -> ProcessGrid:
     return grid
 
 
-def _pin_gpu():
-    """One GPU per process by local rank, with memory growth (no-op on CPU)."""
+# Where each launcher announces a process's rank among the processes of its
+# node, in the order they are read: horovodrun first (it may run inside a
+# Slurm allocation or under mpirun, whose variables its ranks inherit), then
+# the MPI launchers, then Slurm's srun (a batch script's own SLURM_LOCALID=0
+# is inherited by whatever it launches).
+LOCAL_RANK_VARIABLES = (
+    ("HOROVOD_LOCAL_RANK", "horovodrun"),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI mpirun"),
+    ("MV2_COMM_WORLD_LOCAL_RANK", "MVAPICH2 mpirun"),
+    ("MPI_LOCALRANKID", "MPICH / Intel MPI Hydra mpiexec"),
+    ("PMI_LOCAL_RANK", "PMI process managers (MPICH, Cray)"),
+    ("PALS_LOCAL_RANKID", "Cray PALS mpiexec"),
+    ("SLURM_LOCALID", "Slurm srun"),
+)
+
+
+def local_rank_from_env(environ=None):
+    """This process's node-local rank as announced by its launcher.
+
+    Pure: reads only ``environ`` (default ``os.environ``), so it works before
+    Horovod starts and in tests. The first variable of
+    :data:`LOCAL_RANK_VARIABLES` that is set wins.
+
+    Returns:
+        ``(local_rank, variable)``; ``(0, None)`` when no launcher variable is
+        set (a single process).
+
+    Raises:
+        ValueError: when the variable is not a non-negative integer, naming
+            the variable and its value.
+
+    Example:
+        >>> local_rank_from_env({"SLURM_LOCALID": "3"})
+        (3, 'SLURM_LOCALID')
+        >>> local_rank_from_env({"HOROVOD_LOCAL_RANK": "1", "SLURM_LOCALID": "0"})
+        (1, 'HOROVOD_LOCAL_RANK')
+    """
     import os
 
+    environ = os.environ if environ is None else environ
+    for name, launcher in LOCAL_RANK_VARIABLES:
+        value = environ.get(name)
+        if value is None or value.strip() == "":
+            continue
+        try:
+            local = int(value)
+        except ValueError:
+            local = -1
+        if local < 0:
+            raise ValueError(
+                f"Received {name}={value!r} (set by {launcher}); expected the process's "
+                f"node-local rank, a non-negative integer. Unset {name} or launch with "
+                "horovodrun, mpirun or srun, which set it.")
+        return local, name
+    return 0, None
+
+
+def gpu_for_local_rank(local, n_gpus):
+    """Index of the visible GPU that the process of node-local rank ``local`` takes.
+
+    One process per GPU: local rank r takes GPU r. When the launcher already
+    restricted each process to its own GPU (``CUDA_VISIBLE_DEVICES`` set per
+    task, e.g. ``srun --gpus-per-task=1`` or one GPU per Kubernetes pod), one
+    GPU is visible and every process takes index 0. With more processes than
+    GPUs on a node, processes share GPUs round-robin (``local % n_gpus``).
+
+    Returns:
+        The index into ``tf.config.list_physical_devices("GPU")``, or None
+        when there is no GPU.
+
+    Example:
+        >>> gpu_for_local_rank(3, 4), gpu_for_local_rank(3, 1), gpu_for_local_rank(5, 4)
+        (3, 0, 1)
+    """
+    if n_gpus <= 0:
+        return None
+    return local % n_gpus
+
+
+def local_rank() -> int:
+    """This process's rank among the processes on its node (0 when alone).
+
+    After :func:`init` this is Horovod's own local rank; before it, the
+    launcher's variable (:func:`local_rank_from_env`: horovodrun, Open MPI,
+    MVAPICH2, MPICH/Hydra, PMI, Cray PALS or Slurm ``srun``). Use it to pick
+    a per-node resource, e.g. a scratch directory or a data shard cache.
+
+    Example:
+        >>> tfhybrid.local_rank()   # under `horovodrun -np 8 -H a:4,b:4`: 0..3 on each node
+        0
+    """
+    if _STATE["grid"] is not None:
+        from tfhybrid.comm import backend
+
+        if backend.is_initialized():
+            return backend.local_rank()
+    return local_rank_from_env()[0]
+
+
+def _pin_gpu():
+    """One GPU per process by node-local rank, with memory growth (no-op on CPU)."""
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
         return
-    local = int(os.environ.get("HOROVOD_LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)))
+    local, _ = local_rank_from_env()
     for gpu in gpus:
         tf.config.experimental.set_memory_growth(gpu, True)
-    tf.config.set_visible_devices(gpus[local % len(gpus)], "GPU")
+    tf.config.set_visible_devices(gpus[gpu_for_local_rank(local, len(gpus))], "GPU")
 
 
 def shutdown():

@@ -10,6 +10,9 @@ the batch is split into ``p`` blocks and rank ``r`` keeps block ``r``.
 """
 from __future__ import annotations
 
+import os
+import warnings
+
 import numpy as np
 import tensorflow as tf
 
@@ -134,18 +137,103 @@ def _unbatched_samples(dataset, model=None) -> bool:
     return False
 
 
-def shard(dataset, model=None, batch_size=None):
+# -- the scaling form: single rows in, this rank's local batches out --------------
+
+def _is_file_list(value) -> bool:
+    """A list/tuple of file names (str, bytes or os.PathLike), one row each."""
+    return (isinstance(value, (list, tuple)) and len(value) > 0
+            and all(isinstance(v, (str, bytes, os.PathLike)) for v in value))
+
+
+def _shared_seed(seed):
+    """``seed``, or one drawn on rank 0 and broadcast (collective when seed is None)."""
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"Received an invalid value for `seed`: {seed!r}; expected an "
+                             "integer (or None: one seed drawn on rank 0 and broadcast).")
+        return seed
+    from tfhybrid.comm import backend   # the seed travels like guards.set_consistent_seed's
+    drawn = tf.constant([np.random.SeedSequence().entropy % (2**31 - 1)], tf.int64)
+    if backend.is_initialized() and backend.size() > 1:
+        world = tuple(range(backend.size()))
+        drawn = backend.broadcast(drawn, 0, world, "data.shuffle_seed")
+    return int(drawn.numpy()[0])
+
+
+def _maps_rows(dataset) -> bool:
+    """True when the dataset's last op is a per-row map (e.g. a decode)."""
+    names = _pipeline(dataset)
+    return bool(names) and "Map" in names[0] and "Batch" not in names[0]
+
+
+def _local_batches(dataset, batch_size, blocks, index, map_fn, shuffle, seed):
+    """This rank's local batches from a dataset of single rows.
+
+    The rows are grouped into global batches *before* ``map_fn`` runs
+    (grouping copies only the raw records: file names, encoded bytes), this
+    rank keeps block ``index`` of each (the same rows as the batched form),
+    and only those rows are mapped (decoded) and batched locally. Every rank
+    of a model group keeps the same block, so they read the same rows in the
+    same order; a shuffle runs before the grouping with one seed on all ranks.
+    """
+    local = batch_size // blocks
+    if shuffle is not None:
+        if isinstance(shuffle, bool) or not isinstance(shuffle, int) or shuffle < 1:
+            raise ValueError(f"Received an invalid value for `shuffle`: {shuffle!r}; expected "
+                             "a shuffle buffer size in rows (a positive integer), or None.")
+        dataset = dataset.shuffle(shuffle, seed=_shared_seed(seed),
+                                  reshuffle_each_iteration=True)
+    if map_fn is not None and not callable(map_fn):
+        raise ValueError(f"Received an invalid value for `map_fn`: {map_fn!r}; expected a "
+                         "function of one row (e.g. one that decodes an image), or None.")
+    if map_fn is None and blocks > 1 and _maps_rows(dataset):
+        warnings.warn(
+            "tfhybrid.data.shard: the dataset maps every row (e.g. a decode) before shard "
+            f"keeps this rank's {local} of every {batch_size} rows, so each rank maps the "
+            "whole global batch. Pass the per-row function as map_fn= instead "
+            "(shard(raw_rows, batch_size=..., map_fn=decode)): only this rank's rows are "
+            "mapped.", stacklevel=3)
+    groups = dataset.batch(batch_size, drop_remainder=True)     # raw records of a global batch
+    if blocks > 1:
+        groups = _shard_dataset(groups, blocks, index)
+    if map_fn is None:
+        return groups
+    return (groups.unbatch()
+            .map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            .batch(local, drop_remainder=True))
+
+
+def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, seed=None):
     """The rows of every global batch that this rank must feed.
+
+    Two forms. The **scaling form** takes single rows (a dataset of single
+    samples, or a list of file names) with ``batch_size=`` (the global batch)
+    and yields this rank's local batches: the raw rows are grouped into global
+    batches (remainder dropped), this rank keeps its block of each, and only
+    those rows go through ``map_fn`` (the decode), so each rank decodes
+    ``batch_size / blocks`` rows per step whatever the world size. The
+    **batched form** takes a dataset of global batches and keeps this rank's
+    rows of each (every rank reads and decodes the whole global batch). Both
+    give every rank the same rows.
 
     Args:
         dataset: A ``tf.data.Dataset`` yielding global batches (``x``,
-            ``(x, y)`` or ``(x, y, sample_weight)``, any nesting), or numpy
-            arrays / a tuple of arrays of whole samples with ``batch_size``.
+            ``(x, y)`` or ``(x, y, sample_weight)``, any nesting); or, with
+            ``batch_size``, a dataset of single rows or a list of file names
+            (one row each); or numpy arrays / a tuple of arrays of whole
+            samples with ``batch_size``.
         model: Optional (transformed) model; its ``_tfhybrid_batch_split``
-            ("data", the default, or "world") chooses the split.
-        batch_size: The global batch size: required with arrays; with a
-            dataset of single samples, ``shard`` batches it (dropping the
-            remainder) before keeping this rank's rows.
+            ("data", the default, or "world") chooses the split. Pass it:
+            without it, ``d``/``gmp`` models split by the data axis only.
+        batch_size: The global batch size: required with arrays and with
+            single rows (the scaling form).
+        map_fn: Scaling form only: a function of one row (e.g. read and
+            decode an image) applied to this rank's rows only.
+        shuffle: Scaling form only: shuffle buffer size in rows; the raw rows
+            are shuffled (every epoch anew) before grouping, identically on
+            every rank.
+        seed: The shuffle seed; None draws one on rank 0 and broadcasts it
+            (then ``shard`` is collective: call it on every rank).
 
     Returns:
         A ``tf.data.Dataset`` of local batches, or the arrays of this rank's
@@ -160,11 +248,21 @@ def shard(dataset, model=None, batch_size=None):
         TypeError: for any other kind of ``dataset``.
 
     Example:
+        >>> rows = tf.data.Dataset.from_tensor_slices((png_bytes, labels))
+        >>> decode = lambda b, y: (tf.io.decode_png(b, 3), y)
+        >>> model.fit(tfhybrid.data.shard(rows, model=model, batch_size=64, map_fn=decode,
+        ...                               shuffle=10000), epochs=2)
         >>> ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(64, drop_remainder=True)
-        >>> model.fit(tfhybrid.data.shard(ds), epochs=2)
+        >>> model.fit(tfhybrid.data.shard(ds, model=model), epochs=2)
         >>> x_local, y_local = tfhybrid.data.shard((x, y), batch_size=64)
     """
     blocks, index = batch_split(model)
+    if _is_file_list(dataset):      # one row per file: the scaling form
+        if batch_size is None:
+            raise ValueError(f"Received a list of {len(dataset)} file names without "
+                             "`batch_size`: pass the global batch, e.g. shard(files, "
+                             "batch_size=64, map_fn=load).")
+        dataset = tf.data.Dataset.from_tensor_slices([os.fspath(f) for f in dataset])
     if isinstance(dataset, tf.data.Dataset):
         if batch_size is not None:      # a dataset of single samples: batch it globally here
             if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -177,8 +275,13 @@ def shard(dataset, model=None, batch_size=None):
                     f"Received batch_size={batch_size} with a dataset that is already batched "
                     "(its pipeline has a .batch()): pass either a dataset of single samples "
                     "with batch_size=<global batch>, or global batches without batch_size.")
-            dataset = dataset.batch(batch_size, drop_remainder=True)
-        elif _unbatched_samples(dataset, model):
+            return _local_batches(dataset, batch_size, blocks, index, map_fn, shuffle, seed)
+        if map_fn is not None or shuffle is not None:
+            raise ValueError(
+                "Received map_fn/shuffle without batch_size: they apply to a dataset of "
+                "single rows. Pass shard(rows, batch_size=<global batch>, map_fn=..., "
+                "shuffle=...), or map and shuffle a dataset of global batches yourself.")
+        if _unbatched_samples(dataset, model):
             raise ValueError(
                 "tfhybrid.data.shard received a dataset of single samples (elements without a "
                 "batch dimension, e.g. from_tensor_slices with no .batch()), so it would split "

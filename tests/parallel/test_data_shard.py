@@ -113,3 +113,158 @@ def test_bad_arguments(grid_of):
     if grid.size > 1:
         with pytest.raises(ValueError, match=f"global batch of 3 rows.*{grid.data_size}"):
             tfhybrid.data.local_batch_size(3)
+
+
+# -- the scaling form: single rows + batch_size (+ map_fn, shuffle) -----------------
+
+def _blocks(grid, split):
+    return (grid.size, grid.rank) if split == "world" else (grid.data_size, grid.data_rank)
+
+
+@pytest.mark.parametrize("mp", MPS, ids=lambda m: f"mp{m}")
+@pytest.mark.parametrize("split", [None, "world"])
+def test_scaling_form_maps_only_own_rows(grid_of, mp, split):
+    """Same local batches as the batched form, and map_fn sees only this rank's rows."""
+    grid = grid_of(mp)
+    batch = 4 * grid.size
+    x, y = global_batches(3, batch)
+    x, y = x[:-1], y[:-1]                     # a short last global batch: dropped
+    model = split_model(split) if split else None
+    seen = []
+
+    def record(v):
+        seen.append(int(v))
+        return v
+
+    def decode(xr, yr):
+        return xr * 2.0, tf.py_function(record, [yr], tf.int32)
+
+    rows = tf.data.Dataset.from_tensor_slices((x, y))
+    got = list(tfhybrid.data.shard(rows, model, batch_size=batch, map_fn=decode))
+    blocks, index = _blocks(grid, split)
+    assert len(got) == 2
+    for b, (xb, yb) in enumerate(got):
+        want = expected_rows(y[b * batch:(b + 1) * batch], blocks, index)
+        np.testing.assert_array_equal(yb.numpy(), want)
+        np.testing.assert_array_equal(xb.numpy(), expected_rows(
+            x[b * batch:(b + 1) * batch], blocks, index) * 2.0)
+    assert sorted(seen) == sorted(int(v) for _, yb in got for v in yb.numpy())
+    assert len(seen) == 2 * batch // blocks   # rows decoded = global batch / blocks per step
+    without = list(tfhybrid.data.shard(rows, model, batch_size=batch))
+    for (xa, ya), (xb, yb) in zip(without, got):
+        np.testing.assert_array_equal(ya.numpy(), yb.numpy())
+
+
+def test_scaling_form_file_list(grid_of, tmp_path):
+    grid = grid_of(1)
+    batch = 2 * grid.size
+    files = []
+    for i in range(2 * batch):
+        path = tmp_path / f"row{i:03d}.txt"
+        path.write_text(str(i))
+        files.append(str(path))
+    read = lambda f: tf.strings.to_number(tf.io.read_file(f), tf.int32)  # noqa: E731
+    got = [b.numpy() for b in tfhybrid.data.shard(files, batch_size=batch, map_fn=read)]
+    rows = np.arange(2 * batch)
+    assert [list(g) for g in got] == [
+        list(expected_rows(rows[s:s + batch], grid.size, grid.rank)) for s in (0, batch)]
+    with pytest.raises(ValueError, match="file names without `batch_size`"):
+        tfhybrid.data.shard(files)
+
+
+@pytest.mark.parametrize("mp", MPS, ids=lambda m: f"mp{m}")
+def test_scaling_form_shuffle_agrees_within_model_groups(grid_of, mp):
+    """One broadcast seed: the data groups together see each global batch once,
+    the ranks of a model group the same rows, and every epoch is reshuffled."""
+    from tfhybrid.comm import backend
+
+    grid = grid_of(mp)
+    batch = 2 * grid.data_size
+    n = 4 * batch
+    rows = tf.data.Dataset.range(n)
+    ds = tfhybrid.data.shard(rows, batch_size=batch, shuffle=n)
+    epochs = [np.concatenate([b.numpy() for b in ds]) for _ in range(2)]
+    assert not np.array_equal(epochs[0], epochs[1])
+    mine = np.stack(epochs)[None]
+    world = tuple(range(grid.size))
+    every = backend.allgather(tf.constant(mine), world, "test.shuffle").numpy()
+    local = batch // grid.data_size
+    for r in range(grid.size):
+        same = [q for q in range(grid.size) if q // grid.model_size == r // grid.model_size]
+        for q in same:
+            np.testing.assert_array_equal(every[q], every[r])
+    for e in range(2):
+        whole = []
+        for step in range(4):
+            for d in range(grid.data_size):
+                q = d * grid.model_size
+                whole.extend(every[q, e, step * local:(step + 1) * local])
+        assert sorted(whole) == list(range(n))
+
+
+def test_scaling_form_bad_arguments(grid_of):
+    grid = grid_of(1)
+    rows = tf.data.Dataset.range(8)
+    with pytest.raises(ValueError, match=r"`shuffle`: 0"):
+        tfhybrid.data.shard(rows, batch_size=grid.size, shuffle=0)
+    with pytest.raises(ValueError, match=r"`map_fn`: 3"):
+        tfhybrid.data.shard(rows, batch_size=grid.size, map_fn=3)
+    with pytest.raises(ValueError, match="map_fn/shuffle without batch_size"):
+        tfhybrid.data.shard(rows.batch(grid.size), map_fn=lambda v: v)
+    if grid.size > 1:
+        with pytest.warns(UserWarning, match="Pass the per-row function as map_fn"):
+            tfhybrid.data.shard(rows.map(lambda v: v * 2), batch_size=grid.size)
+
+
+def _png_rows(n, seed=0):
+    images = np.random.default_rng(seed).integers(0, 256, (n, 8, 8, 3), dtype=np.uint8)
+    labels = np.random.default_rng(seed + 1).integers(0, 4, n).astype(np.int32)
+    encoded = [tf.io.encode_png(im).numpy() for im in images]
+    return images.astype(np.float32) / 255.0, labels, encoded
+
+
+def _decode(png, label):
+    return tf.cast(tf.io.decode_png(png, channels=3), tf.float32) / 255.0, label
+
+
+def _small_cnn():
+    keras.utils.set_random_seed(0)
+    i = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="conv")(i)
+    x = keras.layers.Flatten(name="flat")(x)
+    x = keras.layers.Dense(8, activation="tanh", name="fc")(x)
+    return keras.Model(i, keras.layers.Dense(4, activation="softmax", name="out")(x))
+
+
+def _fit(model, data, transformed=True):
+    opt = keras.optimizers.SGD(0.2)
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(opt) if transformed else opt,
+                  loss="sparse_categorical_crossentropy", jit_compile=False)
+    model.fit(data, epochs=1, shuffle=False, verbose=0)
+    return (tfhybrid.gather(model) if transformed else model).get_weights()
+
+
+@pytest.mark.parametrize("strategy,mp", [("d", 1), ("f", "N"), ("df", 2)],
+                         ids=["d-mp1", "f-mpN", "df-mp2"])
+def test_fit_scaling_form_equals_batched_form_and_single_process(grid_of, strategy, mp):
+    from tfhybrid.comm import backend
+
+    mp = backend.launched_size() if mp == "N" else mp
+    grid_of(mp)
+    batch, steps = 8, 2
+    x, y, png = _png_rows(batch * steps + 3)            # 3 rows beyond the last full batch
+    initial = _small_cnn().get_weights()
+    expected = _fit(_small_cnn(), tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        batch, drop_remainder=True), transformed=False)
+    options = {"fallback": "replicate"} if strategy != "d" else {}
+    scaled = tfhybrid.transform(_small_cnn(), strategy, **options)
+    rows = tf.data.Dataset.from_tensor_slices((png, y))
+    got = _fit(scaled, tfhybrid.data.shard(rows, model=scaled, batch_size=batch,
+                                           map_fn=_decode))
+    batched = tfhybrid.transform(_small_cnn(), strategy, **options)
+    global_ds = rows.map(_decode).batch(batch, drop_remainder=True)
+    old = _fit(batched, tfhybrid.data.shard(global_ds, model=batched))
+    assert max(float(np.max(np.abs(e - i))) for e, i in zip(expected, initial)) > 1e-3
+    for a, b, e in zip(got, old, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6)

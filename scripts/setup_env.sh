@@ -58,9 +58,9 @@ VENV=${TFHYBRID_VENV:-.venv}
 TF_VERSION=2.18.1
 HVD_VERSION=0.28.1
 if [ "$DEVICE" = gpu ]; then
-  TF_REQ="tensorflow[and-cuda]==$TF_VERSION"; TF_DIST=tensorflow; TF_OTHER=tensorflow-cpu
+  TF_REQ="tensorflow[and-cuda]==$TF_VERSION"; TF_OTHER=tensorflow-cpu
 else
-  TF_REQ="tensorflow-cpu==$TF_VERSION"; TF_DIST=tensorflow-cpu; TF_OTHER=tensorflow
+  TF_REQ="tensorflow-cpu==$TF_VERSION"; TF_OTHER=tensorflow
 fi
 CONTROLLERS=gloo
 [ "$WITH_MPI" = 1 ] && CONTROLLERS=gloo-mpi

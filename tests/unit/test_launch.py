@@ -146,3 +146,25 @@ def test_slurm_recipe_srun_command():
     assert line.startswith("srun --mpi=pmix") and line.endswith("examples/train_digits.py")
     bad = _sbatch({"SLURM_JOB_NODELIST": "n1", "TFHYBRID_LAUNCHER": "ssh"})
     assert bad.returncode == 2 and "TFHYBRID_LAUNCHER=ssh" in bad.stderr
+
+
+def test_mpijob_recipe():
+    yaml = pytest.importorskip("yaml")
+    job = yaml.safe_load(open(os.path.join(ROOT, "examples", "launch", "mpijob.yaml")))
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v2beta1", "MPIJob")
+    spec = job["spec"]
+    launcher = spec["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    worker_spec = spec["mpiReplicaSpecs"]["Worker"]
+    worker = worker_spec["template"]["spec"]["containers"][0]
+    # args, not command: the image's entrypoint sets up ssh in every pod.
+    assert "command" not in launcher and "command" not in worker
+    assert worker["args"] == ["sshd"]
+    args = launcher["args"]
+    assert args[0] == "mpirun" and "--allow-run-as-root" in args
+    np_ = int(args[args.index("-np") + 1])
+    assert np_ == worker_spec["replicas"] * spec["slotsPerWorker"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == spec["slotsPerWorker"]
+    assert launcher["image"] == worker["image"]
+    assert spec["sshAuthMountPath"] == "/root/.ssh"
+    script = args[args.index("python") + 1]
+    assert os.path.exists(os.path.join(ROOT, script)), script

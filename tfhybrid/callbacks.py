@@ -9,6 +9,12 @@
   so every rank (and checkpoint/early-stopping callbacks) sees global metrics.
 - :class:`LearningRateWarmupCallback`: linear learning-rate warmup per batch
   (Goyal et al.: start at ``lr / p_data``, reach ``lr`` after the warmup).
+- :class:`LearningRateScheduleCallback`: Horovod's epoch-wise multiplier of
+  the learning rate (step decay, ``staircase=False`` per batch).
+- Both work with a float learning rate (they set it) and with a Keras
+  ``LearningRateSchedule`` (which Keras refuses to set): they install a
+  :class:`ScaledSchedule`, ``schedule(step) x warmup x multiplier``, whose
+  factors they set.
 - :class:`RootProgbarLogger`: Keras' progress bar on rank 0 only.
 - :func:`standard`: the usual list of the above.
 """
@@ -138,8 +144,10 @@ class MetricAverageCallback(keras.callbacks.Callback):
         """Average the evaluation logs seen by the callbacks after this one.
 
         Keras copies the logs before callbacks see them, so the values that
-        ``model.evaluate`` returns stay local: pass them through
-        :func:`average_logs`.
+        ``model.evaluate`` of a plain Keras model returns stay local: pass
+        them through :func:`average_logs`. (A transformed model's
+        ``evaluate`` already returns the global metrics, see
+        :func:`tfhybrid.guards.sum_metric_states`.)
         """
         _average_logs(logs, "metric_average.test")
 
@@ -169,46 +177,298 @@ def _average_logs(logs, name):
         logs[key] = float(value)
 
 
+def _base_optimizer(optimizer):
+    """The Keras optimizer holding the learning rate (unwraps DistributedOptimizer,
+    LossScaleOptimizer)."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+@keras.saving.register_keras_serializable(package="tfhybrid")
+class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """``schedule(step) x warmup x multiplier``: a Keras schedule callbacks can scale.
+
+    Keras refuses to set the learning rate of an optimizer built with a
+    ``LearningRateSchedule`` (``TypeError: ... not settable``), so
+    :class:`LearningRateWarmupCallback` and :class:`LearningRateScheduleCallback`
+    wrap the schedule in this one (:func:`scalable_learning_rate`) and set its
+    two factors, non-trainable variables read by the traced train step at
+    every step. Serializable (the factors are saved as numbers).
+
+    Args:
+        schedule: A ``LearningRateSchedule`` or a zero-argument callable.
+        warmup: Initial value of the warmup factor.
+        multiplier: Initial value of the schedule-callback factor.
+
+    Example:
+        >>> lr = keras.optimizers.schedules.ExponentialDecay(0.1, 1000, 0.9)
+        >>> opt = keras.optimizers.SGD(tfhybrid.callbacks.ScaledSchedule(lr))
+        >>> opt.learning_rate.numpy() == lr(0).numpy()
+    """
+
+    FACTORS = ("warmup", "multiplier")
+
+    def __init__(self, schedule, warmup=1.0, multiplier=1.0):
+        if isinstance(schedule, dict):
+            schedule = keras.saving.deserialize_keras_object(schedule)
+        if isinstance(schedule, ScaledSchedule) or not callable(schedule):
+            raise ValueError(f"Received an invalid `schedule`: {schedule!r}; expected a Keras "
+                             "LearningRateSchedule (not already a ScaledSchedule) or a "
+                             "zero-argument callable.")
+        self.schedule = schedule
+        self.factors = {name: tf.Variable(float(value), trainable=False, dtype=tf.float32,
+                                          name=f"tfhybrid_lr_{name}")
+                        for name, value in zip(self.FACTORS, (warmup, multiplier))}
+
+    def set_factor(self, name, value):
+        """Set factor ``name`` ("warmup" or "multiplier") to ``value`` (eager)."""
+        self.factors[name].assign(float(value))
+
+    def __call__(self, step):
+        if isinstance(self.schedule, keras.optimizers.schedules.LearningRateSchedule):
+            base = self.schedule(step)
+        else:
+            base = self.schedule()
+        base = tf.convert_to_tensor(base)
+        scale = self.factors["warmup"] * self.factors["multiplier"]
+        return base * tf.cast(scale, base.dtype)
+
+    def get_config(self):
+        return {"schedule": keras.saving.serialize_keras_object(self.schedule),
+                **{name: float(v.numpy()) for name, v in self.factors.items()}}
+
+
+def scalable_learning_rate(model):
+    """The :class:`ScaledSchedule` of ``model``'s optimizer, or None for a float rate.
+
+    A ``LearningRateSchedule`` (or callable) learning rate is wrapped in a
+    :class:`ScaledSchedule` the first time (eager, before the train step is
+    traced; a train function traced before is rebuilt so that it reads the
+    new schedule).
+
+    Raises:
+        ValueError: when the model has no compiled optimizer.
+
+    Example:
+        >>> tfhybrid.callbacks.scalable_learning_rate(model).set_factor("multiplier", 0.1)
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise ValueError(f"Model {getattr(model, 'name', model)!r} has no optimizer: compile it "
+                         "before fit with a learning-rate callback.")
+    base = _base_optimizer(optimizer)
+    lr = getattr(base, "_learning_rate", None)
+    if isinstance(lr, ScaledSchedule):
+        return lr
+    if isinstance(lr, keras.Variable) or isinstance(lr, (int, float)) or tf.is_tensor(lr):
+        return None
+    if not callable(lr):
+        return None
+    scaled = ScaledSchedule(lr)
+    base.learning_rate = scaled     # Keras accepts a new schedule (not a float)
+    if getattr(model, "train_function", None) is not None and hasattr(model, "make_train_function"):
+        model.make_train_function(force=True)
+    return scaled
+
+
+def _check_positive(value, name, what, optional=False):
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"Received an invalid value for `{name}`: {value!r}; expected {what}.")
+    return float(value)
+
+
 class LearningRateWarmupCallback(keras.callbacks.Callback):
     """Linear learning-rate warmup over the first ``warmup_steps`` batches.
 
+    With a float learning rate it sets the rate of each batch, from
+    ``initial_lr`` to ``target_lr``. With a Keras ``LearningRateSchedule``
+    (which Keras does not let anyone set) it scales the schedule instead
+    (:class:`ScaledSchedule`): batch ``t`` uses ``schedule(t) x f(t)``, ``f``
+    going linearly from ``initial_scale`` to 1.
+
     Args:
-        target_lr: Learning rate reached at the end of the warmup.
+        target_lr: Learning rate reached at the end of the warmup (float
+            rates); default: the optimizer's learning rate when training
+            starts. Must be None with a schedule (the schedule is the target).
         warmup_steps: Number of training batches of the warmup (> 0).
-        initial_lr: Learning rate of the first batch; default
-            ``target_lr / p_data`` (Goyal et al.'s gradual warmup).
+        initial_lr: Learning rate of the first batch (float rates); default
+            ``initial_scale x target_lr``.
+        initial_scale: Fraction of the target used on the first batch;
+            default ``1 / p_data`` (Goyal et al.'s gradual warmup).
 
     Raises:
-        ValueError: for a non-positive ``target_lr`` or ``warmup_steps``.
+        ValueError: for a non-positive ``target_lr``, ``warmup_steps``,
+            ``initial_lr`` or ``initial_scale``; at the start of ``fit``, for
+            ``target_lr`` or ``initial_lr`` with a schedule optimizer.
 
     Example:
         >>> LearningRateWarmupCallback(target_lr=0.1, warmup_steps=500)
+        >>> sched = keras.optimizers.schedules.CosineDecay(0.1, 10000)
+        >>> model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(sched)), ...)
+        >>> model.fit(ds, callbacks=[*tfhybrid.callbacks.standard(),
+        ...                          LearningRateWarmupCallback(warmup_steps=500)])
     """
 
-    def __init__(self, target_lr: float, warmup_steps: int, initial_lr: float | None = None):
+    def __init__(self, target_lr: float | None = None, warmup_steps: int | None = None,
+                 initial_lr: float | None = None, initial_scale: float | None = None):
         super().__init__()
-        if isinstance(target_lr, bool) or not isinstance(target_lr, (int, float)) or target_lr <= 0:
-            raise ValueError(f"Received an invalid value for `target_lr`: {target_lr!r}; "
-                             "expected a positive number.")
+        self.target_lr = _check_positive(target_lr, "target_lr", "a positive number, or None "
+                                         "(the optimizer's learning rate)", optional=True)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"Received an invalid value for `warmup_steps`: {warmup_steps!r}; "
                              "expected a positive integer (batches).")
-        self.target_lr = float(target_lr)
         self.warmup_steps = warmup_steps
-        self.initial_lr = initial_lr
+        self.initial_lr = _check_positive(initial_lr, "initial_lr", "a positive number or None",
+                                          optional=True)
+        self.initial_scale = _check_positive(initial_scale, "initial_scale",
+                                             "a positive fraction of the target, e.g. 0.1",
+                                             optional=True)
         self._step = 0
+        self._schedule = None
+
+    def _start_scale(self):
+        if self.initial_scale is not None:
+            return self.initial_scale
+        return 1.0 / runtime.current_grid().data_size
 
     def learning_rate_at(self, step: int) -> float:
-        """Learning rate of batch ``step`` (0-based)."""
+        """Learning rate of batch ``step`` (0-based), for a float learning rate."""
         start = (self.initial_lr if self.initial_lr is not None
-                 else self.target_lr / runtime.current_grid().data_size)
+                 else self.target_lr * self._start_scale())
         frac = min(1.0, step / self.warmup_steps)
         return start + (self.target_lr - start) * frac
 
+    def scale_at(self, step: int) -> float:
+        """Warmup factor of batch ``step`` (0-based), for a schedule learning rate."""
+        start = self._start_scale()
+        return start + (1.0 - start) * min(1.0, step / self.warmup_steps)
+
+    def on_train_begin(self, logs=None):
+        self._schedule = scalable_learning_rate(self.model)
+        if self._schedule is None:
+            if self.target_lr is None:
+                self.target_lr = float(keras.ops.convert_to_numpy(
+                    self.model.optimizer.learning_rate))
+            return
+        given = [f"{k}={v}" for k, v in (("target_lr", self.target_lr),
+                                         ("initial_lr", self.initial_lr)) if v is not None]
+        if given:
+            raise ValueError(
+                f"LearningRateWarmupCallback received {', '.join(given)}, but the optimizer's "
+                f"learning_rate is a {type(self._schedule.schedule).__name__} schedule, "
+                "which is the target: pass LearningRateWarmupCallback(warmup_steps="
+                f"{self.warmup_steps}) (optionally initial_scale=...), which scales the "
+                "schedule's own values, or compile with a float learning rate.")
+
     def on_train_batch_begin(self, batch, logs=None):
         if self._step <= self.warmup_steps:
-            self.model.optimizer.learning_rate = self.learning_rate_at(self._step)
+            if self._schedule is not None:
+                self._schedule.set_factor("warmup", self.scale_at(self._step))
+            else:
+                self.model.optimizer.learning_rate = self.learning_rate_at(self._step)
         self._step += 1
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Multiply the learning rate by ``multiplier(epoch)`` for epochs in
+    ``[start_epoch, end_epoch)`` (Horovod's callback of the same name).
+
+    With a float learning rate the rate becomes ``initial_lr x multiplier``;
+    with a Keras ``LearningRateSchedule`` the schedule's values are
+    multiplied (:class:`ScaledSchedule`). Several callbacks with disjoint
+    epoch ranges make a step schedule.
+
+    Args:
+        initial_lr: The base rate (float rates); default: the optimizer's
+            rate when training starts. Must be None with a schedule.
+        multiplier: A number, or a function of the epoch (an int, or with
+            ``staircase=False`` a float: epoch + fraction of the epoch done).
+        start_epoch: First epoch (0-based) the multiplier applies to.
+        end_epoch: First epoch it no longer applies to (None: to the end).
+        staircase: True: set once per epoch; False: per batch with a
+            fractional epoch (needs ``steps_per_epoch`` or a dataset of known
+            length).
+        steps_per_epoch: Batches per epoch (``staircase=False``); default:
+            Keras' ``params["steps"]``.
+
+    Raises:
+        ValueError: for a bad argument; at the start of ``fit``, for
+            ``initial_lr`` with a schedule optimizer or ``staircase=False``
+            without a known number of steps per epoch.
+
+    Example:
+        >>> callbacks = tfhybrid.callbacks.standard() + [
+        ...     LearningRateScheduleCallback(multiplier=1.0, start_epoch=0, end_epoch=30),
+        ...     LearningRateScheduleCallback(multiplier=0.1, start_epoch=30, end_epoch=60),
+        ...     LearningRateScheduleCallback(multiplier=0.01, start_epoch=60)]
+    """
+
+    def __init__(self, initial_lr: float | None = None, multiplier=1.0, start_epoch: int = 0,
+                 end_epoch: int | None = None, staircase: bool = True,
+                 steps_per_epoch: int | None = None):
+        super().__init__()
+        self.initial_lr = _check_positive(initial_lr, "initial_lr", "a positive number or "
+                                          "None (the optimizer's learning rate)", optional=True)
+        if not callable(multiplier):
+            _check_positive(multiplier, "multiplier", "a positive number or a function of "
+                            "the epoch")
+        self.multiplier = multiplier
+        for name, value in (("start_epoch", start_epoch), ("end_epoch", end_epoch),
+                            ("steps_per_epoch", steps_per_epoch)):
+            if value is None and name != "start_epoch":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Received an invalid value for `{name}`: {value!r}; expected "
+                                 "a non-negative integer" + (" or None." if name != "start_epoch"
+                                                             else "."))
+        if end_epoch is not None and end_epoch <= start_epoch:
+            raise ValueError(f"Received end_epoch={end_epoch} <= start_epoch={start_epoch}; "
+                             "expected an empty end (None) or an epoch after start_epoch.")
+        self.start_epoch, self.end_epoch = start_epoch, end_epoch
+        self.staircase, self.steps_per_epoch = bool(staircase), steps_per_epoch
+        self._schedule = None
+        self._epoch = 0
+
+    def _value(self, epoch):
+        return float(self.multiplier(epoch) if callable(self.multiplier) else self.multiplier)
+
+    def _active(self, epoch):
+        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+    def _apply(self, epoch):
+        if self._schedule is not None:
+            self._schedule.set_factor("multiplier", self._value(epoch))
+        else:
+            self.model.optimizer.learning_rate = self.initial_lr * self._value(epoch)
+
+    def on_train_begin(self, logs=None):
+        self._schedule = scalable_learning_rate(self.model)
+        if self._schedule is not None and self.initial_lr is not None:
+            raise ValueError(
+                f"LearningRateScheduleCallback received initial_lr={self.initial_lr}, but the "
+                f"optimizer's learning_rate is a {type(self._schedule.schedule).__name__} "
+                "schedule: pass initial_lr=None, and the callback multiplies the schedule's "
+                "own values, or compile with a float learning rate.")
+        if self._schedule is None and self.initial_lr is None:
+            self.initial_lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        if not self.staircase and not (self.steps_per_epoch or (self.params or {}).get("steps")):
+            raise ValueError("LearningRateScheduleCallback(staircase=False) needs the number of "
+                             "batches per epoch: pass steps_per_epoch=N (or fit with "
+                             "steps_per_epoch=N / a dataset of known length).")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        if self._active(epoch):
+            self._apply(epoch)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.staircase or not self._active(self._epoch):
+            return
+        steps = self.steps_per_epoch or self.params["steps"]
+        self._apply(self._epoch + batch / steps)
 
 
 class RootProgbarLogger(keras.callbacks.ProgbarLogger):
@@ -231,7 +491,9 @@ def standard(root_rank: int = 0, warmup_steps: int = 0, target_lr: float | None 
     Args:
         root_rank: Rank whose initial state is broadcast.
         warmup_steps: If > 0, add a :class:`LearningRateWarmupCallback`.
-        target_lr: Its target learning rate (required with ``warmup_steps``).
+        target_lr: Its target learning rate (required with ``warmup_steps``;
+            for an optimizer with a ``LearningRateSchedule``, add
+            ``LearningRateWarmupCallback(warmup_steps=N)`` yourself instead).
 
     Returns:
         A list of callbacks to pass to ``model.fit``.
@@ -247,7 +509,10 @@ def standard(root_rank: int = 0, warmup_steps: int = 0, target_lr: float | None 
     if warmup_steps:
         if target_lr is None:
             raise ValueError(f"Received warmup_steps={warmup_steps} without `target_lr`; "
-                             "pass the learning rate to warm up to.")
+                             "pass the learning rate to warm up to (with a LearningRateSchedule "
+                             "optimizer, add tfhybrid.callbacks.LearningRateWarmupCallback("
+                             f"warmup_steps={warmup_steps}) to the callbacks instead: it warms "
+                             "up the schedule).")
         callbacks.append(LearningRateWarmupCallback(target_lr, warmup_steps))
     callbacks.append(RootProgbarLogger())
     return callbacks

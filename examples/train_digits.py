@@ -64,9 +64,11 @@ def main():
               f"{grid.model_size} model, strategy {args.strategy!r}, global batch {args.batch}")
         tfhybrid.describe(model, batch_size=args.batch)
 
-    train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
-             .shuffle(len(x_train), seed=args.seed, reshuffle_each_iteration=True)
-             .batch(args.batch, drop_remainder=True))
+    # The scaling form of data.shard: single rows in, this rank's local batches
+    # out (shuffled identically on every rank; only this rank's rows are read).
+    rows = tf.data.Dataset.from_tensor_slices((x_train, y_train))
+    train = tfhybrid.data.shard(rows, model=model, batch_size=args.batch,
+                                shuffle=len(x_train), seed=args.seed)
     test_batch = args.batch
     n_test = len(x_test) - len(x_test) % test_batch
     test = tf.data.Dataset.from_tensor_slices((x_test[:n_test], y_test[:n_test])).batch(test_batch)
@@ -74,7 +76,7 @@ def main():
     model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(args.lr, momentum=0.9)),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
-    model.fit(tfhybrid.data.shard(train, model=model), epochs=args.epochs,
+    model.fit(train, epochs=args.epochs,
               callbacks=tfhybrid.callbacks.standard(), shuffle=False,
               verbose=2 if tfhybrid.is_root() else 0)
     results = tfhybrid.callbacks.average_logs(

@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: env demo test test-unit test-parallel bench clean
+.PHONY: env demo test test-unit test-parallel bench docs clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -30,5 +30,13 @@ test-parallel: env
 bench: env
 	$(HVDRUN) -np 2 --gloo $(PY) bench/dp.py
 
+# API reference from the docstrings (pdoc, installed into the venv on first use only),
+# next to the pages shipped in the package (python -m tfhybrid.docs).
+docs: env
+	@$(PY) -c "import pdoc" 2>/dev/null || $(PY) -m pip install -q "pdoc>=14"
+	$(PY) -W "ignore:The module specification" -m pdoc --docformat google -o docs/api $$($(PY) -c 'import tfhybrid.docs as d; print(*d.api_modules())')
+	cp tfhybrid/docs/*.md docs/api/
+	@echo "API reference: docs/api/index.html (pages: docs/api/concepts.md, launching.md, timeline.md)"
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache test-results
+	rm -rf $(VENV) build *.egg-info .pytest_cache test-results docs/api

@@ -25,7 +25,7 @@ SSH_KEYS=${TFHYBRID_SSH_KEYS:-/etc/tfhybrid/ssh}
 # Tests only (tests/unit/test_docker_files.py): write under a scratch root, run another sshd.
 R=${TFHYBRID_ENTRYPOINT_ROOT:-}
 SSHD=${TFHYBRID_ENTRYPOINT_SSHD:-/usr/sbin/sshd}
-SUBCOMMANDS_RE='^(plan|calibrate|docs|-h|--help|--version)$'
+SUBCOMMANDS_RE='^(plan|calibrate|-h|--help|--version)$'
 
 die() { echo "[entrypoint] error: $*" >&2; exit 2; }
 

@@ -29,8 +29,9 @@ class Config:
         gloo_timeout_seconds: How long a Gloo collective may wait for a peer
             (HOROVOD_GLOO_TIMEOUT_SECONDS; Horovod's default of 30 s is shorter
             than one slow rank's eager step on a loaded machine).
-        pin_gpu: Pin one GPU per process by Horovod local rank and enable
-            memory growth (ignored without GPUs).
+        pin_gpu: Pin one GPU per process by its node-local rank
+            (:func:`tfhybrid.local_rank`: horovodrun, MPI or Slurm variables)
+            and enable memory growth (ignored without GPUs).
         watchdog: End the job when a collective or a step makes no progress
             for ``watchdog_seconds`` (see :mod:`tfhybrid.watchdog`; Horovod's
             stall check never fires under Gloo). False turns it off.

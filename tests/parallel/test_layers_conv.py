@@ -153,7 +153,7 @@ def test_save_load_round_trip(grid, tmp_path):
 
 def test_filters_not_divisible(grid_of):
     grid_of(2)
-    with pytest.raises(ValueError, match=r"'fc': filters=5 is not divisible by the size 2"):
+    with pytest.raises(ValueError, match=r"'fc': filters=5 is not divisible by the 2 ranks of the 'model' group"):
         FilterParallelConv2D(5, 3, name="fc")
 
 

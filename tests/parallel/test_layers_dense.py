@@ -170,7 +170,7 @@ def test_save_load_round_trip(grid, tmp_path):
 
 def test_units_not_divisible(grid_of):
     grid_of(2)
-    with pytest.raises(ValueError, match=r"'fp': units=7 is not divisible by the size 2"):
+    with pytest.raises(ValueError, match=r"'fp': units=7 is not divisible by the 2 ranks of the 'model' group"):
         FilterParallelDense(7, name="fp")
 
 

@@ -148,7 +148,8 @@ def test_b_over_k_batch_not_divisible(grid_of):
     grid_of(2)
     layer = ModuloLayer("B/K", body=keras.layers.Dense(3), name="mod")
     with pytest.raises(ValueError, match=r"'mod': scheme='B/K' needs a local batch divisible "
-                                         r"by the group size; received batch 3 for K=2"):
+                                         r"by K: local batch=3 is not divisible by the 2 "
+                                         r"ranks"):
         layer(np.zeros((3, 4), np.float32))
 
 

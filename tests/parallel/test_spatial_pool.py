@@ -107,6 +107,6 @@ def test_scatter_rejects_sizes_that_do_not_split(grid_of):
         msg = str(err.value)
         k = mp
         lower, upper = 9 - 9 % k, 9 - 9 % k + k
-        for part in ("scatter_in", "(None, 9, 8, 3)", f"{k}x1", "height 9",
+        for part in ("scatter_in", "(None, 9, 8, 3)", f"{k}x1", "height=9",
                      f"{lower} or {upper}" if lower else f"{upper}"):
             assert part in msg, (part, msg)

@@ -35,7 +35,7 @@ import keras
 import tensorflow as tf
 from keras import activations, constraints, initializers, regularizers, ops
 
-from tfhybrid import comm
+from tfhybrid import comm, errors
 from tfhybrid._compat import module_aliases
 from tfhybrid.comm import resolve_group
 from tfhybrid.process_grid import Group
@@ -101,18 +101,15 @@ def collective_base(base: str) -> str:
 def check_choice(layer, arg, value, choices):
     """Raise ValueError unless ``value`` is one of ``choices``."""
     if value not in choices:
-        raise ValueError(f"Layer '{layer}': received an invalid value for `{arg}`: "
-                         f"{arg}={value!r}; expected one of {tuple(choices)}.")
+        raise errors.invalid_value(arg, value, tuple(choices), where=f"Layer '{layer}'")
 
 
 def check_divisible(layer, what, n, k, group):
     """Raise ValueError unless ``k`` divides ``n`` (a size split over ``group``)."""
     if n is not None and n % k:
-        lower, upper = n - n % k, n - n % k + k
-        raise ValueError(
-            f"Layer '{layer}': {what}={n} is not divisible by the size {k} of the "
-            f"'{group_label(group)}' group it is split over; use a multiple of {k} "
-            f"(e.g. {lower or upper} or {upper}) or a group size that divides {n}.")
+        raise errors.not_divisible(what, n, k, f"ranks of the '{group_label(group)}' group it "
+                                   "is split over", where=f"Layer '{layer}'",
+                                   fix=f"or a group size that divides {n}")
 
 
 def scale_grad(x, factor):

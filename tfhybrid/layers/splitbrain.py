@@ -46,7 +46,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfhybrid import comm
+from tfhybrid import comm, errors
 from tfhybrid.comm import resolve_group
 from tfhybrid.layers.no_xla import NoXLA
 from tfhybrid.layers.partitioned import (IO_PARTIAL_GRAD, IO_REPLICATED, check_choice,
@@ -281,10 +281,9 @@ class ModuloLayer(_GroupLayer):
         k = self.comm_group.size
         b = inputs.shape[0]
         if b is not None and b % k:
-            raise ValueError(
-                f"Layer '{self.name}': scheme='B/K' needs a local batch divisible by the "
-                f"group size; received batch {b} for K={k}. Use a batch that is a "
-                f"multiple of {k} (e.g. {b - b % k or k} or {b - b % k + k}) or scheme='BK'.")
+            raise errors.not_divisible("local batch", b, k, "ranks of the model group (K)",
+                                       where=f"Layer '{self.name}': scheme='B/K' needs a "
+                                       "local batch divisible by K", fix="or scheme='BK'")
         if b is None:
             tf.debugging.assert_equal(tf.shape(inputs)[0] % k, 0, message=(
                 f"Layer '{self.name}': scheme='B/K' needs a local batch divisible by {k}"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfhybrid import comm
+from tfhybrid import comm, errors
 from tfhybrid.layers.spatial import core
 from tfhybrid import spatial_geometry as sp
 
@@ -77,15 +77,13 @@ class SpatialScatter(_SpatialIO):
         for d, k in enumerate(shape):
             size = input_shape[d + 1]
             if size is not None and size % k:
-                raise ValueError(self._split_message(input_shape, shape, d, size, k))
+                raise self._split_message(input_shape, shape, d, size, k)
 
     def _split_message(self, input_shape, shape, d, size, k):
-        lower, upper = size - size % k, size - size % k + k
-        sizes = f"{lower} or {upper}" if lower else f"{upper}"
-        return (f"{self._label()}: the input of shape {tuple(input_shape)} cannot be split "
-                f"over the {'x'.join(map(str, shape))} grid: its "
-                f"{sp.SPATIAL_AXES[self._ndim][d]} {size} is not divisible by {k}. Nearest "
-                f"valid sizes: {sizes}.")
+        return errors.not_divisible(
+            sp.SPATIAL_AXES[self._ndim][d], size, k,
+            f"blocks along it of the {'x'.join(map(str, shape))} grid",
+            where=f"{self._label()}: the input of shape {tuple(input_shape)} cannot be split")
 
     def call(self, inputs):
         for axis, g in self._axes():

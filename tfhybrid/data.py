@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfhybrid import runtime
 
 SPLITS = ("data", "world")
+REMAINDERS = ("drop", "error")
 
 
 def batch_split(model=None):
@@ -46,26 +47,114 @@ def _divisible_error(batch, blocks):
             "(batch the dataset with drop_remainder=True so the last batch is full too).")
 
 
-def _shard_dataset(dataset, blocks, index):
-    def rows(t):
-        n = t.shape[0]
+def _batch_dims(dataset):
+    """The static leading dimensions of ``dataset``'s element components (None: unknown)."""
+    return {spec.shape[0] for spec in tf.nest.flatten(dataset.element_spec)
+            if isinstance(spec, tf.TensorSpec) and spec.shape.rank}
+
+
+#: tf.data ops that keep the number and sizes of batches (walked by _short_batches).
+_SIZE_KEEPING = ("Prefetch", "Map", "Shuffle", "Cache", "Options", "Model")
+
+
+def _short_batches(dataset, blocks):
+    """How many batches of ``dataset`` have fewer than ``blocks`` rows, or None if unknown.
+
+    Known for ``rows.batch(B)`` over a dataset of known length, followed by
+    ops that keep the batches (map, shuffle, prefetch, cache): the last
+    batch of ``N % B`` rows is the only partial one.
+    """
+    node = dataset
+    for _ in range(50):
+        name = type(node).__name__
+        if name in ("_BatchDataset", "_ParallelBatchDataset"):
+            try:
+                batch = int(node._batch_size.numpy())
+                drop = bool(node._drop_remainder.numpy())
+                rows = int(node._input_dataset.cardinality().numpy())
+            except Exception:  # noqa: BLE001 - tf.data internals differ: unknown
+                return None
+            if rows < 0:
+                return None
+            return int(not drop and 0 < rows % batch < blocks)
+        if not any(k in name for k in _SIZE_KEEPING):
+            return None
+        try:
+            inputs = node._inputs()
+        except Exception:  # noqa: BLE001
+            return None
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+    return None
+
+
+def _warn_if(condition, template, *values):
+    """Traced: a Python ``UserWarning`` ``template.format(*values)`` when ``condition`` holds."""
+    def emit(*args):
+        warnings.warn(template.format(*(int(v) for v in args)), UserWarning, stacklevel=2)
+        return np.int32(0)
+
+    def show():
+        return tf.py_function(emit, list(values), tf.int32)
+
+    return tf.cond(condition, show, lambda: tf.constant(0, tf.int32))
+
+
+def _shard_dataset(dataset, blocks, index, remainder="drop"):
+    dims = _batch_dims(dataset)
+    for n in dims:
         if n is not None and n % blocks:
             raise ValueError(_divisible_error(n, blocks))
+    uneven = None in dims and remainder == "drop"
+    fix = ("Batch with drop_remainder=True to drop whole partial batches instead, or pass "
+           "remainder='error' to refuse them.")
+    if uneven:
+        def big_enough(*batch):
+            size = tf.shape(tf.nest.flatten(batch)[0])[0]
+            keep = size >= blocks
+            if runtime.is_root():     # the same decision on every rank; rank 0 says so
+                done = _warn_if(tf.logical_not(keep), "tfhybrid.data.shard: skipped a global "
+                                "batch of {} rows, fewer than the {} ranks, on every rank. "
+                                + fix, size, blocks)
+                with tf.control_dependencies([done]):
+                    keep = tf.identity(keep)
+            return keep
+
+        short = _short_batches(dataset, blocks)
+        count = int(dataset.cardinality().numpy())
+        if short != 0:        # skip tiny batches (none known to exist: keep the cardinality)
+            dataset = dataset.filter(big_enough)
+            if short is not None and count >= 0:    # Keras then knows the steps per epoch
+                dataset = dataset.apply(tf.data.experimental.assert_cardinality(count - short))
+
+    def rows(t):
         size = tf.shape(t)[0]
-        with tf.control_dependencies([tf.debugging.assert_equal(
-                size % blocks, 0, message=f"global batch not divisible by {blocks} "
-                "data-parallel ranks (use drop_remainder=True)")]):
+        if uneven:
             local = size // blocks
+        else:
+            with tf.control_dependencies([tf.debugging.assert_equal(
+                    size % blocks, 0, message=f"global batch not divisible by {blocks} "
+                    "data-parallel ranks (remainder='error'; use drop_remainder=True)")]):
+                local = size // blocks
         return t[index * local:(index + 1) * local]
 
     def select(*batch):
         out = tf.nest.map_structure(rows, batch)
+        if uneven and runtime.is_root():
+            size = tf.shape(tf.nest.flatten(batch)[0])[0]
+            dropped = size % blocks
+            done = _warn_if(dropped > 0, "tfhybrid.data.shard: dropped {} of the {} rows of a "
+                            "global batch, not a multiple of the {} ranks: each rank keeps {} "
+                            "rows. " + fix, dropped, size, blocks, size // blocks)
+            with tf.control_dependencies([done]):
+                out = tf.nest.map_structure(tf.identity, out)
         return out[0] if len(out) == 1 else out
 
     return dataset.map(select, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
-def _shard_arrays(arrays, batch_size, blocks, index):
+def _shard_arrays(arrays, batch_size, blocks, index, remainder="error"):
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"Received an invalid value for `batch_size`: {batch_size!r}; "
                          "expected the global batch size (a positive integer) with arrays.")
@@ -80,9 +169,17 @@ def _shard_arrays(arrays, batch_size, blocks, index):
         raise ValueError(f"Received arrays of different lengths {lengths}; every array must "
                          "hold one row per sample (x and y of the same samples).")
     n = lengths[0]
-    if n % batch_size and (n % batch_size) % blocks:
-        raise ValueError(_divisible_error(n % batch_size, blocks) + f" (the last batch of "
-                         f"{n} samples in batches of {batch_size})")
+    last = n % batch_size
+    if last and last % blocks:
+        if remainder == "error":
+            raise ValueError(_divisible_error(last, blocks) + f" (the last batch of "
+                             f"{n} samples in batches of {batch_size}); or pass "
+                             "remainder='drop' to drop its extra rows.")
+        if runtime.is_root():
+            warnings.warn(f"tfhybrid.data.shard: the last global batch of {last} rows (of {n} "
+                          f"samples in batches of {batch_size}) keeps {last // blocks} rows per "
+                          f"rank; its {last % blocks} rows beyond a multiple of {blocks} ranks "
+                          "are dropped on every rank.", stacklevel=3)
 
     def rows(a):
         a = np.asarray(a)
@@ -203,7 +300,8 @@ def _local_batches(dataset, batch_size, blocks, index, map_fn, shuffle, seed):
             .batch(local, drop_remainder=True))
 
 
-def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, seed=None):
+def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, seed=None,
+          remainder=None):
     """The rows of every global batch that this rank must feed.
 
     Two forms. The **scaling form** takes single rows (a dataset of single
@@ -234,6 +332,14 @@ def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, se
             every rank.
         seed: The shuffle seed; None draws one on rank 0 and broadcasts it
             (then ``shard`` is collective: call it on every rank).
+        remainder: Batched form and arrays: what to do with a global batch
+            whose rows do not split into equal blocks (the last batch of
+            ``.batch(B)`` without ``drop_remainder``). "drop" (datasets'
+            default) keeps ``rows // blocks`` rows per rank, drops the rest
+            and skips a batch of fewer rows than blocks, on every rank alike,
+            so every rank runs the same number of steps (rank 0 warns what
+            it dropped); "error" (arrays' default: trim them yourself)
+            refuses it. (The scaling form drops the partial last batch.)
 
     Returns:
         A ``tf.data.Dataset`` of local batches, or the arrays of this rank's
@@ -243,8 +349,10 @@ def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, se
         ValueError: for a dataset of single samples without ``batch_size``
             (it would split each sample's features), ``batch_size`` with a
             dataset already batched, or when a global batch is not divisible by the number of
-            blocks (for a dataset with unknown batch size the check runs
-            per batch and raises ``tf.errors.InvalidArgumentError``).
+            blocks (a static batch size; with remainder="error" and an
+            unknown batch size the check runs per batch and raises
+            ``tf.errors.InvalidArgumentError``), or for an unknown
+            ``remainder``.
         TypeError: for any other kind of ``dataset``.
 
     Example:
@@ -255,7 +363,15 @@ def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, se
         >>> ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(64, drop_remainder=True)
         >>> model.fit(tfhybrid.data.shard(ds, model=model), epochs=2)
         >>> x_local, y_local = tfhybrid.data.shard((x, y), batch_size=64)
+        >>> # 1000 samples in batches of 63 over 3 ranks: the last batch of 55
+        >>> # rows gives 18 rows to each rank (1 row dropped, rank 0 warns)
+        >>> ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(63)
+        >>> model.fit(tfhybrid.data.shard(ds))
     """
+    if remainder is not None and remainder not in REMAINDERS:
+        raise ValueError(f"Received an invalid value for `remainder`: {remainder!r}; expected "
+                         f"one of {REMAINDERS} (or None: 'drop' for datasets, 'error' for "
+                         "arrays).")
     blocks, index = batch_split(model)
     if _is_file_list(dataset):      # one row per file: the scaling form
         if batch_size is None:
@@ -289,9 +405,11 @@ def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, se
                 "features across ranks. Batch it with the global batch size first "
                 "(dataset.batch(64, drop_remainder=True)), or pass batch_size=64 and "
                 "data.shard batches it.")
-        return _shard_dataset(dataset, blocks, index) if blocks > 1 else dataset
+        if blocks == 1:
+            return dataset
+        return _shard_dataset(dataset, blocks, index, remainder or "drop")
     if isinstance(dataset, (np.ndarray, tuple, list, dict)):
-        return _shard_arrays(dataset, batch_size, blocks, index)
+        return _shard_arrays(dataset, batch_size, blocks, index, remainder or "error")
     raise TypeError(f"Received an invalid `dataset` of type {type(dataset).__name__}; expected "
                     "a tf.data.Dataset of global batches or numpy arrays with batch_size.")
 

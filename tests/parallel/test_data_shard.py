@@ -5,12 +5,15 @@ the local blocks of all ranks, gathered in rank order, must rebuild each
 global batch (split "world"), or every model group must see the same rows and
 the data groups together the whole batch (split "data", the default).
 """
+import warnings
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfhybrid
+from tfhybrid.comm import backend
 
 from conftest import all_model_parallel_values
 
@@ -74,15 +77,45 @@ def test_indivisible_static_batch_raises(grid_of):
         tfhybrid.data.shard(ds)
 
 
-def test_indivisible_dynamic_batch_raises_at_runtime(grid_of):
+def test_indivisible_dynamic_batch_raises_at_runtime_with_remainder_error(grid_of):
     grid = grid_of(1)
     if grid.size == 1:
         pytest.skip("every batch divides one rank")
     ds = tf.data.Dataset.from_tensor_slices(np.zeros((grid.size + 1, 3))).batch(grid.size)
-    it = iter(tfhybrid.data.shard(ds))
+    it = iter(tfhybrid.data.shard(ds, remainder="error"))
     next(it)
     with pytest.raises(tf.errors.InvalidArgumentError, match="not divisible"):
         next(it)
+
+
+def test_uneven_last_batches_are_trimmed_alike_on_every_rank(grid_of):
+    """Default remainder='drop': rows // p per rank, the rest dropped, tiny batches skipped."""
+    grid = grid_of(1)
+    p = grid.size
+    if p == 1:
+        pytest.skip("every batch divides one rank")
+    n = 4 * p + 1 + 3 * p + 1 + (p - 1)      # batches of 4p+1, 3p+1 and p-1 rows
+    x = np.arange(n, dtype=np.float32)
+    sizes = [4 * p + 1, 3 * p + 1, p - 1]
+    starts = np.cumsum([0] + sizes)
+    ds = tf.data.Dataset.from_generator(
+        lambda: (x[a:b] for a, b in zip(starts[:-1], starts[1:])),
+        output_signature=tf.TensorSpec([None], tf.float32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [b.numpy() for b in tfhybrid.data.shard(ds)]
+    assert len(got) == 2                                     # the batch of p-1 rows is skipped
+    said = " ".join(str(w.message) for w in caught)
+    if grid.rank == 0:
+        assert f"dropped 1 of the {4 * p + 1} rows" in said
+        assert f"skipped a global batch of {p - 1} rows" in said
+    else:
+        assert "tfhybrid.data.shard" not in said
+    for batch, size, start in zip(got, sizes, starts):
+        local = size // p
+        np.testing.assert_array_equal(batch, x[start + grid.rank * local:
+                                                start + (grid.rank + 1) * local])
+    backend.barrier()
 
 
 @pytest.mark.parametrize("mp", MPS, ids=lambda m: f"mp{m}")

@@ -6,6 +6,11 @@ other modules may add theirs the same way.
     tfhybrid plan MODEL --np N --batch B [--machine m.json] [--json out.json] [--png out.png]
     tfhybrid plan --paradl-net F [--paradl-lc F] --paradl-plat F [--paradl-tiers F] --np N --batch B
     horovodrun -np N tfhybrid calibrate -o machine.json [--model NAME] [--quick]
+    tfhybrid --version
+
+``--help`` and ``--version`` import neither TensorFlow nor Horovod (the
+subcommands import what they need when they run), so they answer at once
+(tests/unit/test_cli_fast.py checks it).
 
 Example:
     >>> main(["plan", "--help"])  # doctest: +SKIP
@@ -279,8 +284,43 @@ def calibrate(args):
 calibrate.add_arguments = _calibrate_args
 
 
+def version_text() -> str:
+    """``tfhybrid X (tensorflow Y, keras Z, horovod W, python V)`` from the installed
+    packages' metadata (no TensorFlow import)."""
+    import importlib.metadata as metadata
+    import platform
+
+    from tfhybrid import __version__
+
+    def installed(*names):
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        return "not installed"
+
+    parts = [f"tensorflow {installed('tensorflow', 'tensorflow-cpu', 'tensorflow-gpu')}",
+             f"keras {installed('keras')}", f"horovod {installed('horovod')}",
+             f"python {platform.python_version()}"]
+    return f"tfhybrid {__version__} ({', '.join(parts)})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print :func:`version_text` (computed only when asked) and exit 0."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="print tfhybrid's version and those of TensorFlow, Keras, Horovod"):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit(0)
+
+
 def build_parser():
     ap = _Parser(prog="tfhybrid", description="tfhybrid command-line tools")
+    ap.add_argument("--version", action=_VersionAction)
     sub = ap.add_subparsers(dest="command", required=True)
     for name, (help_text, fn) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -11,6 +11,7 @@ Typical use, launched with ``horovodrun -np N python train.py``::
               verbose=tfhybrid.is_root())
 """
 import importlib
+import importlib.util
 
 from tfhybrid.config import Config
 from tfhybrid.process_grid import Group, ProcessGrid
@@ -40,7 +41,9 @@ _LAZY = {
 def __getattr__(name):
     """Import the TensorFlow-dependent parts of the API on first use (PEP 562)."""
     if name not in _LAZY:
-        raise AttributeError(f"module 'tfhybrid' has no attribute {name!r}")
+        if name.startswith("_") or importlib.util.find_spec(f"tfhybrid.{name}") is None:
+            raise AttributeError(f"module 'tfhybrid' has no attribute {name!r}")
+        return importlib.import_module(f"tfhybrid.{name}")   # any subpackage, e.g. optimizer
     module, attr = _LAZY[name]
     value = importlib.import_module(module)
     if attr is not None:

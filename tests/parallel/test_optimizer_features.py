@@ -27,6 +27,33 @@ def test_fp16_compression(dp):
     assert_weights_close(model.get_weights(), reference_weights("sgd", x, y), 2e-3, 2e-3)
 
 
+class _HalfOfFloat32(tfhybrid.optimizer.Compressor):
+    """A user-defined compressor: float16 on the wire, counted calls."""
+
+    name = "user_fp16"
+    calls = 0
+
+    def compress(self, gradient):
+        type(self).calls += 1
+        return tfhybrid.optimizer.Compression.fp16.compress(gradient)
+
+    def decompress(self, summed, context):
+        return tfhybrid.optimizer.Compression.fp16.decompress(summed, context)
+
+    def wire_itemsize(self, dtype):
+        return tfhybrid.optimizer.Compression.fp16.wire_itemsize(dtype)
+
+
+def test_user_defined_compressor_equals_fp16(dp):
+    x, y = make_data()
+    model = run_fit("sgd", x, y, compression=_HalfOfFloat32())
+    assert _HalfOfFloat32.calls > 0
+    assert model.optimizer.communication_plan()["payload_bytes"] == 2 * sum(
+        w.size for w in model.get_weights())
+    fp16 = run_fit("sgd", x, y, compression=tfhybrid.optimizer.Compression.fp16)
+    assert_weights_close(model.get_weights(), fp16.get_weights(), 1e-6, 1e-6)
+
+
 @pytest.mark.parametrize("kind", ["adam"])
 def test_replicated_fc_gradients(dp, kind):
     """Lee et al.'s replicated gradients of the first 2 Dense layers are exact."""

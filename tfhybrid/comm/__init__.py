@@ -1,8 +1,8 @@
 """Collectives over the process grid: the only package that imports Horovod.
 
-Public primitives (DESIGN.md's collective algebra), each differentiable with
-an explicit backward and taking ``group="model"|"data"|"world"`` or a
-:class:`tfhybrid.process_grid.Group`:
+Public primitives (the collective algebra, concepts.md#the-collective-algebra),
+each differentiable with an explicit backward and taking
+``group="model"|"data"|"world"`` or a :class:`tfhybrid.process_grid.Group`:
 
 ``split, gather, shard, reduce, copy, halo_exchange, batch_gather,
 batch_scatter``.

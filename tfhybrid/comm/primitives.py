@@ -3,9 +3,9 @@
 A tensor held by a group of K ranks is R (replicated), S(a) (split along
 axis a, rank i holds block i) or P (partial: the true tensor is the sum over
 ranks). Each primitive below is a ``tf.custom_gradient`` around one Horovod
-collective on the group's process set, with the backward of DESIGN.md's
-table (Horovod's registered gradients assume data parallelism and are not
-used):
+collective on the group's process set, with the backward of the table
+below (concepts.md#the-collective-algebra; Horovod's registered gradients
+assume data parallelism and are not used):
 
 =================  =====================================  ==============================
 primitive          forward                                backward
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfhybrid import runtime
+from tfhybrid import errors, runtime
 from tfhybrid.comm import backend
 from tfhybrid.process_grid import Group
 
@@ -75,11 +75,8 @@ def _along(fn, x, axis):
 def _check_divisible(x, axis, k, what, g):
     n = x.shape[axis]
     if n is not None and n % k:
-        lower, upper = n - n % k, n - n % k + k
-        raise ValueError(
-            f"{what}: axis {axis} of a tensor of shape {x.shape} has size {n}, which does "
-            f"not split evenly over the {g.name} group of {k} ranks; use a size divisible "
-            f"by {k} (e.g. {lower or upper} or {upper}).")
+        raise errors.not_divisible(f"axis {axis} size", n, k, f"ranks of the {g.name} group",
+                                   where=f"tfhybrid.comm.{what}: a tensor of shape {x.shape}")
 
 
 def _block(x, axis, index, k):
@@ -142,6 +139,10 @@ def _conjugate_pair(x, g, name, forward, backward):
 def split(x, axis=0, group="model", name=None):
     """R -> S(axis): keep this rank's block; backward all-gathers the gradient.
 
+    Forward: no communication, block ``group.index`` of ``x``. Backward: the
+    gradient of the block is all-gathered along ``axis`` (every rank needs the
+    whole gradient of the replicated ``x``). Cost: one all-gather in backward.
+
     Args:
         x: Replicated tensor.
         axis: Axis to split.
@@ -155,7 +156,7 @@ def split(x, axis=0, group="model", name=None):
         ValueError: if the axis does not split evenly.
 
     Example:
-        >>> y = tfhybrid.comm.split(x, axis=-1, group="model")
+        >>> y = tfhybrid.comm.split(x, axis=-1, group="model")   # (B, 8) -> (B, 4) on 2 ranks
     """
     x = tf.convert_to_tensor(x)
     g, axis = resolve_group(group), _axis(x, axis)
@@ -169,8 +170,23 @@ def split(x, axis=0, group="model", name=None):
 def gather(x, axis=0, group="model", name=None):
     """S(axis) -> R: all-gather; backward keeps this rank's block of the gradient.
 
-    Use when the consumers of the gathered tensor compute replicated values,
-    so its gradient is the same on every rank (R).
+    Forward: all-gather of the blocks along ``axis``. Backward: this rank's
+    block of the gradient, no communication. Use when the consumers of the
+    gathered tensor compute replicated values, so its gradient is the same on
+    every rank (R); when they are partitioned use :func:`shard`.
+
+    Args:
+        x: This rank's block S(axis); every rank holds the same shape.
+        axis: Axis to gather along.
+        group: Group name or Group.
+        name: Base of the collective names.
+
+    Returns:
+        The whole tensor (``group.size`` times longer along ``axis``), the same
+        on every rank of the group.
+
+    Example:
+        >>> full = tfhybrid.comm.gather(block, axis=1, group="model")  # (B, 4) -> (B, 8)
     """
     x = tf.convert_to_tensor(x)
     g, axis = resolve_group(group), _axis(x, axis)
@@ -182,8 +198,22 @@ def gather(x, axis=0, group="model", name=None):
 def shard(x, axis=0, group="model", name=None):
     """S(axis) -> R: all-gather; backward reduce-scatters (sums) the gradient.
 
-    Use when the consumers are partitioned, so each rank's gradient of the
-    gathered tensor is partial (P) and the true gradient is their sum.
+    Forward: all-gather along ``axis``, as :func:`gather`. Backward: the
+    rank's gradients of the gathered tensor are partial (P), so they are
+    summed and scattered: each rank gets the sum of its own block. Use when
+    the consumers are partitioned (e.g. a channel-parallel layer after it).
+
+    Args:
+        x: This rank's block S(axis).
+        axis: Axis to gather along.
+        group: Group name or Group.
+        name: Base of the collective names.
+
+    Returns:
+        The whole tensor along ``axis``, the same on every rank.
+
+    Example:
+        >>> full = tfhybrid.comm.shard(block, axis=0, group="model")
     """
     x = tf.convert_to_tensor(x)
     g, axis = resolve_group(group), _axis(x, axis)
@@ -193,7 +223,24 @@ def shard(x, axis=0, group="model", name=None):
 
 
 def reduce(x, group="model", name=None):
-    """P -> R: all-reduce (sum); backward is the identity."""
+    """P -> R: all-reduce (sum); backward is the identity.
+
+    Forward: the ranks hold partial sums of one tensor (e.g. the outputs of a
+    channel-parallel layer); the all-reduce gives every rank the total.
+    Backward: the gradient of a replicated output is the same on every rank
+    and is the gradient of each partial term, so it passes unchanged.
+
+    Args:
+        x: This rank's partial term P.
+        group: Group name or Group.
+        name: Base of the collective names.
+
+    Returns:
+        The sum over the group, the same on every rank.
+
+    Example:
+        >>> y = tfhybrid.comm.reduce(x @ w_block, group="model")   # channel-parallel matmul
+    """
     x = tf.convert_to_tensor(x)
     g = resolve_group(group)
     return _conjugate_pair(x, g, _name(name, "reduce", g),
@@ -202,7 +249,23 @@ def reduce(x, group="model", name=None):
 
 
 def copy(x, group="model", name=None):
-    """R -> R: identity; backward all-reduces (sums) the partial gradient."""
+    """R -> R: identity; backward all-reduces (sums) the partial gradient.
+
+    Forward: nothing moves. Backward: the replicated input feeds partitioned
+    consumers, so each rank's gradient is partial (P) and the all-reduce sums
+    it. The adjoint of :func:`reduce` (Megatron's "f" operator).
+
+    Args:
+        x: Replicated tensor.
+        group: Group name or Group.
+        name: Base of the collective names.
+
+    Returns:
+        ``x`` unchanged.
+
+    Example:
+        >>> h = tfhybrid.comm.copy(x, group="model") @ w_columns   # filter-parallel matmul
+    """
     x = tf.convert_to_tensor(x)
     g = resolve_group(group)
     return _conjugate_pair(x, g, _name(name, "copy", g),
@@ -213,12 +276,41 @@ def copy(x, group="model", name=None):
 def batch_gather(x, group="model", name=None):
     """S(batch) -> R: all-gather the group's local batches (SplitBrain Lm).
 
-    Backward reduce-scatters (sums) the gradient along the batch axis.
-    Every rank of the group must hold the same number of rows.
+    Forward: the group's K local batches of B rows become one batch of K*B
+    rows on every rank (SplitBrain's modulo layer, "BK" scheme). Backward:
+    reduce-scatter (sum) along the batch axis, since the model-parallel
+    layers after it make each rank's gradient partial. :func:`shard` on axis 0.
+
+    Args:
+        x: This rank's local batch; every rank of the group holds as many rows.
+        group: Group name or Group.
+        name: Base of the collective names.
+
+    Returns:
+        The K*B rows of the group, in group order.
+
+    Example:
+        >>> rows = tfhybrid.comm.batch_gather(features, group="model")   # (B, F) -> (K*B, F)
     """
     return shard(x, axis=0, group=group, name=name or "batch_gather")
 
 
 def batch_scatter(x, group="model", name=None):
-    """R -> S(batch): keep this rank's rows; backward all-gathers along batch."""
+    """R -> S(batch): keep this rank's rows; backward all-gathers along batch.
+
+    The inverse of :func:`batch_gather` at the end of a model-parallel region:
+    each rank keeps its own B of the K*B rows. Backward: all-gather of the
+    row gradients. :func:`split` on axis 0.
+
+    Args:
+        x: The group's K*B rows, replicated.
+        group: Group name or Group.
+        name: Base of the collective names.
+
+    Returns:
+        Rows ``[index*B, (index+1)*B)``.
+
+    Example:
+        >>> own = tfhybrid.comm.batch_scatter(logits, group="model")   # (K*B, C) -> (B, C)
+    """
     return split(x, axis=0, group=group, name=name or "batch_scatter")

@@ -27,10 +27,11 @@ from keras.src.utils import tracking
 
 from tfhybrid import runtime
 from tfhybrid.comm import backend
+from tfhybrid.optimizer.compression import BUILT_IN, as_compressor
 from tfhybrid.optimizer.reduction import is_prereduced, plan_buckets, reduction_of
 from tfhybrid.optimizer.slots import link_slots, tracking_slots
 
-COMPRESSIONS = ("none", "fp16")
+COMPRESSIONS = tuple(BUILT_IN)
 OPS = ("average", "sum")
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -111,8 +112,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         bucket_bytes: Upper bound of one fusion bucket's payload in bytes.
             Smaller buckets start communicating earlier in back-propagation;
             larger ones issue fewer collectives. Default 25 MiB.
-        compression: "none" or "fp16" (float32 gradients travel as float16;
-            halves the bytes, costs about 3 significant digits).
+        compression: How gradients travel: "none", "fp16" (float32
+            gradients travel as float16; halves the bytes, costs about 3
+            significant digits), ``tfhybrid.optimizer.Compression.fp16`` or
+            your own :class:`tfhybrid.optimizer.Compressor`.
         backward_passes_per_step: Accumulate this many local gradients and
             reduce/apply their mean every N-th call (a step on the union of
             the N micro-batches).
@@ -143,14 +146,15 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                  name=None):
         inner = _inner(optimizer)
         bucket_bytes = _check_int(bucket_bytes, "bucket_bytes", 1)
-        compression = _check_choice(compression, "compression", COMPRESSIONS)
+        compressor = as_compressor(compression)
         passes = _check_int(backward_passes_per_step, "backward_passes_per_step", 1)
         op = _check_choice(op, "op", OPS)
         fc = _check_int(replicate_fc_gradients, "replicate_fc_gradients", 0)
         super().__init__(learning_rate=0.0, name=name or f"distributed_{inner.name}")
         self.inner_optimizer = inner
         self.bucket_bytes = bucket_bytes
-        self.compression = compression
+        self.compressor = compressor
+        self.compression = compressor.name
         self.backward_passes_per_step = passes
         self.op = op
         self.replicate_fc_gradients = fc
@@ -295,19 +299,15 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def _wire_bytes(self, g, variable):
         """Bytes of ``g`` on the wire, sized from the variable (the gradient's
         static shape may be partly unknown inside a traced step)."""
-        itemsize = 2 if self._compresses(g) else g.dtype.size
+        itemsize = self.compressor.wire_itemsize(g.dtype)
         return int(np.prod(tuple(variable.shape) or (1,))) * itemsize
-
-    def _compresses(self, g):
-        return self.compression == "fp16" and g.dtype in (tf.float32, tf.float64)
 
     def _reduce_bucket(self, grads, factors, ranks, number):
         name = f"{self.name}.bucket{number}"
-        if self.compression == "fp16":   # scale first: the float16 sum cannot overflow
-            wire = [tf.cast(_scaled(g, f), tf.float16) if self._compresses(g) else _scaled(g, f)
-                    for g, f in zip(grads, factors)]
-            summed = backend.grouped_allreduce(wire, ranks, name)
-            return [tf.cast(s, g.dtype) for s, g in zip(summed, grads)]
+        if not self.compressor.is_identity:   # scale first: a float16 sum cannot overflow
+            wire = [self.compressor.compress(_scaled(g, f)) for g, f in zip(grads, factors)]
+            summed = backend.grouped_allreduce([w for w, _ in wire], ranks, name)
+            return [self.compressor.decompress(s, ctx) for s, (_, ctx) in zip(summed, wire)]
         if len(set(factors)) == 1:       # Horovod scales the fused buffer itself
             return backend.grouped_allreduce(grads, ranks, name, postscale=factors[0])
         summed = backend.grouped_allreduce(grads, ranks, name)
@@ -332,15 +332,25 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def get_config(self):
         return {"name": self.name,
                 "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-                "bucket_bytes": self.bucket_bytes, "compression": self.compression,
+                "bucket_bytes": self.bucket_bytes, "compression": self._compression_config(),
                 "backward_passes_per_step": self.backward_passes_per_step, "op": self.op,
                 "replicate_fc_gradients": self.replicate_fc_gradients}
+
+    def _compression_config(self):
+        """The built-in compressor's name; a user-defined one is serialised as a
+        Keras object (register it with ``keras.saving.register_keras_serializable``)."""
+        if BUILT_IN.get(self.compressor.name) is self.compressor:
+            return self.compressor.name
+        return keras.saving.serialize_keras_object(self.compressor)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         config["optimizer"] = keras.saving.deserialize_keras_object(
             config["optimizer"], custom_objects=custom_objects)
+        if isinstance(config.get("compression"), dict):
+            config["compression"] = keras.saving.deserialize_keras_object(
+                config["compression"], custom_objects=custom_objects)
         return cls(**config)
 
 

@@ -1,7 +1,8 @@
 """Per-strategy time and memory models (one iteration, global batch B, p ranks).
 
 Each model follows ParaDL Table 3 / Appendix A applied layer by layer with
-the collectives tfhybrid actually issues (DESIGN.md), plus Gholami's 1.5D
+the collectives tfhybrid actually issues (``python -m tfhybrid.docs concepts``,
+"the collective algebra"), plus Gholami's 1.5D
 grid, SplitBrain's group model parallelism and Stanza's layer separation.
 Notation: ``b = B/p`` local batch, ``fb_l`` forward+backward seconds per
 sample, ``|x_l|``, ``|y_l|``, ``|w_l|`` items, ``delta`` bytes per item.

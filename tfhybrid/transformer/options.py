@@ -96,7 +96,8 @@ def make_options(strategy, **options) -> TransformOptions:
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"Received an unknown strategy: strategy={strategy!r}; expected one "
-                         f"of {STRATEGIES} (see DESIGN.md, 'The transformer').")
+                         f"of {STRATEGIES} (see concepts.md#strategies: "
+                         "python -m tfhybrid.docs concepts).")
     options = renamed_option(options, "modulo", "scheme", "tfhybrid.transform")
     known = {f.name for f in dataclasses.fields(TransformOptions)} - {"strategy"}
     for key in options:

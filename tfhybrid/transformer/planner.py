@@ -13,7 +13,7 @@ Three passes over the layer calls in topological order:
 2. **pair** — a filter-parallel layer whose output reaches exactly one
    Dense/Conv2D through channel-preserving layers keeps its output split
    and that consumer becomes channel-parallel on the split input (one
-   all-reduce per pair instead of a gather per layer, DESIGN.md).
+   all-reduce per pair instead of a gather per layer; concepts.md#the-collective-algebra).
 3. **propagate** — each layer's :class:`~tfhybrid.transformer.rules.Rule`
    states the input layouts it needs; a boundary (ModuloLayer, spatial
    scatter/gather, ...) is planned wherever a producer's layout differs.

@@ -3,7 +3,7 @@
 A :class:`Strategy` checks the process grid and options, then assigns a
 *kind* to every weighted layer call: ``replicate``, ``filter``,
 ``channel`` or ``spatial``. The registry :data:`STRATEGIES` maps the names
-of DESIGN.md (ParaDL's d/f/c/s/df/ds, SplitBrain's gmp) to these classes:
+of :mod:`tfhybrid.strategy_names` (ParaDL's d/f/c/s/df/ds, SplitBrain's gmp) to these classes:
 
 =======  ===================  ==========================================================
 name     batch split          layers partitioned over the model group

@@ -5,6 +5,7 @@ Horovod reports and registered as process sets by :mod:`tfhybrid.comm`.
 """
 from __future__ import annotations
 
+from tfhybrid import errors
 from tfhybrid.config import Config
 from tfhybrid.process_grid import ProcessGrid
 
@@ -203,8 +204,7 @@ def current_grid() -> ProcessGrid:
     from tfhybrid.comm import backend
 
     if backend.launched_size() > 1:
-        raise RuntimeError("tfhybrid is not initialised: call tfhybrid.init(model_parallel=...) "
-                           "on every rank before using parallel layers or collectives.")
+        raise errors.not_initialized()
     return ProcessGrid(size=1, rank=0, model_parallel=1)
 
 

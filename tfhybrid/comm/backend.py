@@ -34,6 +34,7 @@ import weakref
 
 import tensorflow as tf
 
+from tfhybrid import errors
 from tfhybrid import watchdog
 
 _LOCK = threading.Lock()
@@ -89,8 +90,7 @@ def is_initialized() -> bool:
 
 def _hvd():
     if not _STATE["initialized"]:
-        raise RuntimeError("tfhybrid is not initialised: call tfhybrid.init() first "
-                           "(on every rank, before building the model).")
+        raise errors.not_initialized()
     return _STATE["hvd"]
 
 

@@ -12,6 +12,7 @@ import dataclasses
 from tfhybrid import runtime
 from tfhybrid.layout import layout_of, set_layout
 from tfhybrid.transformer.graph import as_functional, describe_graph
+from tfhybrid.transformer.feasibility import refusal
 from tfhybrid.transformer.options import BUILDABLE, make_options, options_for
 from tfhybrid.transformer.planner import make_plan
 from tfhybrid.transformer.rewrite import rewrite
@@ -148,8 +149,15 @@ def _oracle_options(model, graph, grid, options):
                          "for: pass batch_size=<global batch>, e.g. "
                          "tfhybrid.transform(model, 'auto', batch_size=64).")
     machine = options.get("machine") or oracle.default_machine_path()
+    refusals = {name: refusal(model, name, grid.size, grid.model_size, graph=graph)
+                for name in BUILDABLE}
+    buildable = [name for name, why in refusals.items() if why is None]
+    if not buildable:
+        why = "; ".join(f"{name}: {reason}" for name, reason in refusals.items())
+        raise ValueError(f"strategy='auto': tfhybrid.transform builds no strategy for model "
+                         f"{model.name!r} on this grid: {why}")
     choice = oracle.choose(model, batch_size=options["batch_size"], machine=machine,
-                           strategies=BUILDABLE, grid=grid)
+                           strategies=buildable, grid=grid)
     return options_for(choice.strategy, options)
 
 

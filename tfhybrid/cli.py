@@ -225,6 +225,37 @@ def _load_plan_inputs(args):
     return prof, machine, model.name
 
 
+def plan_text(model, p, batch, machine=None, strategies=None, model_parallel=None,
+              label=None) -> str:
+    """What ``tfhybrid plan`` prints, for a Keras model (or profile) in this process.
+
+    Args:
+        model: A built Keras model or a :class:`tfhybrid.oracle.ModelProfile`.
+        p: World size.
+        batch: Global mini-batch.
+        machine: Machine JSON path, dict or Machine; None: the shipped ParaDL
+            ABCI V100 cluster (as ``tfhybrid plan`` without ``--machine``).
+        strategies: Names to rank (default: all).
+        model_parallel: Only strategies with model groups of this size.
+        label: The model's name in the first line (default: ``model.name``).
+
+    Example:
+        >>> print(plan_text(model, p=2, batch=64, strategies=("d", "gmp")))  # doctest: +SKIP
+    """
+    from tfhybrid.oracle import as_machine, rank, report  # noqa: WPS433
+    from tfhybrid.oracle import machine as mach  # noqa: WPS433
+    lines = []
+    if machine is None:
+        machine = mach.cluster_machine_path()
+        lines.append(f"no machine given: using {machine} (ParaDL's ABCI V100 cluster)")
+    machine = as_machine(machine)
+    preds = rank(model, p, batch, machine, strategies=strategies, model_parallel=model_parallel)
+    label = label or getattr(model, "name", "model")
+    lines.append(f"{label}: p={p}, B={batch}, machine: {machine.source or 'given'}")
+    lines.append(report.format_table(preds))
+    return "\n".join(lines)
+
+
 @command("plan", "predict time and memory per strategy, ranked")
 def plan(args):
     from tfhybrid.oracle import rank, report  # noqa: WPS433

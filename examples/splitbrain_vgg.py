@@ -28,8 +28,9 @@ import keras  # noqa: E402  (after common, which quiets TensorFlow)
 import tfhybrid  # noqa: E402
 from tfhybrid.layout import layout_of  # noqa: E402
 
-flags.DEFINE_list("mp", [], "model-parallel group sizes to run (default: every divisor of the "
-                  "world size)")
+# (not --mp: horovodrun would take it for an abbreviation of its own --mpi options)
+flags.DEFINE_list("mp_sizes", [], "MP (model-parallel group) sizes to run, e.g. 1,2 "
+                  "(default: every divisor of the world size)")
 flags.DEFINE_float("width", 1.0, "multiplier of every layer's width (1.0: SplitBrain Table 1)")
 flags.DEFINE_float("ccr_threshold", None, "SplitBrain's CCR threshold for splitting an FC "
                    "layer (default: tfhybrid's, 64)")
@@ -88,10 +89,10 @@ def run_grid(mp):
 def main(argv):
     del argv
     world = tfhybrid.init().size
-    mps = [int(m) for m in FLAGS.mp] or [m for m in range(1, world + 1) if world % m == 0]
+    mps = [int(m) for m in FLAGS.mp_sizes] or [m for m in range(1, world + 1) if world % m == 0]
     bad = [m for m in mps if m < 1 or world % m]
     if bad:
-        raise app.UsageError(f"--mp {bad}: each model-parallel size must divide the world "
+        raise app.UsageError(f"--mp_sizes {bad}: each model-parallel size must divide the world "
                              f"size {world}.")
     rows = [run_grid(mp) for mp in mps]
     say(f"\nSplitBrain Table 2 in miniature ({FLAGS.dataset}, global batch {FLAGS.batch_size}, "

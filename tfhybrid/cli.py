@@ -180,7 +180,8 @@ def _read(flag, path, reader, fix):
 
 
 def _load_plan_inputs(args):
-    """(profile, machine, label) from MODEL/--machine or the --paradl-* files.
+    """(profile, machine, label, Keras model or None) from MODEL/--machine or the
+    --paradl-* files.
 
     Reads (and checks) every file before building the model, the slow part.
     """
@@ -205,7 +206,7 @@ def _load_plan_inputs(args):
         if machine is None:
             machine = _read("--paradl-plat", args.paradl_plat, lambda path: paradl_io.read_plat(
                 path, args.paradl_tiers, layer_times=model.layer_times), paradl_fix)
-        return model.profile, machine, model.profile.name
+        return model.profile, machine, model.profile.name, None
     if machine is None:
         path = mach.cluster_machine_path()
         machine = mach.as_machine(path)
@@ -222,7 +223,7 @@ def _load_plan_inputs(args):
                  "(Sequential/Functional with keras.Input)")
     if not prof.rows or not any(r.weights or r.fwd_flops for r in prof.rows):
         raise empty
-    return prof, machine, model.name
+    return prof, machine, model.name, model
 
 
 def plan_text(model, p, batch, machine=None, strategies=None, model_parallel=None,
@@ -249,19 +250,32 @@ def plan_text(model, p, batch, machine=None, strategies=None, model_parallel=Non
         machine = mach.cluster_machine_path()
         lines.append(f"no machine given: using {machine} (ParaDL's ABCI V100 cluster)")
     machine = as_machine(machine)
-    preds = rank(model, p, batch, machine, strategies=strategies, model_parallel=model_parallel)
+    preds = _buildable(model, rank(model, p, batch, machine, strategies=strategies,
+                                   model_parallel=model_parallel))
     label = label or getattr(model, "name", "model")
     lines.append(f"{label}: p={p}, B={batch}, machine: {machine.source or 'given'}")
     lines.append(report.format_table(preds))
     return "\n".join(lines)
 
 
+def _buildable(model, preds):
+    """The oracle's predictions, with choices ``tfhybrid.transform`` would refuse for
+    this Keras model marked infeasible with its reason (the check ``auto`` uses)."""
+    if model is None or not hasattr(model, "layers"):   # a profile or ParaDL files
+        return preds
+    from tfhybrid.transformer.feasibility import check_predictions  # noqa: WPS433
+    try:
+        return check_predictions(model, preds)
+    except ValueError:   # transform reads no model of this kind at all: said per strategy
+        return preds
+
+
 @command("plan", "predict time and memory per strategy, ranked")
 def plan(args):
     from tfhybrid.oracle import rank, report  # noqa: WPS433
-    prof, machine, label = _load_plan_inputs(args)
+    prof, machine, label, model = _load_plan_inputs(args)
     names = tuple(s.strip() for s in args.strategies.split(",")) if args.strategies else None
-    preds = rank(prof, args.p, args.batch, machine, strategies=names)
+    preds = _buildable(model, rank(prof, args.p, args.batch, machine, strategies=names))
     print(f"{label}: p={args.p}, B={args.batch}, machine: {machine.source or 'given'}")
     print(report.format_table(preds))
     meta = {"model": label, "p": args.p, "batch": args.batch, "machine": machine.to_dict()}

@@ -62,3 +62,12 @@ def test_a_cnn_keeps_its_strategies():
     after = check_predictions(model, before)
     assert {r.strategy for r in after if r.feasible} == {r.strategy for r in before
                                                          if r.feasible}
+
+
+def test_plan_text_shows_transforms_refusal():
+    from tfhybrid.cli import plan_text
+    text = plan_text(text_model(), p=4, batch=16, machine=MACHINE, strategies=("d", "s", "ds"))
+    lines = {line.split()[1]: line for line in text.splitlines()
+             if line.strip()[:1].isdigit()}
+    assert " yes " in lines["d"]
+    assert " NO " in lines["s"] and "transform: Strategy 's' would split no layer" in lines["s"]

@@ -223,12 +223,14 @@ class GuardCallback(keras.callbacks.Callback):
 def _callbacks_arg(method, model, args, kwargs):
     """(bound arguments, their callbacks list) of a fit/evaluate/predict call."""
     bound = inspect.signature(method).bind(model, *args, **kwargs)
-    return bound, list(bound.arguments.get("callbacks") or [])
+    return bound, bound.arguments.get("callbacks")
 
 
 def _call_with_callbacks(method, model, args, kwargs, extra):
     bound, callbacks = _callbacks_arg(method, model, args, kwargs)
-    bound.arguments["callbacks"] = callbacks + extra
+    # fit's validation passes its own CallbackList (which holds fit's watchdog): keep it.
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        bound.arguments["callbacks"] = list(callbacks or []) + extra
     return method(*bound.args, **bound.kwargs)
 
 

@@ -80,3 +80,27 @@ def test_average_metrics_false_keeps_per_rank_values():
         backend.barrier()
     finally:
         tfhybrid.shutdown()
+
+
+def test_fit_validation_metrics_are_global(grid_of):
+    """fit's validation runs the transformed model's evaluate: global metrics in the history."""
+    import tensorflow as tf
+
+    from conftest import rng
+    grid = grid_of(1)
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, name="fc")])
+    x, y = randn((32, 5), "val-x"), rng("val-y").integers(0, 3, 32)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(loss=loss, metrics=["accuracy"])
+    reference = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    pmodel = tfhybrid.transform(model, strategy="d")
+    pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.0)),
+                   loss=loss, metrics=["accuracy"])
+    data = tfhybrid.data.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), model=pmodel)
+    history = pmodel.fit(data, validation_data=data, epochs=1, verbose=0, shuffle=False,
+                         callbacks=tfhybrid.callbacks.standard())
+    np.testing.assert_allclose(history.history["val_loss"][-1], reference["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history.history["val_accuracy"][-1], reference["accuracy"],
+                               rtol=1e-6)
+    backend.barrier()

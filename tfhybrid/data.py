@@ -122,7 +122,7 @@ def _shard_dataset(dataset, blocks, index, remainder="drop"):
             return keep
 
         short = _short_batches(dataset, blocks)
-        count = int(dataset.cardinality().numpy())
+        count = int(dataset.cardinality().numpy()) if tf.executing_eagerly() else -1
         if short != 0:        # skip tiny batches (none known to exist: keep the cardinality)
             dataset = dataset.filter(big_enough)
             if short is not None and count >= 0:    # Keras then knows the steps per epoch

@@ -1,0 +1,78 @@
+"""data.shard with partial last batches, in one process on a pretend grid of 2 ranks."""
+import contextlib
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid import data, runtime
+from tfhybrid.process_grid import ProcessGrid
+
+
+@contextlib.contextmanager
+def rank_of_2(rank):
+    saved = dict(runtime._STATE)
+    runtime._STATE.update(grid=ProcessGrid(size=2, rank=rank, model_parallel=1), args=(1, None))
+    try:
+        yield
+    finally:
+        runtime._STATE.clear()
+        runtime._STATE.update(saved)
+
+
+def rows(n, batch=8, drop=False):
+    return tf.data.Dataset.from_tensor_slices(np.arange(n)).batch(batch, drop_remainder=drop)
+
+
+@pytest.mark.parametrize("ds, short", [
+    (rows(21), 0),                                   # last batch 5 rows >= 2 ranks
+    (rows(17), 1),                                   # last batch 1 row < 2
+    (rows(17, drop=True), 0),
+    (rows(17).map(lambda x: x * 2).prefetch(1), 1),  # ops that keep the batches
+    (rows(17).repeat(), None),
+    (tf.data.Dataset.from_generator(lambda: iter([np.arange(3)]),
+                                    output_signature=tf.TensorSpec([None], tf.int64)), None),
+])
+def test_short_batches(ds, short):
+    assert data._short_batches(ds, 2) == short
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_partial_batches_trimmed_and_tiny_ones_skipped(rank):
+    with rank_of_2(rank), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        local = tfhybrid.data.shard(rows(17 + 8))       # batches of 8, 8, 8, 1
+        assert int(local.cardinality()) == 3            # Keras still knows the steps
+        got = [b.numpy().tolist() for b in local]
+        local21 = [b.numpy().tolist() for b in tfhybrid.data.shard(rows(21))]
+    assert got == [list(range(s + 4 * rank, s + 4 * rank + 4)) for s in (0, 8, 16)]
+    assert local21[-1] == [16 + 2 * rank, 17 + 2 * rank]     # 5 rows: 2 each, row 20 dropped
+    said = " ".join(str(w.message) for w in caught)
+    if rank == 0:
+        assert "skipped a global batch of 1 rows" in said
+        assert "dropped 1 of the 5 rows" in said and "each rank keeps 2 rows" in said
+    else:
+        assert "tfhybrid.data.shard" not in said
+
+
+def test_remainder_error_and_bad_value():
+    with rank_of_2(0):
+        local = tfhybrid.data.shard(rows(21), remainder="error")
+        with pytest.raises(tf.errors.InvalidArgumentError, match="not divisible"):
+            list(local)
+        with pytest.raises(ValueError, match="`remainder`: 'keep'"):
+            tfhybrid.data.shard(rows(21), remainder="keep")
+
+
+def test_arrays_drop_their_last_rows_with_remainder_drop():
+    x = np.arange(21)
+    with rank_of_2(1):
+        with pytest.raises(ValueError, match="remainder='drop'"):
+            tfhybrid.data.shard(x, batch_size=8)
+        local = tfhybrid.data.shard(x, batch_size=8, remainder="drop")   # silent on rank 1
+    assert local.tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 18, 19]
+    with rank_of_2(0), pytest.warns(UserWarning, match="last global batch of 5 rows"):
+        local = tfhybrid.data.shard(x, batch_size=8, remainder="drop")
+    assert local.tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17]

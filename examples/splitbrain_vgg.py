@@ -27,6 +27,7 @@ import keras  # noqa: E402  (after common, which quiets TensorFlow)
 
 import tfhybrid  # noqa: E402
 from tfhybrid.layout import layout_of  # noqa: E402
+from tfhybrid.oracle import machine as oracle_machine, predict  # noqa: E402
 
 # (not --mp: horovodrun would take it for an abbreviation of its own --mpi options)
 flags.DEFINE_list("mp_sizes", [], "MP (model-parallel group) sizes to run, e.g. 1,2 "
@@ -64,6 +65,9 @@ def run_grid(mp):
     strategy = "gmp" if mp > 1 else "d"
     common.print_plan(model, FLAGS.batch_size, f"DP {grid.size // mp} x MP {mp}",
                       strategies=("d", "gmp", "df", "f"), model_parallel=mp)
+    machine = FLAGS.machine or oracle_machine.cluster_machine_path()
+    predicted = predict(model, strategy, grid.size, FLAGS.batch_size, machine,
+                        **({"mp": mp} if strategy == "gmp" else {}))
     options = {}
     if strategy == "gmp" and FLAGS.ccr_threshold is not None:
         options["ccr_threshold"] = FLAGS.ccr_threshold
@@ -77,6 +81,7 @@ def run_grid(mp):
     slots = common.nbytes(pmodel.optimizer.variables)
     row = {"p": grid.size, "DP": grid.size // mp, "MP": mp, "strategy": strategy,
            "images/s": f"{timer.images_per_second(FLAGS.warmup_steps):.1f}",
+           "plan images/s": f"{FLAGS.batch_size / predicted.total_s:.0f}",
            "weights MB/rank": f"{weights / 2**20:.2f}",
            "+slots MB/rank": f"{(weights + slots) / 2**20:.2f}",
            "FC split": ",".join(split) or "-",
@@ -97,7 +102,10 @@ def main(argv):
     rows = [run_grid(mp) for mp in mps]
     say(f"\nSplitBrain Table 2 in miniature ({FLAGS.dataset}, global batch {FLAGS.batch_size}, "
         f"width {FLAGS.width}, {FLAGS.steps} timed steps):")
-    say(common.table(rows, ["p", "DP", "MP", "strategy", "images/s", "weights MB/rank",
+    say("(images/s measured here; plan images/s predicted by the oracle for --machine, default "
+        "ParaDL's ABCI V100 cluster)")
+    say(common.table(rows, ["p", "DP", "MP", "strategy", "images/s", "plan images/s",
+                            "weights MB/rank",
                             "+slots MB/rank", "FC split", "loss"]))
     return 0
 

@@ -11,7 +11,9 @@ transformed model check for them itself:
 - ``compile``: a non-distributed optimizer is wrapped in
   :class:`tfhybrid.DistributedOptimizer`, with a warning (multi-process jobs);
 - ``fit``: before the first collective, every rank compares a digest of the
-  model's structure (layer names and classes, variable paths and shapes);
+  model's structure (layer names and classes, variable paths and shapes)
+  and the number of steps its data gives (``fit`` and ``evaluate``: ranks
+  fed data of different lengths would hang at the end of the epoch);
   at the start of training (after the broadcast callbacks) and after the
   first :data:`FIRST_STEPS` steps and every ``Config.guard_every_steps``
   steps, ranks compare a checksum of their batch (the ranks of a model group
@@ -115,12 +117,50 @@ def batch_checksum(data):
 
 # -- the checks ---------------------------------------------------------------
 
-def check_structure(model):
-    """Every rank holds the same model structure (collective), else raise."""
+def planned_steps(arguments, steps_key) -> int:
+    """Steps per epoch a fit/evaluate call will run on this rank, -1 when not known here.
+
+    From ``steps_per_epoch``/``steps``, a ``tf.data.Dataset``'s cardinality,
+    or the length of numpy arrays and ``batch_size`` (Keras' default 32).
+    """
+    if arguments.get(steps_key):
+        return int(arguments[steps_key])
+    x = arguments.get("x")
+    if isinstance(x, tf.data.Dataset):
+        count = int(x.cardinality().numpy()) if tf.executing_eagerly() else -1
+        return count if count >= 0 else -1
+    if arguments.get("validation_split") or x is None:
+        return -1
+    flat = tf.nest.flatten(x)
+    if flat and all(isinstance(a, np.ndarray) or tf.is_tensor(a) for a in flat):
+        rows = int(flat[0].shape[0]) if flat[0].shape and flat[0].shape[0] is not None else -1
+        batch = arguments.get("batch_size") or 32
+        return -(-rows // batch) if rows >= 0 else -1
+    return -1
+
+
+def _steps_problem(model, steps, method):
+    """The message when the ranks' known step counts differ, else None."""
+    steps = [int(s) for s in steps]
+    if min(steps) < 0 or len(set(steps)) == 1:
+        return None
+    counts = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+    return (f"tfhybrid guard: the ranks would run different numbers of steps in "
+            f"{model.name!r}.{method} ({counts} per epoch, from their data's lengths), so a "
+            "rank with more steps would wait forever in a collective the others never "
+            "reach. Feed every rank the same global pipeline through "
+            "tfhybrid.data.shard(dataset, model=model) (a partial last batch is handled "
+            "alike on every rank), or pass the same steps_per_epoch/steps on every rank.")
+
+
+def check_structure(model, steps=-1):
+    """Every rank holds the same model structure and plans the same number of steps
+    (collective, one allgather), else raise."""
     grid = runtime.current_grid()
     if grid.size == 1:
         return
-    digests = _world_gather([structure_digest(model)], "guard.structure")[:, 0]
+    gathered = _world_gather([structure_digest(model), steps], "guard.structure")
+    digests = gathered[:, 0]
     bad = [r for r in range(grid.size) if digests[r] != digests[0]]
     if bad:
         raise ConsistencyError(
@@ -130,6 +170,19 @@ def check_structure(model):
             "names drifted: some rank built an extra layer or model first (e.g. inside "
             "`if rank == 0:`). Build the same models in the same order on every rank, give "
             "layers explicit names, or call keras.utils.clear_session() before building.")
+    problem = _steps_problem(model, gathered[:, 1], "fit")
+    if problem:
+        raise ConsistencyError(problem)
+
+
+def check_steps(model, steps, method):
+    """Every rank plans the same number of steps (collective), else raise."""
+    if runtime.current_grid().size == 1:
+        return
+    problem = _steps_problem(model, _world_gather([steps], f"guard.steps.{method}")[:, 0],
+                             method)
+    if problem:
+        raise ConsistencyError(problem)
 
 
 def check_weights(model, when):
@@ -369,11 +422,16 @@ def install(model):
         extra = _watchdog_callbacks()
         config = _config()
         if config.guards:
-            check_structure(self)
+            bound = inspect.signature(cls.fit).bind(self, *args, **kwargs)
+            check_structure(self, planned_steps(bound.arguments, "steps_per_epoch"))
             extra.append(GuardCallback(checksum, config.guard_every_steps))
         return _call_with_callbacks(cls.fit, self, args, kwargs, extra)
 
     def evaluate(self, *args, **kwargs):
+        bound = inspect.signature(cls.evaluate).bind(self, *args, **kwargs)
+        if _config().guards and not isinstance(bound.arguments.get("callbacks"),
+                                               keras.callbacks.CallbackList):   # not fit's
+            check_steps(self, planned_steps(bound.arguments, "steps"), "evaluate")
         outer = getattr(self, "_tfhybrid_evaluating", False)
         object.__setattr__(self, "_tfhybrid_evaluating", True)
         try:

@@ -301,3 +301,26 @@ def test_fit_scaling_form_equals_batched_form_and_single_process(grid_of, strate
     for a, b, e in zip(got, old, expected):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6)
+
+
+def test_per_rank_data_of_different_lengths_is_refused_not_hung(grid_of):
+    """Each rank feeding its own data of another length would hang at the epoch's end:
+    fit and evaluate refuse it on every rank before the first step."""
+    from tfhybrid.guards import ConsistencyError
+    grid = grid_of(1)
+    if grid.size == 1:
+        pytest.skip("one rank")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="fc")])
+    pmodel = tfhybrid.transform(model, strategy="d")
+    pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                   loss="mse")
+    n = 16 + 8 * (grid.rank % 2)                        # rank 1: one step more
+    x, y = np.zeros((n, 3), np.float32), np.zeros((n, 2), np.float32)
+    with pytest.raises(ConsistencyError, match=r"different numbers of steps.*rank 0: 2, rank 1: 3"):
+        pmodel.fit(x, y, batch_size=8, verbose=0)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    with pytest.raises(ConsistencyError, match=r"'sequential'.evaluate"):
+        pmodel.evaluate(ds, verbose=0)
+    pmodel.fit(x, y, batch_size=8, steps_per_epoch=2, verbose=0)     # the same steps: runs
+    backend.barrier()

@@ -308,7 +308,9 @@ def sum_metric_states(model):
     precision, AUC: counts), so after the sum each ``metric.result()`` is the
     metric of the rows of every rank, as one process evaluating the whole
     data set computes it (float64 sums, then the variables' own dtype).
-    The states stay summed until the next ``reset_metrics``.
+    The states stay summed until the next ``reset_metrics``. A custom metric
+    whose state is not a sum (a maximum, a last value) would be wrong: use
+    ``Config(average_metrics=False)`` and reduce it yourself.
 
     Example:
         >>> tfhybrid.guards.sum_metric_states(model)   # custom evaluation loops

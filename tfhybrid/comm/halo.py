@@ -101,6 +101,10 @@ def halo_exchange(x, axis, lo, hi, group="model", name=None):
         pads[axis] = [lo, hi]
         return tf.pad(x, pads)
     nm = f"{name or 'halo'}.{g.name}"
+    others = 1
+    for i, v in enumerate(x.shape[1:], start=1):
+        others *= int(v) if i != axis and v is not None else 1
+    _SENT.append(("axis", (hi * (g.index > 0) + lo * (g.index < g.size - 1)) * others))
 
     def forward(t):
         prev, nxt = _exchange(t, axis, hi, lo, lo, hi, g, nm)
@@ -130,3 +134,299 @@ def _pad(t, axis, before, after):
     row = tf.stack([before, after])
     pads = tf.tensor_scatter_nd_update(tf.zeros([t.shape.rank, 2], tf.int32), [[axis]], [row])
     return tf.pad(t, pads)
+
+
+# -- neighbour-only exchange over a whole block grid (corners included) --------------
+
+HALO_METHODS = ("neighbour", "pairs", "axis")
+_METHOD = {"value": None}
+_SENT = []          # trace-time record: (method, elements sent per batch row), see sent_log
+
+
+def halo_method() -> str:
+    """The block-grid halo method in force: ``set_halo_method``'s value, else
+    ``TFHYBRID_HALO``, else ``"neighbour"``.
+
+    * ``"neighbour"``: one ``alltoall`` over the spatial group per direction
+      (forward, backward); each rank's splits are empty except towards the
+      ranks whose windows need its rows, corners of 2-D/3-D grids included;
+    * ``"pairs"``: one 2-rank ``alltoall`` per neighbour pair, each on its own
+      process set (registered on every rank);
+    * ``"axis"``: the per-axis exchange (:func:`halo_exchange` along each
+      split axis in turn, corners forwarded through the first neighbour).
+
+    Example:
+        >>> tfhybrid.comm.halo.set_halo_method("axis")   # before building the layers' graphs
+    """
+    import os
+    value = _METHOD["value"] or os.environ.get("TFHYBRID_HALO") or "neighbour"
+    if value not in HALO_METHODS:
+        raise ValueError(f"Received an invalid halo method {value!r} (set_halo_method or "
+                         f"TFHYBRID_HALO); expected one of {HALO_METHODS}.")
+    return value
+
+
+def set_halo_method(method):
+    """Choose the block-grid halo method for graphs traced from now on (None: default).
+
+    Raises:
+        ValueError: for a name not in :data:`HALO_METHODS`.
+
+    Example:
+        >>> tfhybrid.comm.halo.set_halo_method("pairs")
+    """
+    if method is not None and method not in HALO_METHODS:
+        raise ValueError(f"Received an invalid value for `method`: {method!r}; expected one "
+                         f"of {HALO_METHODS} or None.")
+    _METHOD["value"] = method
+
+
+def sent_log(clear=False):
+    """``[(method, elements sent per batch row), ...]`` recorded when halo
+    exchanges were traced or run (forward direction; the backward sends the
+    same amount back). For benchmarks: bytes sent = elements x batch x itemsize."""
+    out = list(_SENT)
+    if clear:
+        _SENT.clear()
+    return out
+
+
+def _unravel(index, shape):
+    coords = []
+    for s in reversed(shape):
+        coords.append(index % s)
+        index //= s
+    return tuple(reversed(coords))
+
+
+def _ravel(coords, shape):
+    index = 0
+    for c, s in zip(coords, shape):
+        index = index * s + c
+    return index
+
+
+def _offsets(ndim):
+    out = [()]
+    for _ in range(ndim):
+        out = [o + (v,) for o in out for v in (-1, 0, 1)]
+    return out
+
+
+def block_neighbours(index, shape, widths, sending=False):
+    """``[(offset, group index), ...]``: the ranks of a row-major block grid
+    this rank receives halo rows from (``sending``: sends rows to), corners
+    included, in a fixed order.
+
+    ``widths`` are the (lo, hi) halo rows per grid axis. A neighbour at offset
+    ``o`` is kept when it exists and the piece is not empty: received, our
+    ``lo`` rows before (``o = -1``) / ``hi`` rows after (``o = +1``); sent, the
+    ``lo`` last rows towards ``+1`` / the ``hi`` first rows towards ``-1``.
+    """
+    coords = _unravel(index, shape)
+    out = []
+    for o in _offsets(len(shape)):
+        if not any(o):
+            continue
+        c = tuple(a + b for a, b in zip(coords, o))
+        if any(v < 0 or v >= s for v, s in zip(c, shape)):
+            continue
+        if sending:
+            ok = all((v != 1 or lo > 0) and (v != -1 or hi > 0) for v, (lo, hi) in zip(o, widths))
+        else:
+            ok = all((v != -1 or lo > 0) and (v != 1 or hi > 0) for v, (lo, hi) in zip(o, widths))
+        if ok:
+            out.append((o, _ravel(c, shape)))
+    return out
+
+
+def neighbour_pairs(groups, shape, widths):
+    """Every neighbour pair (sorted global ranks) of every group, same order on
+    every rank: the process sets of the ``"pairs"`` method."""
+    pairs = []
+    for ranks in groups:
+        for i in range(len(ranks)):
+            for _, j in block_neighbours(i, shape, widths):
+                pair = tuple(sorted((ranks[i], ranks[j])))
+                if pair not in pairs:
+                    pairs.append(pair)
+    return pairs
+
+
+def _piece(t, o, widths, sizes, own):
+    """Slice of ``t`` at offset ``o``: ``own`` pieces (what we send) take our
+    last ``lo`` rows towards +1 and first ``hi`` rows towards -1; halo pieces of
+    the extended tensor are ``lo`` / ``hi`` / ``n`` rows at their place."""
+    begin, size = [0] * t.shape.rank, [-1] * t.shape.rank
+    for d, (v, (lo, hi), n) in enumerate(zip(o, widths, sizes)):
+        if own:
+            begin[d + 1], size[d + 1] = {1: (n - lo, lo), -1: (0, hi), 0: (0, n)}[v]
+        else:
+            begin[d + 1], size[d + 1] = {-1: (0, lo), 0: (lo, n), 1: (lo + n, hi)}[v]
+    return tf.slice(t, begin, size)
+
+
+def _piece_dims(o, widths, sizes, own):
+    if own:
+        return [{1: lo, -1: hi, 0: n}[v] for v, (lo, hi), n in zip(o, widths, sizes)]
+    return [{-1: lo, 1: hi, 0: n}[v] for v, (lo, hi), n in zip(o, widths, sizes)]
+
+
+def _swap(sends, recvs, g, method, name, like):
+    """Send ``t`` to each ``(offset, group index, t)`` of ``sends``; receive from
+    each ``(offset, group index, dims)`` of ``recvs`` a piece shaped
+    ``[batch] + dims + [channels]``. Returns ``({offset: piece}, anchors)``:
+    the caller's output must depend on ``anchors`` (the raw alltoall outputs),
+    or a graph prunes an alltoall whose result this rank does not use (it
+    only sends) and the other ranks wait for it forever."""
+    shapes = {o: tf.concat([tf.shape(like)[:1], dims, tf.shape(like)[-1:]], 0)
+              for o, _, dims in recvs}
+    me = g.ranks[g.index]
+    flat = {j: tf.reshape(t, [-1]) for _, j, t in sends}
+    source = {j: o for o, j, _ in recvs}
+    anchors = []
+    if method == "pairs":
+        out = {}
+        for j in sorted(set(flat) | set(source)):
+            pair = tuple(sorted((me, g.ranks[j])))
+            send = flat.get(j, tf.reshape(like, [-1])[:0])   # not a constant: see below
+            n = tf.size(send, out_type=tf.int32)
+            splits = tf.stack([0, n]) if me < g.ranks[j] else tf.stack([n, 0])
+            got = backend.alltoall(send, splits, pair, f"{name}.{pair[0]}_{pair[1]}")
+            anchors.append(got)
+            if j in source:
+                out[source[j]] = tf.reshape(got, shapes[source[j]])
+        return out, anchors
+    order = sorted(flat)
+    zero = tf.constant(0, tf.int32)
+    splits = tf.stack([tf.size(flat[j], out_type=tf.int32) if j in flat else zero
+                       for j in range(g.size)])
+    # an empty send is a slice of the input, never a constant: Grappler would
+    # constant-fold an alltoall of constants (run it while optimising the graph)
+    empty = tf.reshape(like, [-1])[:0]
+    send = tf.concat([flat[j] for j in order], 0) if order else empty
+    recv = backend.alltoall(send, splits, g.ranks, name)
+    srcs = sorted(source)
+    counts = [tf.reduce_prod(shapes[source[j]]) for j in srcs]
+    parts = tf.split(recv, tf.stack(counts), num=len(srcs)) if len(srcs) > 1 else [recv]
+    return ({source[j]: tf.reshape(part, shapes[source[j]]) for j, part in zip(srcs, parts)},
+            [recv])
+
+
+def block_halo_exchange(x, group, shape, widths, name=None, method=None, all_groups=None):
+    """Extend a block of a row-major block grid with its neighbours' halo rows.
+
+    Equivalent to :func:`halo_exchange` along each split axis in turn, but
+    every rank sends each neighbour (corners of 2-D/3-D grids included) only
+    the rows it needs, all at once.
+
+    Args:
+        x: This rank's block ``(batch, spatial..., channels)``.
+        group: The whole spatial Group; its ranks are the block grid, row-major.
+        shape: Blocks per spatial axis (product = ``group.size``).
+        widths: ``(lo, hi)`` halo rows per spatial axis (0 where not split).
+        name: Base of the collective names.
+        method: ``"neighbour"`` or ``"pairs"`` (see :func:`halo_method`);
+            default: :func:`halo_method`.
+        all_groups: With ``"pairs"``: every group of the grid axis (the pair
+            process sets are registered for all of them, on every rank).
+
+    Returns:
+        A tensor with ``lo + n + hi`` rows along each spatial axis (zeros
+        beyond the grid's ends).
+
+    Raises:
+        ValueError: for a grid shape that does not match the group, or a
+            block smaller than the halo.
+
+    Example:
+        >>> g = tfhybrid.grid().group("model")                 # 4 ranks, 2x2 blocks
+        >>> y = block_halo_exchange(x, g, (2, 2), [(1, 1), (1, 1)])
+    """
+    x = tf.convert_to_tensor(x)
+    method = method or halo_method()
+    if method == "axis":
+        raise ValueError("block_halo_exchange: method='axis' is halo_exchange along each "
+                         "axis in turn; call that (tfhybrid.layers.spatial.core does).")
+    nd = len(shape)
+    if int(np_prod(shape)) != group.size or len(widths) != nd or x.shape.rank != nd + 2:
+        raise ValueError(f"block_halo_exchange: grid shape {tuple(shape)} and widths "
+                         f"{list(widths)} do not match the group of {group.size} ranks and "
+                         f"a block of shape {x.shape}.")
+    sizes = [int(v) for v in x.shape[1:1 + nd]]
+    for d, ((lo, hi), n) in enumerate(zip(widths, sizes)):
+        if max(lo, hi) > n:
+            raise ValueError(f"block_halo_exchange: the block (shape {x.shape}) has {n} rows "
+                             f"along axis {d + 1} but a halo of lo={lo}, hi={hi} rows was "
+                             "requested; use fewer ranks along this axis or a larger input.")
+    widths = [tuple(int(v) for v in w) for w in widths]
+    nm = f"{name or 'halo'}.{group.name}.{method}"
+    receive_from = block_neighbours(group.index, tuple(shape), widths)
+    send_to = block_neighbours(group.index, tuple(shape), widths, sending=True)
+    if method == "pairs":
+        backend.register_groups(neighbour_pairs(all_groups or [group.ranks], tuple(shape),
+                                                widths))
+    _SENT.append((method, sum(int(np_prod(_piece_dims(o, widths, sizes, True))) * int(
+        x.shape[-1]) for o, _ in send_to)))
+    keep = [[v for v in (-1, 0, 1) if (v != -1 or lo) and (v != 1 or hi)] for lo, hi in widths]
+
+    def forward(t):
+        sends = [(o, j, _piece(t, o, widths, sizes, True)) for o, j in send_to]
+        recvs = [(o, j, _piece_dims(o, widths, sizes, False)) for o, j in receive_from]
+        got, anchors = _swap(sends, recvs, group, method, nm, t)
+
+        def build(prefix, d):
+            if d == nd:
+                if not any(prefix):
+                    return t
+                if prefix in got:
+                    return got[prefix]
+                pdims = _piece_dims(prefix, widths, sizes, False)
+                return tf.zeros(tf.concat([tf.shape(t)[:1], pdims, tf.shape(t)[-1:]], 0),
+                                t.dtype)
+            parts = [build(prefix + (v,), d + 1) for v in keep[d]]
+            return tf.concat(parts, d + 1) if len(parts) > 1 else parts[0]
+        return _anchored(build((), 0), anchors)
+
+    def backward(dy):
+        # our halo pieces' gradients go back where they came from; we get back
+        # the gradients of the rows we sent and add them in place
+        sends = [(o, j, _piece(dy, o, widths, sizes, False)) for o, j in receive_from]
+        recvs = [(o, j, _piece_dims(o, widths, sizes, True)) for o, j in send_to]
+        back, anchors = _swap(sends, recvs, group, method, nm + ".bwd", dy)
+        grad = _piece(dy, (0,) * nd, widths, sizes, False)
+        for o, _ in send_to:
+            pads = [[0, 0]]
+            for v, (lo, hi), n in zip(o, widths, sizes):
+                pads.append({1: [n - lo, 0], -1: [0, n - hi], 0: [0, 0]}[v])
+            pads.append([0, 0])
+            grad = grad + tf.pad(back[o], pads)
+        return _anchored(grad, anchors)
+
+    @tf.custom_gradient
+    def _block(t):
+        def grad(dy):
+            return tf.ensure_shape(backward(dy), t.shape)
+        out = forward(t)
+        return tf.ensure_shape(out, [t.shape[0]] + [n + lo + hi for n, (lo, hi) in
+                                                    zip(sizes, widths)] + [t.shape[-1]]), grad
+
+    return _block(x)
+
+
+def _anchored(out, anchors):
+    """``out`` with an empty slice of every alltoall output concatenated along
+    axis 1: a data dependency, so a graph runs each alltoall even on a rank that
+    only sends (Horovod's ops are not stateful: Grappler prunes an unused one,
+    and a control dependency alone was measured not to keep it)."""
+    for a in anchors:
+        shape = tf.concat([tf.shape(out)[:1], [0], tf.shape(out)[2:]], 0)
+        out = tf.concat([out, tf.reshape(a[:0], shape)], 1)
+    return out
+
+
+def np_prod(values):
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out

@@ -58,16 +58,47 @@ def assemble(x, plans, groups, pad_value, name, with_halo):
         name: Base of the collective names.
         with_halo: Exchange halos (False: local rows and border padding only).
     """
+    done = _block_exchange(x, plans, groups, name) if with_halo else None
+    if done is not None:
+        x = done
     for d, (plan, g) in enumerate(zip(plans, groups)):
         axis, n = d + 1, plan.geometry.block
         lo_ex, hi_ex = plan.geometry.exchange() if with_halo else (0, 0)
-        if lo_ex or hi_ex:
+        if (lo_ex or hi_ex) and done is None:
             x = comm.halo_exchange(x, axis, lo_ex, hi_ex, g, name=f"{name}.ax{axis}")
         take_lo, take_hi = plan.take(with_halo)
         if lo_ex or hi_ex or take_lo or take_hi:
             x = _slice_axis(x, axis, lo_ex - take_lo, take_lo + n + take_hi)
         x = _pad_axis(x, axis, *plan.pads(), pad_value)
     return x
+
+
+def _block_exchange(x, plans, groups, name):
+    """All halo rows at once, neighbour-only (corners included), or None for the
+    per-axis path (``halo_method() == "axis"``, or groups not from a grid axis).
+
+    The spatial group is the grid axis the sub-groups were factored from (their
+    names are ``"<axis>.<spatial axis>"``); the block grid is row-major.
+    """
+    from tfhybrid.comm import halo
+
+    widths = [p.geometry.exchange() for p in plans]
+    method = halo.halo_method()
+    if method == "axis" or not any(lo or hi for lo, hi in widths):
+        return None
+    grid = runtime.current_grid()
+    axis = groups[0].name.split(".")[0]
+    try:
+        mine = grid.group(axis)
+    except ValueError:
+        return None
+    shape = tuple(g.size for g in groups)
+    names = [g.name for g in groups]
+    if tuple(sp.factor_group(mine, shape, names)) != tuple(groups):
+        return None
+    every = _all_groups(grid, axis) if method == "pairs" else None
+    return halo.block_halo_exchange(x, mine, shape, widths, name=name, method=method,
+                                    all_groups=every)
 
 
 # -- running the op -------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfhybrid.comm import backend
+from tfhybrid.process_grid import _ravel, _unravel
 from tfhybrid.comm.primitives import (_axis, _inverse, _perm_to_front, _with_axis_size,
                                       resolve_group)
 
@@ -189,21 +190,6 @@ def sent_log(clear=False):
     if clear:
         _SENT.clear()
     return out
-
-
-def _unravel(index, shape):
-    coords = []
-    for s in reversed(shape):
-        coords.append(index % s)
-        index //= s
-    return tuple(reversed(coords))
-
-
-def _ravel(coords, shape):
-    index = 0
-    for c, s in zip(coords, shape):
-        index = index * s + c
-    return index
 
 
 def _offsets(ndim):

@@ -33,6 +33,7 @@ setup(
         "plot": ["matplotlib>=3.8"],
         "test": ["pytest>=8", "scikit-learn>=1.4"],
         "docs": ["pdoc>=14"],
+        "examples": ["absl-py>=1.0"],
     },
     entry_points={"console_scripts": ["tfhybrid=tfhybrid.cli:main"]},
     classifiers=[

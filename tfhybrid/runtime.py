@@ -188,6 +188,27 @@ def shutdown():
     _STATE.update(grid=None, args=None, config=None)
 
 
+def reform(model_parallel: int) -> ProcessGrid:
+    """Re-form the process grid with model groups of ``model_parallel``, keeping
+    ``init``'s config (collective: call on every rank with the same value).
+
+    ``transform(strategy="auto")`` uses it when the oracle's best grid differs
+    from ``init``'s. Models transformed earlier keep the grid they were built for.
+
+    Raises:
+        tfhybrid.errors.NotInitializedError: before :func:`init`.
+    """
+    config = current_config()
+    shutdown()
+    return init(model_parallel=model_parallel, config=config)
+
+
+def current_config() -> Config:
+    """The :class:`tfhybrid.Config` given to :func:`init` (a default one if none was)."""
+    current_grid()   # raises the "not initialised" error first
+    return _STATE["config"] or Config()
+
+
 def is_initialized() -> bool:
     return _STATE["grid"] is not None
 

@@ -12,8 +12,7 @@ import dataclasses
 from tfhybrid import runtime
 from tfhybrid.layout import layout_of, set_layout
 from tfhybrid.transformer.graph import as_functional, describe_graph
-from tfhybrid.transformer.feasibility import refusal
-from tfhybrid.transformer.options import BUILDABLE, make_options, options_for
+from tfhybrid.transformer.options import make_options
 from tfhybrid.transformer.planner import make_plan
 from tfhybrid.transformer.rewrite import rewrite
 from tfhybrid.transformer.root_weights import root_weights
@@ -38,6 +37,7 @@ class TransformInfo:
     def __init__(self, plan, graph, source, grid, objects=None):
         self.plan, self.graph, self.source, self.grid = plan, graph, source, grid
         self.objects = dict(objects or {})
+        self.auto = None   # the AutoChoice record of strategy="auto" (tfhybrid.transformer.auto)
 
 
 def transform(model, strategy="d", **options):
@@ -90,15 +90,20 @@ def transform(model, strategy="d", **options):
     grid = runtime.current_grid()
     functional = as_functional(model)
     graph = describe_graph(functional)
+    auto_choice = None
     if opts.strategy == "auto":
-        opts = _oracle_options(model, graph, grid, options)
+        from tfhybrid.transformer import auto
+        opts, auto_choice = auto.choose(model, graph, grid, options)
+        grid = runtime.current_grid()      # auto may have re-formed it
     plan = make_plan(graph, opts, grid)
     source, objects = record_source(model)   # what gather needs; raises before any collective
     with root_weights(model):     # slice every block from global rank 0's weights
         new = rewrite(functional, plan, grid, opts.scheme)
     if plan.batch_split == "data" and grid.model_size > 1:
         _reduce_replicas_over_data(new)
-    object.__setattr__(new, INFO_ATTR, TransformInfo(plan, graph, source, grid, objects))
+    info = TransformInfo(plan, graph, source, grid, objects)
+    info.auto = auto_choice
+    object.__setattr__(new, INFO_ATTR, info)
     object.__setattr__(new, BATCH_SPLIT_ATTR, plan.batch_split)
     from tfhybrid import guards   # compile wraps plain optimizers; fit checks consistency
     return guards.install(new)
@@ -134,31 +139,6 @@ def _reduce_replicas_over_data(model):
         layout = layout_of(w)
         if layout.kind == "replicated":
             set_layout(w, dataclasses.replace(layout, group="data"))
-
-
-def _oracle_options(model, graph, grid, options):
-    """The options of the strategy the oracle ranks fastest on this grid (``auto``)."""
-    try:
-        from tfhybrid import oracle
-    except ImportError as err:
-        raise ValueError(
-            "strategy='auto' asks tfhybrid.oracle for the best strategy, but the oracle "
-            f"is unavailable ({err}); pass an explicit strategy {BUILDABLE}.") from None
-    if options.get("batch_size") is None:
-        raise ValueError("strategy='auto' needs the global batch size the oracle predicts "
-                         "for: pass batch_size=<global batch>, e.g. "
-                         "tfhybrid.transform(model, 'auto', batch_size=64).")
-    machine = options.get("machine") or oracle.default_machine_path()
-    refusals = {name: refusal(model, name, grid.size, grid.model_size, graph=graph)
-                for name in BUILDABLE}
-    buildable = [name for name, why in refusals.items() if why is None]
-    if not buildable:
-        why = "; ".join(f"{name}: {reason}" for name, reason in refusals.items())
-        raise ValueError(f"strategy='auto': tfhybrid.transform builds no strategy for model "
-                         f"{model.name!r} on this grid: {why}")
-    choice = oracle.choose(model, batch_size=options["batch_size"], machine=machine,
-                           strategies=buildable, grid=grid)
-    return options_for(choice.strategy, options)
 
 
 def info_of(model) -> TransformInfo:

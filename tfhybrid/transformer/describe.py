@@ -101,6 +101,8 @@ def describe(model, batch_size=None, print_fn=print) -> Description:
     total = sum(r.param_bytes for r in out)
     comm = sum(c[3] for r in out for c in r.collectives)
     text = _table(plan, grid, out, total, comm, batch_size)
+    if getattr(info, "auto", None) is not None:   # strategy="auto": the choice and why
+        text += "\n" + info.auto.summary()
     if print_fn is not None:
         print_fn(text)
     return Description(plan.strategy, tuple(out), total, comm, text)

@@ -30,6 +30,7 @@ _APPLIES = {
     "spatial_layers": ("s", "ds"),
     "batch_size": ("auto",),
     "machine": ("auto",),
+    "keep_grid": ("auto",),
 }
 # Strategies the transformer builds (auto picks among them).
 BUILDABLE = BUILT
@@ -69,6 +70,9 @@ class TransformOptions:
         machine: auto: the oracle's machine spec (dict, JSON path or
             ``tfhybrid.oracle.Machine``; default the calibrated spec of the
             development box, ``tfhybrid.oracle.default_machine_path()``).
+        keep_grid: auto: choose among the strategies of ``init``'s grid only
+            (default False: every grid ``p/k x k`` is priced and the grid is
+            re-formed when another one is faster, Gholami §2.2).
     """
 
     strategy: str
@@ -81,6 +85,7 @@ class TransformOptions:
     fallback: str = "error"
     batch_size: Optional[int] = None
     machine: object = None
+    keep_grid: bool = False
 
 
 def make_options(strategy, **options) -> TransformOptions:

@@ -255,7 +255,27 @@ def plan_text(model, p, batch, machine=None, strategies=None, model_parallel=Non
     label = label or getattr(model, "name", "model")
     lines.append(f"{label}: p={p}, B={batch}, machine: {machine.source or 'given'}")
     lines.append(report.format_table(preds))
+    if strategies is None and model_parallel is None:
+        lines += integrated_lines(model, model, p, batch, machine)
     return "\n".join(lines)
+
+
+def integrated_lines(model, prof, p, batch, machine) -> list:
+    """The ``per layer`` section of ``tfhybrid plan``: Gholami's integrated plan
+    (Eq. 6, :mod:`tfhybrid.oracle.per_layer`) of every grid, with ``transform``'s
+    verdict for a Keras model (what ``strategy="auto"`` weighs against the table)."""
+    from tfhybrid.oracle import per_layer  # noqa: WPS433
+    lines = ["per layer (Gholami Eq. 6; strategy='auto' weighs these against the table):"]
+    for pl in per_layer.integrated_plans(prof, p, batch, machine):
+        verdict = ""
+        if model is not None and hasattr(model, "layers"):
+            from tfhybrid.transformer.feasibility import refusal  # noqa: WPS433
+            why = refusal(model, pl.strategy, p, pl.model_parallel, **pl.options)
+            verdict = "  builds" if why is None else f"  transform refuses: {why[:100]}"
+        choices = ", ".join(f"{c.name}:{c.choice}" for c in pl.layers)
+        lines.append(f"  grid {p // pl.model_parallel}x{pl.model_parallel} {pl.strategy:<3} "
+                     f"{pl.total_s * 1e3:9.3g} ms  {choices[:120]}{verdict}")
+    return lines
 
 
 def _buildable(model, preds):
@@ -278,6 +298,8 @@ def plan(args):
     preds = _buildable(model, rank(prof, args.p, args.batch, machine, strategies=names))
     print(f"{label}: p={args.p}, B={args.batch}, machine: {machine.source or 'given'}")
     print(report.format_table(preds))
+    if not names:
+        print("\n".join(integrated_lines(model, prof, args.p, args.batch, machine)))
     meta = {"model": label, "p": args.p, "batch": args.batch, "machine": machine.to_dict()}
     meta["machine"].pop("layer_times", None)
     if args.json:

@@ -71,3 +71,13 @@ def test_plan_text_shows_transforms_refusal():
              if line.strip()[:1].isdigit()}
     assert " yes " in lines["d"]
     assert " NO " in lines["s"] and "transform: Strategy 's' would split no layer" in lines["s"]
+
+
+def test_plan_text_lists_the_per_layer_plan_of_every_grid_with_transforms_verdict():
+    from tfhybrid.cli import plan_text
+    free = {"alpha": 0.0, "beta": 0.0, "flop_rate": 1e6}   # every grid splits something
+    text = plan_text(cnn(), p=4, batch=16, machine=free)
+    section = text.split("per layer (Gholami Eq. 6")[1].splitlines()[1:]
+    assert {line.split()[1] for line in section} == {"4x1", "2x2", "1x4"}
+    assert all(line.rstrip().endswith("builds") or "transform refuses" in line
+               for line in section)

@@ -34,6 +34,9 @@ def batch_split(model=None):
                         f"{type(model).__name__}); expected the model returned by "
                         "tfhybrid.transform, or None. Pass the global batch size by keyword: "
                         "shard(arrays, batch_size=64).")
+    blocks = getattr(model, "_tfhybrid_batch_blocks", None)   # ls: role-dependent blocks
+    if blocks is not None:
+        return blocks
     split = getattr(model, "_tfhybrid_batch_split", "data") if model is not None else "data"
     if split not in SPLITS:
         raise ValueError(f"Model {getattr(model, 'name', model)!r} has an invalid "

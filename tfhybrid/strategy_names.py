@@ -16,13 +16,13 @@ df         data x filter on a 2-D grid (ParaDL; Gholami's 1.5D)       yes    yes
 ds         data x spatial (ParaDL; Gholami's integrated)             yes    yes
 gmp        SplitBrain's group model parallelism                      yes    yes
 p          pipeline over layer stages (ParaDL §3.4; GPipe)                  yes
-ls         Stanza's layer separation (CONV / FC workers)                    yes
+ls         Stanza's layer separation (CONV / FC workers)             yes    yes
 auto       the oracle's choice (``transform`` only)                  yes
 =========  ========================================================  =====  =========
 
 Example:
     >>> BUILT
-    ('d', 'f', 'c', 's', 'df', 'ds', 'gmp')
+    ('d', 'f', 'c', 's', 'df', 'ds', 'gmp', 'ls')
     >>> "auto" in TRANSFORM_NAMES and "auto" not in PREDICTED
     True
 """
@@ -59,7 +59,7 @@ TABLE: Tuple[StrategyName, ...] = (
     StrategyName("ds", "data x spatial grid", True, True),
     StrategyName("gmp", "SplitBrain group model parallelism", True, True),
     StrategyName("p", "pipeline over layer stages", False, True),
-    StrategyName("ls", "Stanza layer separation", False, True),
+    StrategyName("ls", "Stanza layer separation", True, True),
     StrategyName("auto", "the oracle's choice", True, False),
 )
 

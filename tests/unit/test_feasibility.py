@@ -30,7 +30,8 @@ def test_refusal_is_transforms_error_message():
     assert refusal(model, "d", 4, 1) is None
     why = refusal(model, "c", 4, 4)
     assert "Embedding" in why and "fallback='replicate'" in why
-    assert "does not build strategy 'ls'" in refusal(model, "ls", 4, 2)
+    assert "does not build strategy 'p'" in refusal(model, "p", 4, 2)
+    assert "strategy='ls'" in refusal(model, "ls", 4, 2)
 
 
 def test_transform_error_in_one_process_matches_refusal():

@@ -88,6 +88,10 @@ def transform(model, strategy="d", **options):
     _refuse_transformed(model)
     opts = make_options(strategy, **options)
     grid = runtime.current_grid()
+    if opts.strategy == "ls":     # ranks run different layers: tfhybrid/transformer/layer_separation.py
+        from tfhybrid.transformer import layer_separation
+        return layer_separation.build(model, grid, opts.fc_workers, opts.machine,
+                                      opts.batch_size)
     functional = as_functional(model)
     graph = describe_graph(functional)
     auto_choice = None

@@ -46,6 +46,14 @@ def refusal(model, strategy: str, p: int, model_parallel: int, graph=None,
     """
     if strategy not in BUILT:
         return f"tfhybrid.transform does not build strategy {strategy!r} (it builds {BUILT})."
+    if strategy == "ls":       # ranks run different layers (layer_separation.py)
+        from tfhybrid.transformer import layer_separation as ls
+        try:
+            ls.check_workers(p, options.get("fc_workers") or 1)
+            ls.find_cut(as_functional(model))
+        except ValueError as err:
+            return str(err)
+        return None
     try:
         grid = ProcessGrid(size=p, rank=0, model_parallel=model_parallel)
         if graph is None:

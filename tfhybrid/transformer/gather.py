@@ -43,6 +43,8 @@ def gather(model):
     Example:
         >>> tfhybrid.gather(pmodel).save("model.keras")   # on every rank
     """
+    if hasattr(model, "gathered") and hasattr(model, "fc_part"):   # ls (layer_separation)
+        return model.gathered()
     info = info_of(model)
     full = rebuild(info.source, getattr(info, "objects", None))
     for np in info.plan.nodes:

@@ -28,9 +28,10 @@ _APPLIES = {
     "scheme": ("gmp",),
     "spatial": ("s", "ds"),
     "spatial_layers": ("s", "ds"),
-    "batch_size": ("auto",),
-    "machine": ("auto",),
+    "batch_size": ("auto", "ls"),
+    "machine": ("auto", "ls"),
     "keep_grid": ("auto",),
+    "fc_workers": ("ls",),
 }
 # Strategies the transformer builds (auto picks among them).
 BUILDABLE = BUILT
@@ -73,6 +74,8 @@ class TransformOptions:
         keep_grid: auto: choose among the strategies of ``init``'s grid only
             (default False: every grid ``p/k x k`` is priced and the grid is
             re-formed when another one is faster, Gholami §2.2).
+        fc_workers: ls: number of FC workers n_f (must divide the n_c = world - n_f
+            CONV workers; default: Stanza's node assignment from the oracle).
     """
 
     strategy: str
@@ -86,6 +89,7 @@ class TransformOptions:
     batch_size: Optional[int] = None
     machine: object = None
     keep_grid: bool = False
+    fc_workers: Optional[int] = None
 
 
 def make_options(strategy, **options) -> TransformOptions:

@@ -1,0 +1,418 @@
+"""Stanza's layer separation ``ls`` (Stanza §3.2, §4.1, §4.2).
+
+Ranks ``0..n_c-1`` are CONV workers: they run the convolutional part (every
+layer up to the last convolution or pooling before the first Dense) data
+parallel. Ranks ``n_c..n_c+n_f-1`` are FC workers: FC worker ``j`` serves the
+``g = n_c / n_f`` CONV workers ``j*g..(j+1)*g-1`` (its *group*). One step:
+
+1. each CONV worker runs the CONV part on its rows; the group's activations
+   reach the FC worker (one allgather on the group's process set in which
+   the FC worker contributes zero rows: many-to-one);
+2. the FC worker runs the FC part and the loss on the group's rows (it feeds
+   the same rows' labels: ``tfhybrid.data.shard`` gives it the group's block)
+   and sends each CONV worker the error of its own rows and its predictions
+   (one alltoall each, zero rows to everyone else: one-to-many);
+3. the FC workers average their FC gradients (allreduce over the FC workers)
+   while the CONV workers all-reduce theirs (sum over the CONV workers / n_f),
+   on disjoint process sets, i.e. overlapped;
+4. each rank's optimizer applies its part only.
+
+Gradient scale: FC worker j's loss is the mean over its group's B/n_f rows,
+so averaging FC gradients over n_f gives the single-process gradient of the
+mean over B; a CONV worker's gradient is its rows' part of its FC worker's
+gradient, so the sum over CONV workers divided by n_f is the single-process
+gradient.
+
+Every rank holds the whole model (the part it does not run is frozen there
+and refreshed by :func:`tfhybrid.gather` and at checkpoints, Stanza §5.3);
+CONV workers update the loss tracker and compiled metrics on their own rows
+(with the predictions sent back), so rank 0's progress bar shows the loss of
+its rows as in ``d``, and ``evaluate`` sums the metric states over the CONV
+workers (global metrics on every rank).
+
+Example:
+    >>> tfhybrid.init()                                   # horovodrun -np 4
+    >>> model = tfhybrid.transform(vgg, strategy="ls", fc_workers=1)   # 3 CONV + 1 FC
+    >>> model.compile(tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)), "mse")
+    >>> model.fit(tfhybrid.data.shard(ds, model=model), epochs=1)
+    >>> full = tfhybrid.gather(model)
+"""
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfhybrid import runtime
+from tfhybrid.comm import backend
+from tfhybrid.errors import invalid_value  # noqa: F401 - shared message helpers
+
+CUT_LAYERS = ("Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2D", "SeparableConv2D",
+              "MaxPooling1D", "MaxPooling2D", "MaxPooling3D", "AveragePooling1D",
+              "AveragePooling2D", "AveragePooling3D", "GlobalAveragePooling1D",
+              "GlobalAveragePooling2D", "GlobalAveragePooling3D", "GlobalMaxPooling1D",
+              "GlobalMaxPooling2D", "GlobalMaxPooling3D")
+INFO_ATTR = "_tfhybrid_ls"
+
+
+# -- pure helpers (no collectives) ---------------------------------------------------------
+
+def roles(n_c, n_f):
+    """``(conv_ranks, fc_ranks, groups)``: groups[j] = FC worker j's CONV workers + itself.
+
+    Example:
+        >>> roles(3, 1)
+        ((0, 1, 2), (3,), ((0, 1, 2, 3),))
+        >>> roles(2, 2)[2]
+        ((0, 2), (1, 3))
+    """
+    g = n_c // n_f
+    conv = tuple(range(n_c))
+    fc = tuple(range(n_c, n_c + n_f))
+    groups = tuple(tuple(range(j * g, (j + 1) * g)) + (n_c + j,) for j in range(n_f))
+    return conv, fc, groups
+
+
+def check_workers(world, fc_workers):
+    """``(n_c, n_f)`` for ``fc_workers`` FC workers among ``world`` ranks.
+
+    Raises:
+        ValueError: fewer than 2 ranks, fc_workers not in 1..world-1, or not dividing
+            the number of CONV workers (the message names the value and the fix).
+
+    Example:
+        >>> check_workers(4, 1)
+        (3, 1)
+    """
+    if world < 2:
+        raise ValueError(f"strategy='ls' needs at least 2 ranks (one CONV and one FC worker); "
+                         f"this job has {world}. Launch with horovodrun -np 2 or more, or use "
+                         "strategy='d'.")
+    if isinstance(fc_workers, bool) or not isinstance(fc_workers, (int, np.integer)) \
+            or not 1 <= fc_workers < world:
+        raise ValueError(f"Received an invalid value for `fc_workers`: fc_workers={fc_workers!r}; "
+                         f"expected an integer in 1..{world - 1} (the FC workers; the other "
+                         "ranks are CONV workers).")
+    n_f = int(fc_workers)
+    n_c = world - n_f
+    if n_c % n_f:
+        good = [f for f in range(1, world) if (world - f) % f == 0]
+        raise ValueError(f"Received fc_workers={n_f} with {world} ranks: the {n_c} CONV workers "
+                         f"cannot be split evenly among {n_f} FC workers (each FC worker serves "
+                         f"n_c/n_f CONV workers, Stanza §3.2). Use fc_workers in {good}.")
+    return n_c, n_f
+
+
+def _class(layer):
+    return type(layer).__name__
+
+
+def find_cut(model):
+    """The tensor where ``model`` is cut: the output of the last convolution or
+    pooling before the first Dense (Stanza §3.2).
+
+    Returns:
+        ``(cut_tensor, cut_layer_name)`` (a KerasTensor of ``model``'s graph).
+
+    Raises:
+        ValueError: no Dense layer, no convolution/pooling before the first Dense,
+            several inputs/outputs, or a graph where more than the cut tensor
+            crosses from the CONV part to the FC part.
+    """
+    if len(model.inputs) != 1 or len(model.outputs) != 1:
+        raise ValueError(f"strategy='ls' needs a model with one input and one output; model "
+                         f"{model.name!r} has {len(model.inputs)} and {len(model.outputs)}. "
+                         "Use strategy='d' for it.")
+    layers = [op for op in model.layers if not isinstance(op, keras.layers.InputLayer)]
+    first_dense = next((i for i, l in enumerate(layers) if isinstance(l, keras.layers.Dense)),
+                       None)
+    if first_dense is None:
+        raise ValueError(f"strategy='ls' cuts before the first Dense layer, but model "
+                         f"{model.name!r} has no Dense layer. Use strategy='d' for it.")
+    cuts = [l for l in layers[:first_dense] if _class(l) in CUT_LAYERS]
+    if not cuts:
+        raise ValueError(f"strategy='ls' received model {model.name!r} with no convolution or "
+                         f"pooling before its first Dense layer {layers[first_dense].name!r}: "
+                         "there is no CONV part for the CONV workers (Stanza §3.2). Use "
+                         "strategy='d' (or 'f'/'c' for the Dense layers).")
+    cut_layer = cuts[-1]
+    cut = cut_layer.output
+    conv_part = keras.Model(model.inputs, cut)
+    conv_names = {l.name for l in conv_part.layers}
+    fc_part = keras.Model(cut, model.outputs)
+    for l in fc_part.layers:
+        if l.name in conv_names and not isinstance(l, keras.layers.InputLayer):
+            raise ValueError(f"strategy='ls': layer {l.name!r} of model {model.name!r} is needed "
+                             f"on both sides of the cut after {cut_layer.name!r} (a residual "
+                             "connection crosses it). Put a pooling layer before the first Dense "
+                             "that all paths go through, or use strategy='d'.")
+    return cut, cut_layer.name
+
+
+def assign_workers(model, world, machine=None, batch_size=None):
+    """n_f from Stanza's performance model (Eq. 5, the oracle's ``ls``) for ``model``
+    on ``machine`` (default: the calibrated development box) and global batch
+    ``batch_size`` (default 32 per rank): the fastest feasible n_f dividing n_c.
+
+    Example:
+        >>> assign_workers(vgg, 4)      # -> 1 (3 CONV workers, 1 FC worker)
+    """
+    from tfhybrid import oracle
+    if machine is None:
+        machine = oracle.default_machine_path()
+    best = None
+    for n_f in range(1, world):
+        if (world - n_f) % n_f:
+            continue
+        pred = oracle.predict(model, "ls", world, batch_size or 32 * world, machine, n_f=n_f)
+        if pred.feasible and (best is None or pred.total_s < best[0]):
+            best = (pred.total_s, n_f)
+    return best[1] if best else 1
+
+
+# -- the model -----------------------------------------------------------------------------
+
+class LayerSeparatedModel(keras.Model):
+    """This rank's role of Stanza's layer separation (see the module docstring).
+
+    Holds the whole model (``self.full``); the CONV part trains on CONV
+    workers, the FC part on FC workers. Build it with
+    ``tfhybrid.transform(model, "ls", fc_workers=n_f)``.
+    """
+
+    def __init__(self, full, cut_layer, n_c, n_f, **kwargs):
+        super().__init__(name=kwargs.pop("name", f"{full.name}_ls"))
+        self.full = full
+        cut = full.get_layer(cut_layer).output
+        self.conv_part = keras.Model(full.inputs, cut, name="ls_conv_part")
+        self.fc_part = keras.Model(cut, full.outputs, name="ls_fc_part")
+        self.n_c, self.n_f = n_c, n_f
+        self.cut_layer = cut_layer
+        self.conv_ranks, self.fc_ranks, self.groups = roles(n_c, n_f)
+        me = backend.rank() if backend.is_initialized() else 0
+        self.is_fc = me >= n_c
+        j = me - n_c if self.is_fc else me // (n_c // n_f)
+        self.group = self.groups[j]
+        self.cut_shape = tuple(cut.shape[1:])
+        self.out_shape = tuple(full.outputs[0].shape[1:])
+        # The part this rank does not run is frozen here (its optimizer sees only its part).
+        (self.conv_part if self.is_fc else self.fc_part).trainable = False
+        self.bytes_per_step = {}
+
+    # The Functional graph of the whole model answers shape questions.
+    def call(self, inputs, training=False):
+        return self.full(inputs, training=training)
+
+    @property
+    def role(self):
+        return "FC" if self.is_fc else "CONV"
+
+    def _unpack(self, data):
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        return x, y, sw
+
+    def _exchange_forward(self, x, training):
+        """CONV: returns (h, gathered); FC: returns (None, gathered rows of its group)."""
+        if self.is_fc:
+            # Not a constant: TensorFlow's shape inference would evaluate a constant
+            # subgraph (running the allgather while tracing, alone: a hang).
+            dtype = self.conv_part.outputs[0].dtype
+            zero = tf.zeros((0,) + self.cut_shape, dtype) + tf.cast(
+                tf.reduce_sum(tf.nest.flatten(x)[0][:0]), dtype)
+            return None, backend.allgather(zero, self.group, "ls.fwd")
+        h = self.conv_part(x, training=training)
+        return h, backend.allgather(h, self.group, "ls.fwd")
+
+    def _splits(self, rows):
+        g = len(self.group) - 1
+        per = rows // g
+        return tf.concat([tf.fill([g], per), tf.zeros([1], tf.int32)], 0)
+
+    def _send_back(self, t, rows, name):
+        """FC: rows of ``t`` -> their CONV workers (zero rows come back here)."""
+        return backend.alltoall(t, self._splits(rows), self.group, name)
+
+    def _receive(self, anchor, shape, dtype, name):
+        """CONV: this worker's rows from its FC worker (sends zero rows, anchored)."""
+        empty = tf.zeros((0,) + tuple(shape), dtype) + tf.reduce_sum(anchor[:0])
+        return backend.alltoall(empty, tf.zeros([len(self.group)], tf.int32), self.group, name)
+
+    @staticmethod
+    def _anchor(value, tensors):
+        for t in tensors:
+            value = value + tf.cast(tf.reduce_sum(t[:0]), value.dtype)
+        return value
+
+    def _inner_optimizer(self):
+        return getattr(self.optimizer, "inner_optimizer", self.optimizer)
+
+    def train_step(self, data):
+        x, y, sw = self._unpack(data)
+        if self.is_fc:
+            _, gathered = self._exchange_forward(x, True)
+            rows = tf.shape(gathered)[0]
+            variables = list(self.fc_part.trainable_variables)
+            with tf.GradientTape() as tape:
+                tape.watch(gathered)
+                y_pred = self.fc_part(gathered, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=True)
+            grads = tape.gradient(loss, variables + [gathered])
+            dh = grads[-1]
+            back = self._send_back(dh, rows, "ls.bwd")
+            preds = self._send_back(tf.stop_gradient(y_pred), rows, "ls.pred")
+            grads = list(grads[:-1])
+            if self.n_f > 1:
+                grads = backend.grouped_allreduce(grads, self.fc_ranks, "ls.fc_grads",
+                                                  average=True)
+            loss = self._anchor(loss, [back, preds])
+            self._inner_optimizer().apply(grads, variables)
+            return self._log(x, y, y_pred, sw, loss)
+        variables = list(self.conv_part.trainable_variables)
+        with tf.GradientTape() as tape:
+            h, gathered = self._exchange_forward(x, True)
+        dh = self._receive(gathered, self.cut_shape, h.dtype, "ls.bwd")
+        y_pred = self._receive(dh, self.out_shape, self.full.outputs[0].dtype, "ls.pred")
+        grads = tape.gradient(h, variables, output_gradients=tf.reshape(dh, tf.shape(h)))
+        if self.n_c > 1:
+            grads = backend.grouped_allreduce(list(grads), self.conv_ranks, "ls.conv_grads",
+                                              postscale=1.0 / self.n_f)
+        elif self.n_f > 1:
+            grads = [g / self.n_f for g in grads]
+        self._inner_optimizer().apply(grads, variables)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=False)
+        return self._log(x, y, y_pred, sw, loss)
+
+    def _log(self, x, y, y_pred, sw, loss):
+        rows = tf.shape(y_pred)[0]
+        self._loss_tracker.update_state(loss, sample_weight=rows)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+    def _forward(self, x):
+        if self.is_fc:
+            _, gathered = self._exchange_forward(x, False)
+            y_pred = self.fc_part(gathered, training=False)
+            back = self._send_back(y_pred, tf.shape(gathered)[0], "ls.pred")
+            return self._anchor_rows(y_pred, back)
+        h, gathered = self._exchange_forward(x, False)
+        return self._receive(gathered, self.out_shape, h.dtype, "ls.pred")
+
+    @staticmethod
+    def _anchor_rows(y, t):
+        return y + tf.cast(tf.reduce_sum(t[:0]), y.dtype)
+
+    def test_step(self, data):
+        x, y, sw = self._unpack(data)
+        y_pred = self._forward(x)
+        # FC workers log their group's rows (evaluate counts the CONV workers' states
+        # only); using y_pred also keeps this rank's collectives in the graph.
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=False)
+        return self._log(x, y, y_pred, sw, loss)
+
+    def predict_step(self, data):
+        x, _, _ = self._unpack(data)
+        return self._forward(x)
+
+    def evaluate(self, *args, **kwargs):
+        """Collective: metrics of the global data set on every rank (summed over CONV workers)."""
+        return_dict = kwargs.pop("return_dict", False)
+        super().evaluate(*args, **kwargs, return_dict=True)
+        self._sum_metrics()
+        logs = {k: float(v) for k, v in self.get_metrics_result().items()}
+        if return_dict:
+            return logs
+        values = list(logs.values())
+        return values[0] if len(values) == 1 else values
+
+    def _sum_metrics(self):
+        variables = [v for v in self.metrics_variables]
+        if not variables:
+            return
+        flat = tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in variables], 0)
+        if self.is_fc:
+            flat = tf.zeros_like(flat)
+        world = tuple(range(backend.size()))
+        total = backend.allreduce(flat, world, "ls.metric_states").numpy()
+        start = 0
+        for v in variables:
+            n = int(np.prod(v.shape))
+            value = total[start:start + n].reshape(tuple(v.shape))
+            if "int" in str(v.dtype):
+                value = np.rint(value)
+            v.assign(value.astype(str(v.dtype)))
+            start += n
+
+    # -- gather / checkpoint -----------------------------------------------------------------
+
+    def sync_weights(self):
+        """Every rank gets the CONV part from rank 0 and the FC part from FC worker 0
+        (collective over the world; Stanza §5.3's redundant copy of the FC parameters)."""
+        world = tuple(range(backend.size()))
+        for part, root in ((self.conv_part, 0), (self.fc_part, self.n_c)):
+            for i, w in enumerate(part.weights):
+                w.assign(backend.broadcast(tf.convert_to_tensor(w.value), root, world,
+                                           f"ls.sync.{part.name}.{i}"))
+
+    def gathered(self):
+        """The plain original architecture with the trained weights (collective)."""
+        from tfhybrid.transformer.source import rebuild
+        self.sync_weights()
+        plain = rebuild(self.source, self.objects)
+        for layer in plain.layers:
+            if layer.weights:
+                layer.set_weights(self.full.get_layer(layer.name).get_weights())
+        backend.barrier()
+        return plain
+
+    def bytes_moved(self, local_batch):
+        """Bytes this rank sends per training step, by kind (float32 payloads)."""
+        return step_bytes(self, local_batch)
+
+
+def _nbytes(shape, rows, itemsize=4):
+    return int(rows * np.prod(shape) * itemsize)
+
+
+def step_bytes(m, local_batch):
+    """Bytes each rank sends per step in ``ls``: activations, errors, predictions, gradients.
+
+    ``local_batch``: rows per CONV worker. The CONV workers' all-reduce is
+    counted as a ring (2 (n_c-1)/n_c x gradient bytes), as Horovod issues it.
+    """
+    g = m.n_c // m.n_f
+    conv_w = sum(int(np.prod(w.shape)) * 4 for w in m.conv_part.trainable_weights
+                 if True) if not m.is_fc else sum(int(np.prod(w.shape)) * 4
+                                                  for w in m.conv_part.weights)
+    conv_w = sum(int(np.prod(w.shape)) * 4 for w in m.conv_part.weights)
+    fc_w = sum(int(np.prod(w.shape)) * 4 for w in m.fc_part.weights)
+    if m.is_fc:
+        out = {"errors": _nbytes(m.cut_shape, g * local_batch),
+               "predictions": _nbytes(m.out_shape, g * local_batch),
+               "gradients": 2 * (m.n_f - 1) / m.n_f * fc_w}
+    else:
+        out = {"activations": _nbytes(m.cut_shape, local_batch),
+               "gradients": 2 * (m.n_c - 1) / m.n_c * conv_w}
+    out["total"] = sum(out.values())
+    return out
+
+
+def build(model, grid, fc_workers=None, machine=None, batch_size=None):
+    """The ``ls`` model of ``model`` for this rank (collective: registers the groups)."""
+    from tfhybrid.transformer.graph import as_functional
+    from tfhybrid.transformer.root_weights import root_weights
+    from tfhybrid.transformer.source import record as record_source
+    world = grid.size
+    if fc_workers is None:
+        fc_workers = assign_workers(model, world, machine, batch_size)
+    n_c, n_f = check_workers(world, fc_workers)
+    functional = as_functional(model)
+    _, cut_name = find_cut(functional)
+    conv, fc, groups = roles(n_c, n_f)
+    backend.register_groups([conv, fc] + list(groups))
+    with root_weights(model):
+        full = keras.models.clone_model(functional)
+        full.set_weights(functional.get_weights())
+    new = LayerSeparatedModel(full, cut_name, n_c, n_f)
+    new.source, new.objects = record_source(model)
+    object.__setattr__(new, "_tfhybrid_batch_blocks",
+                       (n_f, grid.rank - n_c) if grid.rank >= n_c else (n_c, grid.rank))
+    return new

@@ -73,6 +73,8 @@ def test_ls_fit_evaluate_predict_equal_single_process(make):
 
         pmodel = tfhybrid.transform(model, "ls", fc_workers=n_f)
         assert (pmodel.n_c, pmodel.n_f) == (world_size() - n_f, n_f)
+        text = tfhybrid.describe(pmodel, batch_size=B, print_fn=None).text
+        assert f"{world_size() - n_f} CONV workers" in text and "bytes sent per step" in text
         _compile(pmodel, True)
         lb = tfhybrid.data.local_batch_size(B, pmodel)
         xl, yl = tfhybrid.data.shard((x, y), model=pmodel, batch_size=B)

@@ -76,6 +76,9 @@ def describe(model, batch_size=None, print_fn=print) -> Description:
         >>> d = tfhybrid.describe(pmodel, batch_size=64)
         >>> d.param_bytes          # this rank's trainable parameter bytes
     """
+    if hasattr(model, "fc_part") and hasattr(model, "bytes_moved"):   # ls: layer_separation.py
+        from tfhybrid.transformer.layer_separation import describe_ls
+        return describe_ls(model, batch_size, print_fn, Description)
     info = info_of(model)
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
             batch_size, int) or batch_size < 1):

@@ -197,7 +197,6 @@ class LayerSeparatedModel(keras.Model):
         self.out_shape = tuple(full.outputs[0].shape[1:])
         # The part this rank does not run is frozen here (its optimizer sees only its part).
         (self.conv_part if self.is_fc else self.fc_part).trainable = False
-        self.bytes_per_step = {}
 
     # The Functional graph of the whole model answers shape questions.
     def call(self, inputs, training=False):
@@ -364,35 +363,71 @@ class LayerSeparatedModel(keras.Model):
         return plain
 
     def bytes_moved(self, local_batch):
-        """Bytes this rank sends per training step, by kind (float32 payloads)."""
-        return step_bytes(self, local_batch)
+        """Bytes this rank sends per training step, by kind (see :func:`step_bytes`)."""
+        return step_bytes(self.full, self.n_c, self.n_f, local_batch)[self.role]
 
 
-def _nbytes(shape, rows, itemsize=4):
-    return int(rows * np.prod(shape) * itemsize)
+def describe_ls(model, batch_size, print_fn, description_cls):
+    """``tfhybrid.describe`` of an ``ls`` model: worker roles, the cut, bytes per step."""
+    k = (batch_size // model.n_c) if batch_size else 1
+    b = step_bytes(model.full, model.n_c, model.n_f, k)
+    lines = [f"strategy ls (Stanza layer separation): {model.n_c} CONV workers "
+             f"{list(model.conv_ranks)}, {model.n_f} FC workers {list(model.fc_ranks)}; "
+             f"cut after {model.cut_layer!r}",
+             "FC worker groups (CONV workers..., FC worker): "
+             + ", ".join(str(list(g)) for g in model.groups),
+             f"parameters: CONV part {b['params']['conv']}, FC part {b['params']['fc']}; "
+             f"this rank: {model.role} worker",
+             f"bytes sent per step per rank (K={k} rows per CONV worker):"]
+    for role in ("CONV", "FC"):
+        lines.append(f"  {role:4s} " + ", ".join(f"{key} {int(v)}" for key, v in b[role].items()))
+    text = "\n".join(lines)
+    if print_fn is not None:
+        print_fn(text)
+    mine = model.conv_part if model.role == "CONV" else model.fc_part
+    return description_cls("ls", (), _count(mine.trainable_weights) * 4,
+                           int(b[model.role]["total"]), text)
 
 
-def step_bytes(m, local_batch):
-    """Bytes each rank sends per step in ``ls``: activations, errors, predictions, gradients.
+def _count(weights):
+    return sum(int(np.prod(w.shape)) for w in weights)
 
-    ``local_batch``: rows per CONV worker. The CONV workers' all-reduce is
-    counted as a ring (2 (n_c-1)/n_c x gradient bytes), as Horovod issues it.
+
+def step_bytes(model, n_c, n_f, local_batch, itemsize=4):
+    """Bytes one CONV worker and one FC worker send per ``ls`` training step.
+
+    Pure (no collectives): read from the shapes of the tensors ``ls`` moves,
+    as :class:`LayerSeparatedModel` issues them. ``local_batch`` is K, the
+    rows per CONV worker. The gradient all-reduces are Horovod rings
+    (2 (n-1)/n x gradient bytes per rank).
+
+    Returns:
+        ``{"CONV": {...}, "FC": {...}}``, each with ``activations``/``errors``
+        (Stanza's FC data), ``predictions`` (sent back for the metrics; not in
+        Stanza's model), ``gradients`` and ``total``.
+
+    Example:
+        >>> step_bytes(vgg, 3, 1, 32)["CONV"]["activations"]   # 32 x 512 x 4
+        65536
     """
-    g = m.n_c // m.n_f
-    conv_w = sum(int(np.prod(w.shape)) * 4 for w in m.conv_part.trainable_weights
-                 if True) if not m.is_fc else sum(int(np.prod(w.shape)) * 4
-                                                  for w in m.conv_part.weights)
-    conv_w = sum(int(np.prod(w.shape)) * 4 for w in m.conv_part.weights)
-    fc_w = sum(int(np.prod(w.shape)) * 4 for w in m.fc_part.weights)
-    if m.is_fc:
-        out = {"errors": _nbytes(m.cut_shape, g * local_batch),
-               "predictions": _nbytes(m.out_shape, g * local_batch),
-               "gradients": 2 * (m.n_f - 1) / m.n_f * fc_w}
-    else:
-        out = {"activations": _nbytes(m.cut_shape, local_batch),
-               "gradients": 2 * (m.n_c - 1) / m.n_c * conv_w}
-    out["total"] = sum(out.values())
-    return out
+    functional = model
+    if not hasattr(model, "inputs") or not model.inputs:
+        raise ValueError("step_bytes needs a built model.")
+    cut, _ = find_cut(functional)
+    conv_part = keras.Model(functional.inputs, cut)
+    a = int(np.prod(cut.shape[1:]))
+    out = int(np.prod(functional.outputs[0].shape[1:]))
+    p_c = _count(conv_part.trainable_weights)
+    p_f = _count(functional.trainable_weights) - p_c
+    g = n_c // n_f
+    conv = {"activations": local_batch * a * itemsize, "errors": 0, "predictions": 0,
+            "gradients": 2 * (n_c - 1) / n_c * p_c * itemsize}
+    fc = {"activations": 0, "errors": g * local_batch * a * itemsize,
+          "predictions": g * local_batch * out * itemsize,
+          "gradients": 2 * (n_f - 1) / n_f * p_f * itemsize}
+    for d in (conv, fc):
+        d["total"] = sum(d.values())
+    return {"CONV": conv, "FC": fc, "params": {"conv": p_c, "fc": p_f, "cut_items": a}}
 
 
 def build(model, grid, fc_workers=None, machine=None, batch_size=None):

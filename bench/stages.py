@@ -13,10 +13,11 @@ data (FC data + the CONV workers' parameter sync), ``d`` (a ring all-reduce
 of all parameters: 2 (p-1)/p P per rank) and a parameter server (Eq. 6:
 each worker sends P, the n_s servers send n_w P / n_s), and the ratios.
 
-Timing (``horovodrun -np 4 --gloo .venv/bin/python bench/stages.py --time``):
+Timing (``horovodrun -np 4 --gloo .venv/bin/python bench/stages.py --measure``):
 a small SplitBrain-like VGG trained with ``d`` and ``ls`` (fc_workers=1) on
-the same global batch, one fit step each, interleaved round by round; the
-median per-step time of the slowest rank and the ratio ls/d.
+the same global batch, one ``train_on_batch`` step each, interleaved round by round;
+the median over rounds of the per-step time averaged over the ranks, and the
+ratio ls/d.
 """
 from __future__ import annotations
 
@@ -133,11 +134,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--p", type=int, default=4)
     ap.add_argument("--k", type=int, default=32, help="rows per CONV worker")
-    ap.add_argument("--time", action="store_true", help="measure ls/d (under horovodrun)")
+    ap.add_argument("--measure", action="store_true", help="measure ls/d (under horovodrun)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--batch", type=int, default=24)
     args = ap.parse_args()
-    if args.time:
+    if args.measure:
         time_ratio(args.rounds, args.batch)
         return
     import keras

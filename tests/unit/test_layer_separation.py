@@ -25,6 +25,10 @@ def test_cut_after_last_conv_or_pool_before_first_dense():
     h = keras.layers.Dense(4, name="fc")(h)
     _, name = find_cut(keras.Model(x, h))
     assert name == "p1"
+    from tfhybrid.transformer.graph import as_functional
+    seq = keras.Sequential([keras.Input((8, 8, 2)), keras.layers.Conv2D(2, 3, name="c1"),
+                            keras.layers.Flatten(name="flat"), keras.layers.Dense(3, name="fc")])
+    assert find_cut(as_functional(seq))[1] == "c1"     # layers shared with the Sequential
     dense_only = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2, name="d0")])
     with pytest.raises(ValueError, match="no convolution or pooling before its first Dense layer 'd0'"):
         find_cut(dense_only)

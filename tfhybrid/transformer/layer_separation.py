@@ -123,6 +123,10 @@ def find_cut(model):
         raise ValueError(f"strategy='ls' needs a model with one input and one output; model "
                          f"{model.name!r} has {len(model.inputs)} and {len(model.outputs)}. "
                          "Use strategy='d' for it.")
+    if any(len(getattr(l, "_inbound_nodes", ())) > 1 for l in model.layers):
+        # Layers shared with another model (e.g. as_functional of a Sequential):
+        # layer.output would be the other graph's tensor. Analyse a clone.
+        model = keras.models.clone_model(model)
     layers = [op for op in model.layers if not isinstance(op, keras.layers.InputLayer)]
     first_dense = next((i for i, l in enumerate(layers) if isinstance(l, keras.layers.Dense)),
                        None)
@@ -364,13 +368,13 @@ class LayerSeparatedModel(keras.Model):
 
     def bytes_moved(self, local_batch):
         """Bytes this rank sends per training step, by kind (see :func:`step_bytes`)."""
-        return step_bytes(self.full, self.n_c, self.n_f, local_batch)[self.role]
+        return step_bytes(self, self.n_c, self.n_f, local_batch)[self.role]
 
 
 def describe_ls(model, batch_size, print_fn, description_cls):
     """``tfhybrid.describe`` of an ``ls`` model: worker roles, the cut, bytes per step."""
     k = (batch_size // model.n_c) if batch_size else 1
-    b = step_bytes(model.full, model.n_c, model.n_f, k)
+    b = step_bytes(model, model.n_c, model.n_f, k)
     lines = [f"strategy ls (Stanza layer separation): {model.n_c} CONV workers "
              f"{list(model.conv_ranks)}, {model.n_f} FC workers {list(model.fc_ranks)}; "
              f"cut after {model.cut_layer!r}",
@@ -410,15 +414,15 @@ def step_bytes(model, n_c, n_f, local_batch, itemsize=4):
         >>> step_bytes(vgg, 3, 1, 32)["CONV"]["activations"]   # 32 x 512 x 4
         65536
     """
-    functional = model
-    if not hasattr(model, "inputs") or not model.inputs:
-        raise ValueError("step_bytes needs a built model.")
-    cut, _ = find_cut(functional)
-    conv_part = keras.Model(functional.inputs, cut)
-    a = int(np.prod(cut.shape[1:]))
-    out = int(np.prod(functional.outputs[0].shape[1:]))
-    p_c = _count(conv_part.trainable_weights)
-    p_f = _count(functional.trainable_weights) - p_c
+    if isinstance(model, LayerSeparatedModel):
+        conv_part, fc_part = model.conv_part, model.fc_part
+    else:
+        cut, _ = find_cut(model)
+        conv_part, fc_part = keras.Model(model.inputs, cut), keras.Model(cut, model.outputs)
+    a = int(np.prod(conv_part.outputs[0].shape[1:]))
+    out = int(np.prod(fc_part.outputs[0].shape[1:]))
+    p_c = _count([w for w in conv_part.weights if w.trainable])
+    p_f = _count([w for w in fc_part.weights if w.trainable])
     g = n_c // n_f
     conv = {"activations": local_batch * a * itemsize, "errors": 0, "predictions": 0,
             "gradients": 2 * (n_c - 1) / n_c * p_c * itemsize}
@@ -440,11 +444,11 @@ def build(model, grid, fc_workers=None, machine=None, batch_size=None):
         fc_workers = assign_workers(model, world, machine, batch_size)
     n_c, n_f = check_workers(world, fc_workers)
     functional = as_functional(model)
-    _, cut_name = find_cut(functional)
+    full = keras.models.clone_model(functional)      # own layers: one node each
+    _, cut_name = find_cut(full)                     # raises before any collective
     conv, fc, groups = roles(n_c, n_f)
     backend.register_groups([conv, fc] + list(groups))
     with root_weights(model):
-        full = keras.models.clone_model(functional)
         full.set_weights(functional.get_weights())
     new = LayerSeparatedModel(full, cut_name, n_c, n_f)
     new.source, new.objects = record_source(model)

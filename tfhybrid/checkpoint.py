@@ -184,11 +184,11 @@ def _compile_config(model):
 def _meta(model, state, epoch, step):
     from tfhybrid.transformer.api import info_of
 
-    info = info_of(model)
     grid = runtime.current_grid()
     return {
         "format": FORMAT,
-        "strategy": info.plan.strategy,
+        "strategy": "ls" if hasattr(model, "layer_separation_state") else info_of(
+            model).plan.strategy,
         "world_size": grid.size,
         "model_parallel": grid.model_size,
         "epoch": epoch,
@@ -266,8 +266,9 @@ def save(model, path, epoch: int | None = None, step: int | None = None,
                          "checkpoint: pass sharded=True too (a single-file checkpoint has one "
                          "writer, rank 0).")
     path = _check_path(path)
-    full = gather(model)
-    state = gather_optimizer_state(model)
+    full = gather(model)   # ls: also copies the FC workers' parameters to every CONV worker
+    ls = getattr(model, "layer_separation_state", None)
+    state = ls() if ls is not None else gather_optimizer_state(model)
     rng = gather_rng_state(model)
     if runtime.is_root():
         meta = _meta(model, state, epoch, step)

@@ -5,6 +5,8 @@ gathered weights equal single-process training on the same global batches
 -np 2: (n_c, n_f) = (1, 1); -np 4: (3, 1) and (2, 2). Models: a CNN with a big
 FC head (SplitBrain VGG in miniature) and a small residual CNN.
 """
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -88,6 +90,16 @@ def test_ls_fit_evaluate_predict_equal_single_process(make):
         assert abs(got["loss"] - want["loss"]) <= 1e-4 * abs(want["loss"]), (got, want)
         assert abs(got["accuracy"] - want["accuracy"]) < 1e-6, (got, want)
 
+        if n_f == 1:       # tfhybrid.save: FC part copied to every CONV worker (Stanza §5.3)
+            path = f"/tmp/tfh_ls_{os.environ.get('HOROVOD_GLOO_RENDEZVOUS_PORT', 'x')}.keras"
+            tfhybrid.save(pmodel, path, epoch=1)
+            saved = keras.saving.load_model(path, compile=False)
+            for got, want in zip(saved.get_weights(), reference.get_weights()):
+                assert _rel(got, want) < 1e-4
+            side = np.load(path + ".state.npz", allow_pickle=True)
+            momenta = [k for k in side.files if "momentum" in k]
+            assert len(momenta) == len(reference.trainable_weights), side.files
+
         pred = pmodel.predict(xl, batch_size=lb, verbose=0)
         if pmodel.role == "CONV":
             np.testing.assert_allclose(pred, reference.predict(xl, batch_size=lb, verbose=0),
@@ -100,6 +112,9 @@ def test_ls_bad_input():
                                    keras.layers.Dense(2, name="d1")])
     with pytest.raises(ValueError, match="no convolution or pooling before its first Dense"):
         tfhybrid.transform(dense_only, "ls", fc_workers=1)
+    from tfhybrid.transformer.layer_separation import assign_workers
+    chosen = tfhybrid.transform(vgg_fc_head(), "ls")     # n_f from Stanza's model (oracle)
+    assert chosen.n_f == assign_workers(vgg_fc_head(), world_size())
     bad = 3 if world_size() == 4 else 2
     with pytest.raises(ValueError, match=f"fc_workers={bad}"):
         tfhybrid.transform(vgg_fc_head(), "ls", fc_workers=bad)

@@ -199,6 +199,7 @@ class LayerSeparatedModel(keras.Model):
         self.group = self.groups[j]
         self.cut_shape = tuple(cut.shape[1:])
         self.out_shape = tuple(full.outputs[0].shape[1:])
+        self.trainable_paths = frozenset(w.path for w in full.trainable_weights)
         # The part this rank does not run is frozen here (its optimizer sees only its part).
         (self.conv_part if self.is_fc else self.fc_part).trainable = False
 
@@ -366,6 +367,42 @@ class LayerSeparatedModel(keras.Model):
         backend.barrier()
         return plain
 
+    def part_weights(self, part):
+        """The weights of ``part`` the original model trains (also where it is frozen)."""
+        return [w for w in part.weights if w.path in self.trainable_paths]
+
+    def layer_separation_state(self):
+        """The optimizer state at full shapes for ``tfhybrid.save`` (collective):
+        CONV slots from rank 0, FC slots from FC worker 0 (Stanza §5.3: every
+        rank, CONV workers included, then holds the FC part's state too).
+
+        Returns ``{"iterations", "slots": {name: [array per trainable weight of
+        the plain model]}}`` like ``checkpoint.gather_optimizer_state``, or None.
+        """
+        from tfhybrid.checkpoint import _inner, _slot_names, slots_of
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None or not _inner(optimizer).built:   # ls applies the inner one
+            return None
+        mine = list(self.trainable_variables)
+        slots = slots_of(optimizer, mine)
+        names = _slot_names(slots)
+        by_var = {id(v): s for v, s in zip(mine, slots)}
+        world = tuple(range(backend.size()))
+        out = {}
+        for name in names:
+            values = []
+            for part, root in ((self.conv_part, 0), (self.fc_part, self.n_c)):
+                for i, w in enumerate(self.part_weights(part)):
+                    have = by_var.get(id(w), {}).get(name)
+                    value = (np.asarray(have.numpy()) if have is not None
+                             else np.zeros(w.shape, w.dtype))
+                    values.append(backend.broadcast(tf.constant(value), root, world,
+                                                    f"ls.slot.{name}.{part.name}.{i}").numpy())
+            out[name] = values
+        iterations = int(backend.broadcast(tf.constant(int(_inner(optimizer).iterations.numpy())),
+                                           0, world, "ls.iterations").numpy())
+        return {"iterations": iterations, "slots": out}
+
     def bytes_moved(self, local_batch):
         """Bytes this rank sends per training step, by kind (see :func:`step_bytes`)."""
         return step_bytes(self, self.n_c, self.n_f, local_batch)[self.role]
@@ -416,13 +453,13 @@ def step_bytes(model, n_c, n_f, local_batch, itemsize=4):
     """
     if isinstance(model, LayerSeparatedModel):
         conv_part, fc_part = model.conv_part, model.fc_part
+        p_c, p_f = _count(model.part_weights(conv_part)), _count(model.part_weights(fc_part))
     else:
         cut, _ = find_cut(model)
         conv_part, fc_part = keras.Model(model.inputs, cut), keras.Model(cut, model.outputs)
+        p_c, p_f = _count(conv_part.trainable_weights), _count(fc_part.trainable_weights)
     a = int(np.prod(conv_part.outputs[0].shape[1:]))
     out = int(np.prod(fc_part.outputs[0].shape[1:]))
-    p_c = _count([w for w in conv_part.weights if w.trainable])
-    p_f = _count([w for w in fc_part.weights if w.trainable])
     g = n_c // n_f
     conv = {"activations": local_batch * a * itemsize, "errors": 0, "predictions": 0,
             "gradients": 2 * (n_c - 1) / n_c * p_c * itemsize}

@@ -6,8 +6,9 @@ parallel. Ranks ``n_c..n_c+n_f-1`` are FC workers: FC worker ``j`` serves the
 ``g = n_c / n_f`` CONV workers ``j*g..(j+1)*g-1`` (its *group*). One step:
 
 1. each CONV worker runs the CONV part on its rows; the group's activations
-   reach the FC worker (one allgather on the group's process set in which
-   the FC worker contributes zero rows: many-to-one);
+   reach the FC worker (one alltoall on the group's process set in which
+   each CONV worker sends all its rows to the FC worker and none to the
+   others: many-to-one);
 2. the FC worker runs the FC part and the loss on the group's rows (it feeds
    the same rows' labels: ``tfhybrid.data.shard`` gives it the group's block)
    and sends each CONV worker the error of its own rows and its predictions
@@ -219,13 +220,17 @@ class LayerSeparatedModel(keras.Model):
         """CONV: returns (h, gathered); FC: returns (None, gathered rows of its group)."""
         if self.is_fc:
             # Not a constant: TensorFlow's shape inference would evaluate a constant
-            # subgraph (running the allgather while tracing, alone: a hang).
+            # subgraph (running the alltoall while tracing, alone: a hang).
             dtype = self.conv_part.outputs[0].dtype
             zero = tf.zeros((0,) + self.cut_shape, dtype) + tf.cast(
                 tf.reduce_sum(tf.nest.flatten(x)[0][:0]), dtype)
-            return None, backend.allgather(zero, self.group, "ls.fwd")
+            none = tf.zeros([len(self.group)], tf.int32)
+            return None, backend.alltoall(zero, none, self.group, "ls.fwd")
         h = self.conv_part(x, training=training)
-        return h, backend.allgather(h, self.group, "ls.fwd")
+        # All rows to the FC worker (last member), none to the other CONV workers.
+        k = len(self.group)
+        to_fc = tf.one_hot(k - 1, k, on_value=tf.shape(h)[0], off_value=0, dtype=tf.int32)
+        return h, backend.alltoall(h, to_fc, self.group, "ls.fwd")
 
     def _splits(self, rows):
         g = len(self.group) - 1

@@ -44,7 +44,8 @@ VENV_BIN = os.path.join(ROOT, ".venv", "bin")
 MODEL_PATH = os.path.join(HERE, "results", "oracle_bench_model.keras")
 STRATEGIES = {"d": (1, {}), "df": (2, {}), "gmp": (2, {"mp": 2}),
               "f": ("world", {"fallback": "replicate"}),
-              "c": ("world", {"fallback": "replicate"}), "s": ("world", {}), "ds": (2, {})}
+              "c": ("world", {"fallback": "replicate"}), "s": ("world", {}), "ds": (2, {}),
+              "ls": (1, {})}   # ls: fc_workers = np // 2 (n_c divides the batch of 64)
 
 
 def make_model():
@@ -139,6 +140,8 @@ def _build_steps(names, n, batch):
     for name in names:
         mp, opts = STRATEGIES[name]
         mp = n if mp == "world" else mp
+        if name == "ls":
+            opts = {"fc_workers": n // 2}
         step = _tfhybrid_step(name, mp, opts, batch)
         for _ in range(3):   # trace now, under this model's grid
             step()
@@ -218,7 +221,7 @@ def _predict(machine_path, name, np_, batch, mp):
     if name == "serial":
         return predict(model, "serial", 1, batch, machine_path)
     opts = {"df": {"grid": (np_ // 2, 2)}, "ds": {"spatial": (2, 1)},
-            "gmp": {"mp": 2}}.get(name, {})
+            "gmp": {"mp": 2}, "ls": {"n_f": np_ // 2}}.get(name, {})
     if name == "gmp":
         opts["scheme"] = "BK"          # the ModuloLayer scheme tfhybrid.transform builds
     if name == "s":

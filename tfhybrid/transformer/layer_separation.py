@@ -44,9 +44,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfhybrid import runtime
 from tfhybrid.comm import backend
-from tfhybrid.errors import invalid_value  # noqa: F401 - shared message helpers
 
 CUT_LAYERS = ("Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2D", "SeparableConv2D",
               "MaxPooling1D", "MaxPooling2D", "MaxPooling3D", "AveragePooling1D",

@@ -13,6 +13,11 @@ data (FC data + the CONV workers' parameter sync), ``d`` (a ring all-reduce
 of all parameters: 2 (p-1)/p P per rank) and a parameter server (Eq. 6:
 each worker sends P, the n_s servers send n_w P / n_s), and the ratios.
 
+Counted (``horovodrun -np 4 --gloo .venv/bin/python bench/stages.py --count
+--k 4``): one eager ``ls`` step of the SplitBrain VGG with the alltoalls and
+gradient all-reduces wrapped, each rank's rows sent to other ranks and ring
+bytes summed and compared with ``step_bytes`` (the numbers above).
+
 Timing (``horovodrun -np 4 --gloo .venv/bin/python bench/stages.py --measure``):
 a small SplitBrain-like VGG trained with ``d`` and ``ls`` (fc_workers=1) on
 the same global batch, one ``train_on_batch`` step each, interleaved round by round;
@@ -130,6 +135,57 @@ def time_ratio(rounds, batch):
               f"{med['ls'] * 1e3:.1f} ms, ls/d {med['ls'] / med['d']:.2f}")
 
 
+def count_bytes(k):
+    """Bytes each rank's collectives actually carry in one eager ``ls`` step of the
+    SplitBrain VGG (horovodrun): alltoall rows sent to other ranks, gradient
+    all-reduces as Horovod rings (2 (n-1)/n x payload); compared with step_bytes."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import tfhybrid
+    from tfhybrid.comm import backend
+    from tfhybrid.oracle.models import splitbrain_vgg
+    from tfhybrid.transformer import layer_separation as lsm
+    tfhybrid.init()
+    p, me = backend.size(), backend.rank()
+    sent = {"p2p": 0.0, "gradients": 0.0}
+    real_a2a, real_gar = backend.alltoall, backend.grouped_allreduce
+
+    def a2a(x, splits, ranks, name, **kw):
+        splits_np = np.asarray(splits)
+        row = int(np.prod(x.shape[1:])) * x.dtype.size
+        sent["p2p"] += sum(int(n) for i, n in enumerate(splits_np) if ranks[i] != me) * row
+        return real_a2a(x, splits, ranks, name, **kw)
+
+    def gar(tensors, ranks, name, **kw):
+        n = len(ranks)
+        sent["gradients"] += 2 * (n - 1) / n * sum(int(np.prod(t.shape)) * 4 for t in tensors)
+        return real_gar(tensors, ranks, name, **kw)
+
+    backend.alltoall, backend.grouped_allreduce = a2a, gar
+    keras.utils.set_random_seed(1)
+    m = tfhybrid.transform(splitbrain_vgg(10), "ls", fc_workers=1)
+    m.compile(keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy",
+              run_eagerly=True)
+    n_c = m.n_c
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((k * n_c, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, k * n_c)
+    xl, yl = tfhybrid.data.shard((x, y), model=m, batch_size=k * n_c)
+    m.train_on_batch(xl, yl)
+    want = lsm.step_bytes(m, m.n_c, m.n_f, k)[m.role]
+    w_p2p = want["activations"] + want["errors"] + want["predictions"]
+    rows = backend.allgather(tf.constant([[sent["p2p"], w_p2p, sent["gradients"],
+                                           want["gradients"]]], tf.float64),
+                             tuple(range(p)), "bench.bytes").numpy()
+    if me == 0:
+        print(f"\ncounted in one eager ls step, SplitBrain VGG, p={p}, K={k} (bytes sent by rank):")
+        for r, (a, b, c, d) in enumerate(rows):
+            role = "FC" if r >= n_c else "CONV"
+            print(f"  rank {r} {role:4s} p2p {a / 1e6:.3f} MB (step_bytes {b / 1e6:.3f}, ratio "
+                  f"{a / b:.3f}); gradients {c / 1e6:.3f} MB (step_bytes {d / 1e6:.3f})")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--p", type=int, default=4)
@@ -137,7 +193,12 @@ def main():
     ap.add_argument("--measure", action="store_true", help="measure ls/d (under horovodrun)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--batch", type=int, default=24)
+    ap.add_argument("--count", action="store_true",
+                    help="count the bytes of one eager ls step (under horovodrun)")
     args = ap.parse_args()
+    if args.count:
+        count_bytes(args.k)
+        return
     if args.measure:
         time_ratio(args.rounds, args.batch)
         return

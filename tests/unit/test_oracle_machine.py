@@ -147,3 +147,16 @@ def test_fit_line_intercept_and_slope_non_negative():
     assert m.compute_fixed_s == 0.5 and Machine.from_dict(m.to_dict()) == m
     with pytest.raises(ValueError, match="compute_fixed_s"):
         Machine.from_dict({"alpha": 0, "beta": 0, "flop_rate": 1.0, "compute_fixed_s": -1})
+
+
+def test_gamma_not_measurable_when_peak_rss_already_higher(monkeypatch):
+    """A process that already peaked higher (an earlier model) cannot measure gamma:
+    it stays 1 instead of 0, which Machine would reject."""
+    import keras
+    from tfhybrid.oracle.calibration import run
+    monkeypatch.setattr(run, "_rss_bytes", lambda: 5_000_000)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    gamma, grown = run.measure_gamma(model, 2, naive_bytes=1000.0, steps=1)
+    assert (gamma, grown) == (1.0, 0.0)
+    from tfhybrid.oracle import Machine
+    Machine(alpha=0.0, beta=0.0, flop_rate=1.0, gamma=gamma)

@@ -206,7 +206,12 @@ def _rss_bytes():
 
 
 def measure_gamma(model, batch, naive_bytes, steps=2):
-    """(gamma, measured bytes): peak-RSS growth of training ``model`` / naive estimate."""
+    """(gamma, measured bytes): peak-RSS growth of training ``model`` / naive estimate.
+
+    The peak resident size only grows: in a process that already peaked higher
+    (an earlier, larger model) training ``model`` moves nothing and the factor
+    cannot be measured; gamma then stays 1 (the naive estimate), measured 0.
+    """
     import keras  # noqa: WPS433
     before = _rss_bytes()
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
@@ -214,6 +219,8 @@ def measure_gamma(model, batch, naive_bytes, steps=2):
     for _ in range(steps):
         model.train_on_batch(x, y)
     grown = _rss_bytes() - before
+    if grown <= 0:
+        return 1.0, 0.0
     return cal.estimate_gamma(grown, naive_bytes), grown
 
 
@@ -239,7 +246,11 @@ def _model_part(model_name, batches, log, reps=5):
     naive = predict(model, "serial", 1, batches[0],
                     {"alpha": 0, "beta": 0, "flop_rate": 1.0}).memory_bytes
     gamma, grown = measure_gamma(model, batches[0], naive)   # first: peak RSS is monotone
-    log(f"  gamma = {gamma:.3g} (RSS grew {grown / 1e6:.1f} MB, naive {naive / 1e6:.1f} MB)")
+    if grown > 0:
+        log(f"  gamma = {gamma:.3g} (RSS grew {grown / 1e6:.1f} MB, naive {naive / 1e6:.1f} MB)")
+    else:
+        log("  gamma = 1 (not measured: this process's peak RSS was already above "
+            "what training this model needs; calibrate in a fresh process to measure it)")
     log(f"  timing {model.name} forward/backward at batches {list(batches)}")
     times, fixed, fwd_bwd_s = measure_layer_times(model, batches, reps=4 * reps)
     log(f"  fixed forward+backward cost {fixed * 1e3:.3g} ms per iteration")

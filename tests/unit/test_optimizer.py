@@ -31,6 +31,7 @@ def sgd():
     ({"op": "max"}, ValueError, r"op='max'; expected one of \('average', 'sum'\)"),
     ({"backward_passes_per_step": 0}, ValueError, r"backward_passes_per_step=0"),
     ({"replicate_fc_gradients": -1}, ValueError, r"replicate_fc_gradients=-1"),
+    ({"delay_fc_update": 1}, ValueError, r"`delay_fc_update`: 1; expected True"),
 ])
 def test_invalid_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -109,6 +110,18 @@ def test_one_process_equals_plain_optimizer(options):
     model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=tfhybrid.callbacks.standard())
     for a, b in zip(model.get_weights(), ref.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_delay_fc_update_round_trips_and_marks_dense_weights():
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.1), delay_fc_update=True)
+    again = DistributedOptimizer.from_config(opt.get_config())
+    assert again.delay_fc_update is True
+    model = small_model()
+    marked = tfhybrid.optimizer.mark_delayed_fc(model)
+    dense = [v for layer in model.layers if isinstance(layer, keras.layers.Dense)
+             for v in layer.trainable_variables]
+    assert marked == len(dense) > 0
+    assert all(tfhybrid.optimizer.is_delayed_fc(v) for v in dense)
 
 
 def test_learning_rate_and_iterations_delegate():

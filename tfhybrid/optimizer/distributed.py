@@ -125,12 +125,24 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             all-gather activations and errors and compute their weight
             gradients locally instead of all-reducing them. Needs
             :meth:`attach` (done by ``tfhybrid.callbacks.standard()``).
+        delay_fc_update: Lee et al.'s delayed FC update (Alg. 2): the Dense
+            layers' (reduced) gradients of step t are applied at step t+1, so
+            their exchange no longer gates their update: inside a step it
+            overlaps the other layers' gradient exchange and updates (TF
+            cannot keep a Horovod collective running across two compiled
+            steps, so not the next forward pass as on the paper's GPUs).
+            Off by default. **Not single-process training**: the FC weights
+            step t+1's forward pass uses are those updated with step t-1's
+            gradient; the first step applies a zero gradient to them (no
+            change under SGD, momentum and Adam; AdamW still decays them).
+            Needs :meth:`attach` (done by ``tfhybrid.callbacks.standard()``).
         name: Optional name (default "distributed_<inner name>").
 
     Raises:
         TypeError: if ``optimizer`` is not a Keras 3 optimizer instance.
         ValueError: for an invalid ``bucket_bytes``, ``compression``,
-            ``backward_passes_per_step``, ``op`` or ``replicate_fc_gradients``.
+            ``backward_passes_per_step``, ``op``, ``replicate_fc_gradients``
+            or ``delay_fc_update``.
 
     Example:
         >>> tfhybrid.init()
@@ -143,13 +155,17 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def __init__(self, optimizer, bucket_bytes=DEFAULT_BUCKET_BYTES, compression="none",
                  backward_passes_per_step=1, op="average", replicate_fc_gradients=0,
-                 name=None):
+                 delay_fc_update=False, name=None):
         inner = _inner(optimizer)
         bucket_bytes = _check_int(bucket_bytes, "bucket_bytes", 1)
         compressor = as_compressor(compression)
         passes = _check_int(backward_passes_per_step, "backward_passes_per_step", 1)
         op = _check_choice(op, "op", OPS)
         fc = _check_int(replicate_fc_gradients, "replicate_fc_gradients", 0)
+        if not isinstance(delay_fc_update, bool):
+            raise ValueError(f"Received an invalid value for `delay_fc_update`: "
+                             f"{delay_fc_update!r}; expected True (Lee et al.'s delayed FC "
+                             "update) or False (the default: exact synchronous updates).")
         super().__init__(learning_rate=0.0, name=name or f"distributed_{inner.name}")
         self.inner_optimizer = inner
         self.bucket_bytes = bucket_bytes
@@ -158,7 +174,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.backward_passes_per_step = passes
         self.op = op
         self.replicate_fc_gradients = fc
+        self.delay_fc_update = delay_fc_update
         self._plan = None
+        self._delayed = {}
 
     # -- delegation to the inner optimizer --------------------------------
 
@@ -178,6 +196,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                                       for v in var_list]
             self.inner_optimizer.build(var_list)
             super().build(var_list)
+            if self.delay_fc_update:   # the last step's reduced gradient of each FC weight
+                self._delayed = {self._get_variable_index(v): self.add_variable_from_reference(
+                    v, name="delayed_fc_grad") for v in var_list if is_delayed_fc(v)}
         link_slots(self.variables, var_list)   # an inner optimizer built before wrapping
 
     def _check_fc_hooks(self, var_list):
@@ -185,6 +206,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             raise ValueError(
                 f"DistributedOptimizer(replicate_fc_gradients={self.replicate_fc_gradients}) "
                 "found no hooked Dense layer among the trainable variables. Call "
+                "optimizer.attach(model) before training, or pass "
+                "tfhybrid.callbacks.standard() to model.fit.")
+        if self.delay_fc_update and not any(is_delayed_fc(v) for v in var_list):
+            raise ValueError(
+                "DistributedOptimizer(delay_fc_update=True) found no Dense layer marked for "
+                "the delayed update among the trainable variables. Call "
                 "optimizer.attach(model) before training, or pass "
                 "tfhybrid.callbacks.standard() to model.fit.")
 
@@ -227,6 +254,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         changed = disable_xla(model)
         if self.replicate_fc_gradients:
             changed = replicate_fc_gradients(model, self.replicate_fc_gradients) > 0 or changed
+        if self.delay_fc_update:
+            mark_delayed_fc(model)
         if changed and getattr(model, "train_function", None) is not None:
             model.make_train_function(force=True)
         return changed
@@ -249,7 +278,30 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self._accumulate_and_maybe_apply(grads, variables)
 
     def _reduce_and_apply(self, grads, variables):
-        self.inner_optimizer.apply(self.reduce_gradients(grads, variables), variables)
+        reduced = self.reduce_gradients(grads, variables)
+        if self._delayed:
+            reduced = [self._swap_delayed(local, g, v)
+                       for local, g, v in zip(grads, reduced, variables)]
+        self.inner_optimizer.apply(reduced, variables)
+
+    def _swap_delayed(self, local, grad, variable):
+        """Lee's delayed FC update: return the previous step's gradient, keep this one.
+
+        The update must not run before this step's forward pass has read the
+        weight: nothing else orders them (TensorFlow does not order a read
+        before a later write of the same variable inside one step), so the
+        previous gradient is read after the weight's local gradient exists,
+        which the forward read precedes. The reduction of this step's
+        gradient gates nothing but the buffer.
+        """
+        buffer = self._delayed.get(self._get_variable_index(variable))
+        if buffer is None or grad is None:
+            return grad
+        with tf.control_dependencies([local]):
+            previous = tf.identity(buffer.value)
+        with tf.control_dependencies([previous]):
+            buffer.assign(tf.cast(grad, buffer.dtype))
+        return previous
 
     def _accumulate_and_maybe_apply(self, grads, variables):
         n = self.backward_passes_per_step
@@ -334,7 +386,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
                 "bucket_bytes": self.bucket_bytes, "compression": self._compression_config(),
                 "backward_passes_per_step": self.backward_passes_per_step, "op": self.op,
-                "replicate_fc_gradients": self.replicate_fc_gradients}
+                "replicate_fc_gradients": self.replicate_fc_gradients,
+                "delay_fc_update": self.delay_fc_update}
 
     def _compression_config(self):
         """The built-in compressor's name; a user-defined one is serialised as a
@@ -352,6 +405,33 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             config["compression"] = keras.saving.deserialize_keras_object(
                 config["compression"], custom_objects=custom_objects)
         return cls(**config)
+
+
+_DELAYED = "_tfhybrid_delayed_fc"
+
+
+def mark_delayed_fc(model):
+    """Mark the trainable weights of ``model``'s Dense layers (nested models too,
+    tfhybrid's parallel Dense layers included) for the delayed FC update.
+    Returns the number of weights marked.
+
+    Example:
+        >>> mark_delayed_fc(model)      # done by DistributedOptimizer.attach
+        4
+    """
+    from tfhybrid.optimizer.replicated_fc import dense_layers
+
+    marked = 0
+    for layer in dense_layers(model, include_parallel=True):
+        for variable in layer.trainable_variables:
+            setattr(variable, _DELAYED, True)
+            marked += 1
+    return marked
+
+
+def is_delayed_fc(variable) -> bool:
+    """True when ``variable`` belongs to a Dense layer whose update is delayed."""
+    return bool(getattr(variable, _DELAYED, False))
 
 
 def _scaled(g, factor):

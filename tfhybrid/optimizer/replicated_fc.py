@@ -33,14 +33,16 @@ from tfhybrid.optimizer.reduction import is_prereduced, mark_prereduced
 _HOOKED = "_tfhybrid_replicated_fc"
 
 
-def dense_layers(model):
-    """``keras.layers.Dense`` layers of ``model`` in forward order (nested models too)."""
+def dense_layers(model, include_parallel=False):
+    """``keras.layers.Dense`` layers of ``model`` in forward order (nested models too);
+    with ``include_parallel``, tfhybrid's filter/channel-parallel Dense layers too."""
     out = []
     for layer in getattr(model, "layers", []):
-        if isinstance(layer, keras.layers.Dense):
+        if isinstance(layer, keras.layers.Dense) or (
+                include_parallel and getattr(type(layer), "_SOURCE", None) is keras.layers.Dense):
             out.append(layer)
         elif hasattr(layer, "layers"):
-            out.extend(dense_layers(layer))
+            out.extend(dense_layers(layer, include_parallel))
     return out
 
 

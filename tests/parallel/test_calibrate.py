@@ -44,6 +44,7 @@ def test_machine_file_is_valid(spec):
     assert list(m.compute_contention) == [backend.local_size()]
     assert m.compute_contention[backend.local_size()] >= 1.0
     assert all(t.latency >= 0 for t in m.tiers)
+    assert "overlap" in doc and 0.0 <= m.overlap <= 1.0    # measured with --model at size > 1
 
 
 def test_fits_cover_every_collective_and_group(spec):

@@ -160,3 +160,21 @@ def test_gamma_not_measurable_when_peak_rss_already_higher(monkeypatch):
     assert (gamma, grown) == (1.0, 0.0)
     from tfhybrid.oracle import Machine
     Machine(alpha=0.0, beta=0.0, flop_rate=1.0, gamma=gamma)
+
+
+def test_overlap_credit_hides_part_of_the_gradient_allreduce():
+    """A measured overlap subtracts overlap x min(GE-allreduce, backward compute) from
+    the total; 0 keeps the papers' no-overlap sum; beyond [0, 1] is refused."""
+    from tfhybrid.oracle import predict
+    import keras
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(8, 3),
+                              keras.layers.Flatten(), keras.layers.Dense(10)])
+    base = {"alpha": 1e-4, "beta": 1e-8, "flop_rate": 1e9}
+    none = predict(model, "d", 2, 16, base)
+    half = predict(model, "d", 2, 16, dict(base, overlap=0.5))
+    ge = none.comm_s["GE-allreduce"]
+    assert none.hidden_s == 0.0 and ge > 0
+    assert 0 < half.hidden_s <= 0.5 * ge + 1e-15
+    assert half.total_s == pytest.approx(none.total_s - half.hidden_s)
+    with pytest.raises(ValueError, match=r"`overlap`=1.5; expected a fraction"):
+        Machine(alpha=0.0, beta=0.0, flop_rate=1.0, overlap=1.5)

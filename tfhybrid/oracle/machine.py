@@ -40,7 +40,7 @@ from typing import Any, Mapping
 
 _NUMBER_FIELDS = ("alpha", "beta", "latency", "flop_rate", "memory_bytes", "phi", "gamma",
                   "bytes_per_item", "step_overhead_s", "compute_slots", "wu_flops_per_param",
-                  "compute_fixed_s")
+                  "compute_fixed_s", "overlap")
 
 
 def _check_number(name, value, allow_zero=True, allow_none=False):
@@ -119,6 +119,12 @@ class Machine:
             scheduler).
         ranks_per_node: Ranks placed on one node (None: all ranks on one node).
         wu_flops_per_param: FLOPs of the weight update per parameter (SGD: 2).
+        overlap: Fraction (0..1) of the weight-gradient allreduce that runs
+            hidden behind back-propagation (Lee et al.'s overlap, R in their
+            Eq. 11), at most the backward time. Measured by
+            ``tfhybrid calibrate --model`` (a step with the reduction vs its
+            compute and its reduction timed apart); 0 (the papers' Table 3:
+            nothing hidden) when not measured.
         source: Free text saying where the numbers come from.
 
     Example:
@@ -142,6 +148,7 @@ class Machine:
     compute_contention: Mapping[int, float] | None = None
     wu_flops_per_param: float = 2.0
     compute_fixed_s: float = 0.0
+    overlap: float = 0.0
     source: str = ""
 
     def __post_init__(self):
@@ -150,6 +157,10 @@ class Machine:
             _check_number(name, getattr(self, name), allow_zero=name not in (
                 "flop_rate", "memory_bytes", "phi", "gamma", "bytes_per_item",
                 "compute_slots"), allow_none=optional)
+        if self.overlap > 1:
+            raise ValueError(f"Received an invalid machine value `overlap`={self.overlap!r}; "
+                             "expected a fraction between 0 and 1 (the share of the gradient "
+                             "allreduce hidden behind back-propagation).")
         if self.flop_rate is None and not self.layer_times:
             raise ValueError("The machine needs `flop_rate` (FLOP/s per rank) or `layer_times` "
                              "(per-layer forward/backward seconds per sample); received neither. "

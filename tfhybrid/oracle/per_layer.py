@@ -287,8 +287,10 @@ def _data_plan(ctx, p):
     weighted = ctx.weighted()
     choices = tuple(LayerChoice(ctx.rows[i].name, "replicate",
                                 {"replicate": costs.replicate(i)}) for i in weighted)
-    total = sum(costs.comp(j) for j in range(len(ctx.rows))) + \
-        ctx.m.t_allreduce(p, sum(r.params for r in ctx.rows) * ctx.delta) + \
+    compute = sum(costs.comp(j) for j in range(len(ctx.rows)))
+    reduce = ctx.m.t_allreduce(p, sum(r.params for r in ctx.rows) * ctx.delta)
+    hidden = ctx.m.overlap * min(reduce, compute * ctx.backward_share())   # as strategies.d
+    total = compute + reduce - hidden + \
         (ctx.m.compute_fixed_s + ctx.m.step_overhead_s) * costs.slow
     return IntegratedPlan(p, 1, "d", {}, total, choices)
 

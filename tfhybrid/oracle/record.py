@@ -38,6 +38,9 @@ class Prediction:
         options: Choices the oracle made (grid, n_f, partitioned layers, ...).
         feasible: False when a limit is violated; ``reasons`` say which.
         reasons: Human-readable violated limits (empty when feasible).
+        hidden_s: Communication seconds hidden behind computation (the
+            machine's measured ``overlap`` of the gradient allreduce with
+            back-propagation); subtracted once in ``total_s``.
 
     Example:
         >>> Prediction("serial", 1, 4, 1.0, {}, 0.0, 0, {}, True, ()).comm_total_s
@@ -54,6 +57,7 @@ class Prediction:
     options: Mapping
     feasible: bool
     reasons: tuple
+    hidden_s: float = 0.0
 
     def __post_init__(self):
         comm = {ph: float(self.comm_s.get(ph, 0.0)) for ph in PHASES}
@@ -69,8 +73,8 @@ class Prediction:
 
     @property
     def total_s(self) -> float:
-        """compute + all communication phases + per-iteration overhead."""
-        return self.compute_s + self.comm_total_s + self.overhead_s
+        """compute + all communication phases - hidden communication + overhead."""
+        return self.compute_s + self.comm_total_s - self.hidden_s + self.overhead_s
 
     @property
     def throughput(self) -> float:
@@ -90,7 +94,7 @@ class Prediction:
         it = dataset_size / self.batch
         out = {"iterations": it, "compute_s": self.compute_s * it,
                "comm_s": {k: v * it for k, v in self.comm_s.items()},
-               "overhead_s": self.overhead_s * it}
+               "overhead_s": self.overhead_s * it, "hidden_s": self.hidden_s * it}
         out["comm_total_s"] = self.comm_total_s * it
         out["total_s"] = self.total_s * it
         return out
@@ -133,6 +137,11 @@ class Context:
             self.wu.append(machine.wu_flops_per_param * r.params / rate if rate else 0.0)
         self.fb = [f + b for f, b in zip(self.fw, self.bw)]
         self.split = getattr(prof, "split", None)
+
+    def backward_share(self) -> float:
+        """Backward share of the forward+backward seconds (0 for an empty model)."""
+        total = sum(self.fb)
+        return sum(self.bw) / total if total > 0 else 0.0
 
     def mem(self, terms) -> float:
         """gamma delta sum(2 nb (x + y)/a + 2 w/wd + bi) over (row, nb, a, wd) terms."""

@@ -68,6 +68,11 @@ def format_table(preds) -> str:
                      + f" {p.memory_bytes / 1e9:>8.3g}  {note}")
     lines.append(f"times: {unit} per iteration (compute includes the per-step overhead); "
                  "mem: GB per rank")
+    hidden = [p for p in preds if p.hidden_s > 0]
+    if hidden:
+        lines.append("total = compute + communication - the gradient allreduce hidden behind "
+                     "back-propagation (machine overlap): " + ", ".join(
+                         f"{p.strategy} {_num(p.hidden_s, scale).strip()}" for p in hidden))
     return "\n".join(lines)
 
 

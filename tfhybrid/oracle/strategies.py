@@ -23,8 +23,10 @@ Where this module departs from the paper's closed forms (and why):
 * Pipeline weight update is per iteration (Eq. 12 multiplies it by D).
 * Uneven spatial splits are charged ceil(H/ph) rows (load imbalance).
 
-Approximations: no overlap of communication with computation (Lee et al.'s
-overlap is not credited), ring collectives everywhere, Stanza's FC-worker
+Approximations: of the overlap of communication with computation only the
+gradient allreduce's with back-propagation is credited, by the machine's
+measured ``overlap`` fraction (0 unless calibrated: the papers' Table 3),
+ring collectives everywhere, Stanza's FC-worker
 allreduce assumed hidden (as in the paper), contention only via ``phi``.
 
 Example:
@@ -66,13 +68,17 @@ def _phases(**kw):
 
 def _result(ctx, name, p, comp, comm, mem, options, reasons):
     """The Prediction; adds the machine's batch-independent compute and framework
-    overhead per iteration (both CPU work, so both slowed by oversubscription)."""
+    overhead per iteration (both CPU work, so both slowed by oversubscription),
+    and credits the measured overlap of the gradient allreduce with the backward
+    part of the compute."""
     reasons = list(reasons) + ctx.memory_reasons(mem)
     slow = ctx.m.oversubscription(p)
+    hidden = ctx.m.overlap * min(comm.get("GE-allreduce", 0.0), comp * ctx.backward_share())
     comp += ctx.m.compute_fixed_s * slow
     return Prediction(strategy=name, p=p, batch=ctx.B, compute_s=comp,
                       comm_s=comm, overhead_s=ctx.m.step_overhead_s * slow, memory_bytes=mem,
-                      options=options, feasible=not reasons, reasons=tuple(reasons))
+                      options=options, feasible=not reasons, reasons=tuple(reasons),
+                      hidden_s=hidden)
 
 
 def _batch_reasons(B, groups, what="p"):

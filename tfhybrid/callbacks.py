@@ -17,6 +17,10 @@
   factors they set.
 - :class:`RootProgbarLogger`: Keras' progress bar on rank 0 only.
 - :func:`standard`: the usual list of the above.
+- :class:`Profile` (:mod:`tfhybrid.profiling`): where a step's time goes,
+  measured per phase beside the oracle's prediction.
+- :class:`Checkpoint` (:mod:`tfhybrid.checkpoint`): checkpoints that resume on
+  any world size and strategy.
 """
 from __future__ import annotations
 
@@ -519,3 +523,4 @@ def standard(root_rank: int = 0, warmup_steps: int = 0, target_lr: float | None 
 
 
 from tfhybrid.checkpoint import Checkpoint  # noqa: E402  (tfhybrid.callbacks.Checkpoint)
+from tfhybrid.profiling import Profile  # noqa: E402  (tfhybrid.callbacks.Profile)

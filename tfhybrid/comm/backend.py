@@ -27,6 +27,7 @@ tail-loss probe, with all ranks idle and no stall warning: 40 MB allreduce
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -169,10 +170,38 @@ def collective_name(base: str) -> str:
 
 # -- raw collectives along axis 0 (no gradients registered by us) ----------
 
-def _watched(op, name, ranks, run):
+_RECORDERS = []   # lists collecting the collectives issued inside recording_collectives()
+
+
+@contextlib.contextmanager
+def recording_collectives():
+    """Record every collective issued (run eagerly or traced) inside this context.
+
+    Yields a list that fills with ``(op, name, ranks, inputs, splits)`` per
+    call: ``inputs`` the input tensors (symbolic when traced: their shapes
+    and dtypes are what counts), ``splits`` the alltoall row counts (None
+    for other ops). ``tfhybrid.callbacks.Profile`` replays them alone to time
+    each phase of a step.
+
+    Example:
+        >>> with recording_collectives() as calls:
+        ...     tf.function(lambda: model(x, training=True)).get_concrete_function()
+        >>> sorted({op for op, *_ in calls})
+    """
+    calls = []
+    _RECORDERS.append(calls)
+    try:
+        yield calls
+    finally:
+        _RECORDERS.remove(calls)
+
+
+def _watched(op, name, ranks, run, inputs=(), splits=None):
     """``run(collective name)`` with the watchdog told: an eager collective is
     watched while it runs; a traced one is recorded (tracing is progress)."""
     name = collective_name(name)
+    if _RECORDERS:
+        _RECORDERS[-1].append((op, name, tuple(ranks), tuple(inputs), splits))
     if tf.executing_eagerly():
         with watchdog.collective(op, name, ranks):
             return run(name)
@@ -182,21 +211,23 @@ def _watched(op, name, ranks, run):
 
 def allgather(x, ranks, name):
     return _watched("allgather", name, ranks, lambda nm: _STATE["mpi_ops"].allgather(
-        x, name=nm, ignore_name_scope=True, process_set=process_set(ranks)))
+        x, name=nm, ignore_name_scope=True, process_set=process_set(ranks)), (x,))
 
 
 def allreduce(x, ranks, name, average=False, prescale=1.0, postscale=1.0):
     m = _STATE["mpi_ops"]
     return _watched("allreduce", name, ranks, lambda nm: m._allreduce(
         x, name=nm, op=m.Average if average else m.Sum, prescale_factor=prescale,
-        postscale_factor=postscale, ignore_name_scope=True, process_set=process_set(ranks)))
+        postscale_factor=postscale, ignore_name_scope=True, process_set=process_set(ranks)),
+        (x,))
 
 
 def grouped_allreduce(tensors, ranks, name, average=False, prescale=1.0, postscale=1.0):
     m = _STATE["mpi_ops"]
     return _watched("grouped_allreduce", name, ranks, lambda nm: m._grouped_allreduce(
         list(tensors), name=nm, op=m.Average if average else m.Sum, prescale_factor=prescale,
-        postscale_factor=postscale, ignore_name_scope=True, process_set=process_set(ranks)))
+        postscale_factor=postscale, ignore_name_scope=True, process_set=process_set(ranks)),
+        tuple(tensors))
 
 
 def reducescatter(x, ranks, name):
@@ -235,13 +266,14 @@ def alltoall(x, splits, ranks, name):
     m = _STATE["mpi_ops"]
     splits = splits if tf.is_tensor(splits) else tf.constant(splits, tf.int32)
     out, _ = _watched("alltoall", name, ranks, lambda nm: m.alltoall(
-        x, splits=splits, name=nm, ignore_name_scope=True, process_set=process_set(ranks)))
+        x, splits=splits, name=nm, ignore_name_scope=True, process_set=process_set(ranks)),
+        (x,), splits)
     return out
 
 
 def broadcast(x, root, ranks, name):
     return _watched("broadcast", name, ranks, lambda nm: _STATE["mpi_ops"].broadcast(
-        x, root, name=nm, ignore_name_scope=True, process_set=process_set(ranks)))
+        x, root, name=nm, ignore_name_scope=True, process_set=process_set(ranks)), (x,))
 
 
 def barrier(ranks=None):

@@ -1,0 +1,46 @@
+"""tfhybrid.profiling in one process: phases of collectives, the table, bad input."""
+import keras
+import numpy as np
+import pytest
+
+import tfhybrid
+from tfhybrid.profiling import PHASES, Profile, phase_of
+
+
+@pytest.mark.parametrize("op, name, phase", [
+    ("alltoall", "tfh.conv1.halo", "halo"),
+    ("alltoall", "tfh.conv1.halo.bwd", "halo"),
+    ("allgather", "tfh.fc1.fwd", "FB-allgather"),
+    ("alltoall", "tfh.fc2.reducescatter", "FB-allgather"),
+    ("allreduce", "tfh.bn.sync", "FB-allreduce"),
+    ("grouped_allreduce", "tfh.distributed_sgd.bucket0", "GE-allreduce"),
+    ("alltoall", "tfh.ls.fwd", "p2p"),
+])
+def test_phase_of(op, name, phase):
+    assert phase_of(op, name) == phase
+
+
+def test_profile_in_one_process_prints_every_phase():
+    tfhybrid.init()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss="mse", jit_compile=False)
+    lines = []
+    profile = Profile(steps=2, start=1, batch_size=4, print_fn=lines.append)
+    x, y = np.ones((16, 6), "float32"), np.zeros((16, 2), "float32")
+    model.fit(x, y, batch_size=4, verbose=0, callbacks=[profile])
+    assert profile.result["world_size"] == 1
+    assert profile.result["measured"]["GE-allreduce"] == 0.0     # nothing to reduce
+    assert all(phase in lines[0] for phase in PHASES)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"steps": 2}, r"batch_size=<global batch>"),
+    ({"steps": 0, "batch_size": 8}, r"`steps`: 0"),
+    ({"steps": 2, "start": -1, "batch_size": 8}, r"`start`: -1"),
+    ({"steps": 2, "batch_size": 2.5}, r"`batch_size`: 2.5"),
+])
+def test_profile_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Profile(**kwargs)

@@ -178,3 +178,20 @@ def test_overlap_credit_hides_part_of_the_gradient_allreduce():
     assert half.total_s == pytest.approx(none.total_s - half.hidden_s)
     with pytest.raises(ValueError, match=r"`overlap`=1.5; expected a fraction"):
         Machine(alpha=0.0, beta=0.0, flop_rate=1.0, overlap=1.5)
+
+
+def test_batch_norm_moments_are_priced_where_they_are_synchronized():
+    """SyncBatchNormalization's 4 allreduces (C+1, C items, forward and backward) per
+    BatchNormalization over the batch-splitting ranks: d over p, f none."""
+    import keras
+    from tfhybrid.oracle import predict
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(8, 3),
+                              keras.layers.BatchNormalization(), keras.layers.Flatten(),
+                              keras.layers.Dense(8)])
+    mach = Machine(alpha=1e-3, beta=0.0, flop_rate=1e9)
+    d = predict(model, "d", 4, 16, mach)
+    assert d.comm_s["FB-allreduce"] == pytest.approx(4 * mach.t_allreduce(4, 36))
+    assert predict(model, "f", 4, 16, mach).comm_s["FB-allreduce"] == pytest.approx(
+        predict(keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(8, 3),
+                                  keras.layers.Flatten(), keras.layers.Dense(8)]),
+                "f", 4, 16, mach).comm_s["FB-allreduce"])

@@ -58,6 +58,8 @@ class LayerRow:
             spatial axis is split (0 when the kernel needs no halo).
         ccr: SplitBrain's computation-to-communication ratio for dense
             layers: (fwd+bwd FLOPs) / (|x| + |y|) items exchanged per sample.
+        batch_stats: A BatchNormalization (its training moments are
+            synchronized over the ranks that split the batch).
 
     Example:
         >>> LayerRow("fc", "dense", 36, 32, 4, 72, 144, 8, 4, 8, 4).filters
@@ -82,6 +84,7 @@ class LayerRow:
     halo_x: int = 0
     halo_dy: int = 0
     ccr: float = 0.0
+    batch_stats: bool = False
 
     @property
     def has_weights(self) -> bool:
@@ -243,6 +246,12 @@ def _simple_row(kind, fwd_per_y, bwd_per_y):
     return build
 
 
+def _batch_norm_row(layer, xs, ys, total, biases):
+    row = _simple_row("norm", 4, 8)(layer, xs, ys, total, biases)
+    row["batch_stats"] = True
+    return row
+
+
 def _classify(layer):
     cls = layer.__class__.__name__
     if "Conv" in cls and hasattr(layer, "kernel_size"):
@@ -251,6 +260,8 @@ def _classify(layer):
         return _dense_row
     if "Pooling" in cls:
         return _pool_row
+    if "BatchNormalization" in cls:
+        return _batch_norm_row
     if "Normalization" in cls and cls != "Normalization":
         return _simple_row("norm", 4, 8)
     if cls in _ELEMENTWISE:

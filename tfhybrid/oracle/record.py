@@ -138,6 +138,20 @@ class Context:
         self.fb = [f + b for f, b in zip(self.fw, self.bw)]
         self.split = getattr(prof, "split", None)
 
+    def batch_norm_sync_s(self, group: int) -> float:
+        """Seconds of the moment allreduces of every BatchNormalization row over
+        ``group`` ranks: sums and count (C + 1 items), then squared deviations
+        (C), forward, and their adjoints backward (0 when ``group`` is 1)."""
+        if group <= 1:
+            return 0.0
+        total = 0.0
+        for r in self.rows:
+            if getattr(r, "batch_stats", False):
+                c = r.channels
+                total += 2 * (self.m.t_allreduce(group, (c + 1) * self.delta)
+                              + self.m.t_allreduce(group, c * self.delta))
+        return total
+
     def backward_share(self) -> float:
         """Backward share of the forward+backward seconds (0 for an empty model)."""
         total = sum(self.fb)

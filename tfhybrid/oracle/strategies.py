@@ -20,6 +20,10 @@ Where this module departs from the paper's closed forms (and why):
 * ``s``/``ds`` gather the activations before the first Dense layer (DESIGN)
   and run the rest replicated; ParaDL Table 3 assumes every layer is split.
 * The gradient allreduce covers all parameters (biases too).
+* BatchNormalization layers synchronize their moments over the ranks that
+  split the batch or space (tfhybrid's SyncBatchNormalization: two
+  allreduces of C items forward, two backward, in ``FB-allreduce``); the
+  papers' models have no such term (found by ``tfhybrid.callbacks.Profile``).
 * Pipeline weight update is per iteration (Eq. 12 multiplies it by D).
 * Uneven spatial splits are charged ceil(H/ph) rows (load imbalance).
 
@@ -72,6 +76,10 @@ def _result(ctx, name, p, comp, comm, mem, options, reasons):
     and credits the measured overlap of the gradient allreduce with the backward
     part of the compute."""
     reasons = list(reasons) + ctx.memory_reasons(mem)
+    bn = ctx.batch_norm_sync_s(_bn_group(name, p, options))
+    if bn:
+        comm = dict(comm)
+        comm["FB-allreduce"] = comm.get("FB-allreduce", 0.0) + bn
     slow = ctx.m.oversubscription(p)
     hidden = ctx.m.overlap * min(comm.get("GE-allreduce", 0.0), comp * ctx.backward_share())
     comp += ctx.m.compute_fixed_s * slow
@@ -79,6 +87,16 @@ def _result(ctx, name, p, comp, comm, mem, options, reasons):
                       comm_s=comm, overhead_s=ctx.m.step_overhead_s * slow, memory_bytes=mem,
                       options=options, feasible=not reasons, reasons=tuple(reasons),
                       hidden_s=hidden)
+
+
+def _bn_group(name, p, options):
+    """Ranks a BatchNormalization synchronizes its moments over (tfhybrid's
+    default batch_norm="sync": every group that splits the batch or space)."""
+    if name in ("d", "s", "ds", "gmp"):
+        return p
+    if name == "df":
+        return int((options.get("grid") or {}).get("data", 1))
+    return 1     # f, c: a model group holds the same rows; serial; ls, p: local
 
 
 def _batch_reasons(B, groups, what="p"):

@@ -159,7 +159,9 @@ class Contenders:
         self.models[name] = model
         return lambda: model.fit(self.ds, verbose=0)
 
-    def horovod_loop(self):
+    @staticmethod
+    def horovod_step(prefix):
+        """A user's Horovod step: GradientTape, hvd.allreduce per gradient, apply."""
         model, opt = make_model(), keras.optimizers.SGD(0.01)
 
         @tf.function(jit_compile=False)
@@ -167,24 +169,18 @@ class Contenders:
             with tf.GradientTape() as tape:
                 loss = LOSS(y, model(x, training=True))
             grads = tape.gradient(loss, model.trainable_variables)
-            grads = [hvd.allreduce(g, op=hvd.Average, name=f"hvd_grad_{i}")
+            grads = [hvd.allreduce(g, op=hvd.Average, name=f"{prefix}_{i}")
                      for i, g in enumerate(grads)]
             opt.apply(grads, model.trainable_variables)
-        return self.loop(step)
+        return step
+
+    def horovod_loop(self):
+        return self.loop(self.horovod_step("hvd_grad"))
 
     def horovod_numpy_loop(self):
         """The Horovod loop over numpy slices of this rank's arrays (no tf.data)."""
-        model, opt = make_model(), keras.optimizers.SGD(0.01)
+        step = self.horovod_step("hvd_np_grad")
         b = self.gb // SIZE
-
-        @tf.function(jit_compile=False)
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = LOSS(y, model(x, training=True))
-            grads = tape.gradient(loss, model.trainable_variables)
-            grads = [hvd.allreduce(g, op=hvd.Average, name=f"hvd_np_grad_{i}")
-                     for i, g in enumerate(grads)]
-            opt.apply(grads, model.trainable_variables)
         step(self.x[:b], self.y[:b])
         return lambda: [step(self.x[i * b:(i + 1) * b], self.y[i * b:(i + 1) * b])
                         for i in range(self.steps)]

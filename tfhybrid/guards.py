@@ -323,8 +323,18 @@ def sum_metric_states(model):
                  if v.dtype in ("float16", "bfloat16", "float32", "float64", "int32", "int64")]
     if len(ranks) < 2 or not variables:
         return
+    sum_variables(variables, ranks, "metric_states.sum")
+
+
+def sum_variables(variables, ranks, name, contribute=True):
+    """Replace each variable by its sum over ``ranks`` (collective; float64 sums,
+    rounded for integer variables). ``contribute=False``: this rank adds zeros."""
+    from tfhybrid.comm import backend
+
     flat = tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in variables], 0)
-    total = backend.allreduce(flat, ranks, "metric_states.sum").numpy()
+    if not contribute:
+        flat = tf.zeros_like(flat)
+    total = backend.allreduce(flat, ranks, name).numpy()
     start = 0
     for v in variables:
         n = int(np.prod(v.shape))

@@ -334,19 +334,10 @@ class LayerSeparatedModel(keras.Model):
         variables = [v for v in self.metrics_variables]
         if not variables:
             return
-        flat = tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in variables], 0)
-        if self.is_fc:
-            flat = tf.zeros_like(flat)
-        world = tuple(range(backend.size()))
-        total = backend.allreduce(flat, world, "ls.metric_states").numpy()
-        start = 0
-        for v in variables:
-            n = int(np.prod(v.shape))
-            value = total[start:start + n].reshape(tuple(v.shape))
-            if "int" in str(v.dtype):
-                value = np.rint(value)
-            v.assign(value.astype(str(v.dtype)))
-            start += n
+        from tfhybrid.guards import sum_variables
+
+        sum_variables(variables, tuple(range(backend.size())), "ls.metric_states",
+                      contribute=not self.is_fc)
 
     # -- gather / checkpoint -----------------------------------------------------------------
 

@@ -16,9 +16,13 @@ every rank
    result; each case keeps its minimum step time, as the calibration keeps
    minima (ParaDL also compares against the best measured times).
 
+4. measures each case's phases as ``tfhybrid.callbacks.Profile`` does
+   (:func:`tfhybrid.profiling.measure_phases`: traced forward+backward, each
+   collective replayed alone, the traced gradient reduction).
+
 Then it predicts each measured case with :func:`tfhybrid.oracle.predict` on
 the calibrated machine and reports accuracy = 1 - |pred - meas| / meas per
-strategy and the mean, to ``bench/results/oracle_accuracy.json`` and
+strategy and the mean, and per phase min(m, p) / max(m, p), to ``bench/results/oracle_accuracy.json`` and
 ``bench/results/oracle_accuracy.md``. If one strategy raises, the job fails
 and the driver says so (run the others with ``--only``).
 
@@ -121,7 +125,9 @@ def _tfhybrid_step(name, mp, opts, batch):
     pm = transform(make_model(), strategy=name, **opts)
     _compile(pm, tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)))
     x, y = tfhybrid.data.shard(_data(batch), model=pm, batch_size=batch)
-    return lambda: pm.train_on_batch(x, y)
+    step = lambda: pm.train_on_batch(x, y)  # noqa: E731
+    step.model, step.local_batch = pm, len(x)
+    return step
 
 
 def _build_steps(names, n, batch):
@@ -187,6 +193,15 @@ def worker(args):
     times = _interleaved(steps, args.rounds, args.steps, say)
     out = {name: dict(info, seconds=min(times[name]), rounds=times[name])
            for name, (_, info) in steps.items() if times[name]}
+    from tfhybrid.profiling import measure_phases  # noqa: WPS433
+    for name, (step, info) in steps.items():     # per phase: Profile's measurement
+        if name in ("serial", "ls") or step is None:
+            continue
+        _use_grid(info.get("model_parallel"))
+        _sync()
+        phases = measure_phases(step.model, step.local_batch)
+        if name in out:
+            out[name]["phases"] = phases
     if rank == 0:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=1)
@@ -280,9 +295,27 @@ def driver(args):
                          "comm_s": pred.comm_s, "overhead_s": pred.overhead_s,
                          "accuracy": _accuracy(pred.total_s, m["seconds"]),
                          "path": m["path"], "note": m.get("note", "")})
+            rows[-1]["phase_accuracy"] = _phase_accuracy(m.get("phases"), pred)
             print(f"{name} np={np_}: measured {m['seconds'] * 1e3:.2f} ms, predicted "
                   f"{pred.total_s * 1e3:.2f} ms", flush=True)
     _report(rows, log, args)
+
+
+def _phase_accuracy(phases, pred):
+    """Per communication phase: (measured s, predicted s, accuracy) from
+    tfhybrid.profiling.measure_phases on rank 0 (collectives replayed alone)."""
+    if not phases:
+        return {}
+    out = {}
+    for phase in ("FB-allgather", "FB-allreduce", "halo", "GE-allreduce"):
+        m, p = phases.get(phase, 0.0), pred.comm_s.get(phase, 0.0)
+        if m > 0 or p > 0:
+            out[phase] = (m, p, min(m, p) / max(m, p))
+    fb_comm = sum(v for k, v in phases.items() if k in ("FB-allgather", "FB-allreduce", "halo"))
+    compute = max(phases["forward_backward"] - fb_comm, 0.0)
+    out["compute"] = (compute, pred.compute_s,
+                      min(compute, pred.compute_s) / max(compute, pred.compute_s, 1e-12))
+    return out
 
 
 def _report(rows, log, args):
@@ -305,6 +338,14 @@ def _report(rows, log, args):
                   f"{sum(r['comm_s'].values()) * 1e3:.2f} | {r['accuracy']:.3f} | {r['path']} |")
     md += ["", "| strategy | mean accuracy |", "|---|---|"]
     md += [f"| {k} | {v:.3f} |" for k, v in per.items()] + [f"| **mean** | **{mean:.3f}** |"]
+    md += ["", "Per phase (measured on rank 0 with tfhybrid.profiling.measure_phases: "
+           "compute = traced forward+backward less its collectives, each collective "
+           "replayed alone; ms measured / predicted, accuracy):", ""]
+    for r in rows:
+        if r.get("phase_accuracy"):
+            md.append(f"- {r['strategy']} np={r['np']}: " + "; ".join(
+                f"{k} {m * 1e3:.2f}/{p * 1e3:.2f} ({a:.2f})"
+                for k, (m, p, a) in r["phase_accuracy"].items()))
     md += [""] + [f"- {ln}" for ln in doc["skipped"]]
     md += ["", f"Load average at the end of the run: {os.getloadavg()} (2 cores, shared)."]
     with open(os.path.join(HERE, "results", "oracle_accuracy.md"), "w") as fh:

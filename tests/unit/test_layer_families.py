@@ -28,6 +28,8 @@ COUNTERPARTS = [
     (L.ChannelParallelDense, keras.layers.Dense(4), (6,)),
     (L.FilterParallelConv2D, keras.layers.Conv2D(4, 3), (8, 8, 2)),
     (L.ChannelParallelConv2D, keras.layers.Conv2D(4, 3), (8, 8, 2)),
+    (L.FilterParallelConv3D, keras.layers.Conv3D(4, (3, 1, 2), strides=(1, 2, 1)), (4, 6, 6, 2)),
+    (L.ChannelParallelConv3D, keras.layers.Conv3D(4, 3, padding="same"), (4, 4, 4, 2)),
     (L.SyncBatchNormalization, keras.layers.BatchNormalization(), (8, 8, 2)),
 ]
 

@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 
 from tfhybrid.process_grid import Group
-from tfhybrid.layers import (ChannelParallelConv2D, ChannelParallelDense, FilterParallelConv2D,
-                             FilterParallelDense, ModuloInverseLayer, ModuloLayer, ShardLayer,
-                             SyncBatchNormalization)
+from tfhybrid.layers import (ChannelParallelConv2D, ChannelParallelConv3D, ChannelParallelDense,
+                             FilterParallelConv2D, FilterParallelConv3D, FilterParallelDense,
+                             ModuloInverseLayer, ModuloLayer, ShardLayer, SyncBatchNormalization)
 from tfhybrid.layout import layout_of
 
 RNG = np.random.default_rng(0)
 ALL = [FilterParallelDense, ChannelParallelDense, FilterParallelConv2D, ChannelParallelConv2D,
-       ShardLayer, ModuloLayer, ModuloInverseLayer, SyncBatchNormalization]
+       FilterParallelConv3D, ChannelParallelConv3D, ShardLayer, ModuloLayer, ModuloInverseLayer,
+       SyncBatchNormalization]
 
 
 def built(layer, shape):
@@ -42,6 +43,10 @@ def test_registered_and_not_jit(cls):
      (None, 7, 7, 4)),
     (ChannelParallelConv2D, keras.layers.Conv2D(6, (3, 1), dilation_rate=2, activation="tanh"),
      (None, 7, 7, 4)),
+    (FilterParallelConv3D, keras.layers.Conv3D(6, 3, strides=(2, 1, 1), padding="same"),
+     (None, 5, 6, 6, 4)),
+    (ChannelParallelConv3D, keras.layers.Conv3D(6, (3, 1, 2), dilation_rate=(1, 2, 1),
+                                                activation="tanh"), (None, 5, 7, 6, 4)),
 ])
 def test_one_rank_group_equals_keras_layer(cls, source, shape):
     source = built(source, shape)

@@ -10,6 +10,7 @@ from tfhybrid import layers as L
 INSTANCES = [
     lambda: L.FilterParallelDense(4), lambda: L.ChannelParallelDense(4),
     lambda: L.FilterParallelConv2D(4, 3), lambda: L.ChannelParallelConv2D(4, 3),
+    lambda: L.FilterParallelConv3D(4, 3), lambda: L.ChannelParallelConv3D(4, 3),
     lambda: L.ShardLayer(), lambda: L.ModuloLayer(), lambda: L.ModuloInverseLayer(),
     lambda: L.SyncBatchNormalization(), lambda: L.SpatialConv2D(4, 3),
     lambda: L.SpatialConv3D(4, 3), lambda: L.SpatialMaxPooling2D(),

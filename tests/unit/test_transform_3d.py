@@ -84,11 +84,13 @@ def test_explicit_spatial_override_on_a_conv3d():
     assert plan.node("conv2").conversions == ("space_gather",)
 
 
-def test_f_keeps_conv3d_replicated_and_partitions_dense():
-    plan = plan_of(volume_cnn(), "f", fallback="replicate")
+def test_f_and_c_partition_conv3d_like_conv2d():
+    plan = plan_of(volume_cnn(), "f", fallback="replicate")   # out: 3 units over 2 ranks
     k = kinds(plan)
-    assert k["conv1"] == k["conv2"] == "replicate"
+    assert k["conv1"] == k["conv2"] == "filter" and k["out"] == "replicate"
     assert rules.rule_for("Conv3D") is rules.rule_for("Conv2D")
+    k = kinds(plan_of(volume_cnn(), "c"))
+    assert k["conv1"] == k["conv2"] == k["out"] == "channel"
 
 
 def test_describe_counts_3d_halos():

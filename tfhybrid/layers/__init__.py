@@ -11,7 +11,8 @@ from tfhybrid.layers.spatial import (SpatialAveragePooling2D, SpatialAveragePool
 
 # -- model parallelism (filter/channel), SplitBrain boundaries, sync batch norm --
 # tfhybrid/layers/{partitioned,parallel_dense,parallel_conv,splitbrain,sync_bn}.py
-from tfhybrid.layers.parallel_conv import ChannelParallelConv2D, FilterParallelConv2D  # noqa: F401
+from tfhybrid.layers.parallel_conv import (ChannelParallelConv2D, ChannelParallelConv3D,  # noqa: F401
+                                          FilterParallelConv2D, FilterParallelConv3D)
 from tfhybrid.layers.parallel_dense import ChannelParallelDense, FilterParallelDense  # noqa: F401
 from tfhybrid.layers.splitbrain import ModuloInverseLayer, ModuloLayer, ShardLayer  # noqa: F401
 from tfhybrid.layers.sync_bn import SyncBatchNormalization  # noqa: F401

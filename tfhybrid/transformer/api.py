@@ -53,7 +53,7 @@ def transform(model, strategy="d", **options):
     Args:
         model: A built Sequential or Functional Keras 3 model.
         strategy: ``"d"`` (data parallel over all ranks), ``"f"``/``"c"``
-            (filter/channel parallelism of every Dense/Conv2D over all ranks:
+            (filter/channel parallelism of every Dense/Conv2D/Conv3D over all ranks:
             init with ``model_parallel=world``), ``"s"`` (spatial split of the
             leading convolutions over all ranks), ``"df"``/``"ds"`` (data
             groups x filter/spatial groups), ``"gmp"`` (SplitBrain: convs data

@@ -34,7 +34,8 @@ from tfhybrid.transformer.strategies import _OVERRIDE_KINDS, strategy_for
 
 _PAIR_THROUGH = tuple(c for c in rules.ELEMENTWISE if c != "Softmax") + (
     "Activation", "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
-    "GlobalMaxPooling2D")
+    "GlobalMaxPooling2D", "MaxPooling3D", "AveragePooling3D", "GlobalAveragePooling3D",
+    "GlobalMaxPooling3D")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,15 +58,22 @@ def _dropout_seed(layer, np, grid):
     return int(base) + 7919 * member
 
 
+# The filter- and channel-parallel class of each rules.LINEAR layer.
+_FILTER = {"Dense": P.FilterParallelDense, "Conv2D": P.FilterParallelConv2D,
+           "Conv3D": P.FilterParallelConv3D}
+_CHANNEL = {"Dense": P.ChannelParallelDense, "Conv2D": P.ChannelParallelConv2D,
+            "Conv3D": P.ChannelParallelConv3D}
+
+
 def _filter(layer, np, grid):
-    cls = P.FilterParallelDense if np.cls == "Dense" else P.FilterParallelConv2D
+    cls = _FILTER[np.cls]
     inp = IO_PARTIAL_GRAD if _entry_partial(np) else IO_REPLICATED
     return cls.from_layer(layer, group=GROUP, input_layout=inp,
                           output_layout=np.params["output_layout"])
 
 
 def _channel(layer, np, grid):
-    cls = P.ChannelParallelDense if np.cls == "Dense" else P.ChannelParallelConv2D
+    cls = _CHANNEL[np.cls]
     inp = np.params["input_layout"]
     if _entry_partial(np):
         inp = IO_PARTIAL_GRAD

@@ -13,7 +13,7 @@ output. Rules are small classes in a registry keyed by Keras class name:
 * :class:`Merge` (Add, Multiply, ...): inputs share one layout.
 * :class:`BatchNorm`: ``SyncBatchNormalization`` over every rank that holds
   part of the same batch statistics.
-* :class:`Linear` (Dense, Conv2D): replicated, filter-, channel- or
+* :class:`Linear` (Dense, Conv2D, Conv3D): replicated, filter-, channel- or
   spatially-parallel, as the strategy assigned.
 * :class:`FullInput` (Flatten, Reshape, anything unknown): needs every
   feature of its rows, so split inputs are gathered first.
@@ -47,7 +47,8 @@ SPATIAL_CONVS = ("Conv2D", "Conv3D")
 # Shape-only layers with a spatial counterpart (pooling, padding and cropping the global border).
 SPATIAL_WINDOWED = SPATIAL_POOLS + SPATIAL_BORDER
 MERGES = ("Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum")
-LINEAR = ("Dense", "Conv2D")
+# Layers with a filter-/channel-parallel counterpart (f, c, df, gmp).
+LINEAR = ("Dense", "Conv2D", "Conv3D")
 # Layers with weights that are correct replicated on full rows (no partitioning needed).
 REPLICABLE = ("BatchNormalization", "LayerNormalization", "GroupNormalization",
               "Normalization", "PReLU")
@@ -169,8 +170,7 @@ class BatchNorm(Rule):
 
 
 class Linear(Rule):
-    """Dense/Conv2D (and Conv3D, replicated or spatial), rebuilt as the strategy
-    assigned (``kind``).
+    """Dense/Conv2D/Conv3D, rebuilt as the strategy assigned (``kind``).
 
     Kinds: ``replicate`` (full input), ``filter`` (replicated input; output
     ``channel`` when paired with a following channel layer, else

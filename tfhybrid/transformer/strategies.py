@@ -9,8 +9,8 @@ of :mod:`tfhybrid.strategy_names` (ParaDL's d/f/c/s/df/ds, SplitBrain's gmp) to 
 name     batch split          layers partitioned over the model group
 =======  ===================  ==========================================================
 d        world                none (weights replicated; the model axis is ignored)
-f, df    data groups          every Dense/Conv2D filter-parallel, paired f -> c
-c        data groups          every Dense/Conv2D channel-parallel
+f, df    data groups          every Dense/Conv2D/Conv3D filter-parallel, paired f -> c
+c        data groups          every Dense/Conv2D/Conv3D channel-parallel
 s, ds    data groups          leading Conv2D layers split over height/width
 gmp      world                Dense layers with CCR >= ccr_threshold, filter-parallel
                               (paired f -> c) behind a ModuloLayer
@@ -92,7 +92,7 @@ class DataParallel(Strategy):
 
 
 class FilterParallel(Strategy):
-    """f / df: every Dense/Conv2D filter-parallel, adjacent pairs as f -> c."""
+    """f / df: every Dense/Conv2D/Conv3D filter-parallel, adjacent pairs as f -> c."""
 
     name = "df"
 
@@ -106,7 +106,7 @@ class FilterParallel(Strategy):
 
 
 class ChannelParallel(Strategy):
-    """c: every Dense/Conv2D channel-parallel (input channels split)."""
+    """c: every Dense/Conv2D/Conv3D channel-parallel (input channels split)."""
 
     name = "c"
 

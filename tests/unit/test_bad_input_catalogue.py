@@ -116,6 +116,17 @@ def sharded_in_world_of_4(rows=12, **kwargs):
         return tfhybrid.data.shard((np.zeros((rows, 2)), np.zeros(rows)), **kwargs)
 
 
+def volume_model(filters=5, channels=2):
+    i = keras.Input((4, 4, 4, channels))
+    return keras.Model(i, keras.layers.Conv3D(filters, 3, name="conv3d")(i))
+
+
+def in_world_of(size, model_parallel, fn):
+    """``fn()`` on a pretend grid of ``size`` ranks (planning and layer checks only)."""
+    with world_of(size, model_parallel):
+        return fn()
+
+
 def local_batch_in_world_of_4(batch):
     with world_of(4):
         return tfhybrid.data.local_batch_size(batch)
@@ -282,6 +293,24 @@ API = [
      r"units=-3"),
     ("layer-filter-conv-filters", lambda: L.FilterParallelConv2D(0, 3), ValueError,
      r"filters=0"),
+    ("layer-filter-conv3d-indivisible",
+     lambda: in_world_of(4, 4, lambda: L.FilterParallelConv3D(6, 3, name="v")), ValueError,
+     r"'v': filters=6 is not divisible by the 4 ranks of the 'model' group .*use a multiple "
+     r"of 4 \(e\.g\. 4 or 8\) or a group size that divides 6"),
+    ("layer-channel-conv3d-indivisible",
+     lambda: in_world_of(4, 4, lambda: L.ChannelParallelConv3D(4, 3, name="v").build(
+         (None, 4, 4, 4, 6))), ValueError, r"'v': input channels=6 is not divisible by the 4"),
+    ("layer-conv3d-kernel-size", lambda: L.FilterParallelConv3D(4, (3, 3)), ValueError,
+     r"`kernel_size`, expected a positive int or a tuple of 3 of them\. Received: "
+     r"kernel_size=\(3, 3\)"),
+    ("transform-f-conv3d-filters",
+     lambda: in_world_of(2, 2, lambda: tfhybrid.transform(volume_model(5), "f")), ValueError,
+     r"'conv3d' \(Conv3D\) cannot be made filter-parallel under strategy 'f': filters=5 is "
+     r"not divisible by the model group size 2\. Use fallback='replicate'"),
+    ("transform-c-conv3d-channels",
+     lambda: in_world_of(4, 4, lambda: tfhybrid.transform(volume_model(4, 2), "c")),
+     ValueError, r"'conv3d' \(Conv3D\).*its 2 input channels are not divisible by the model "
+     r"group size 4\. Use fallback='replicate'.*or run on 2 ranks"),
     ("layer-output-layout", lambda: L.FilterParallelDense(4, output_layout="sharded"),
      ValueError, r"output_layout='sharded'; expected one of"),
     ("layer-group", lambda: L.FilterParallelDense(4, group="rows"), ValueError,

@@ -434,3 +434,7 @@ def local_batch_size(global_batch: int, model=None) -> int:
     if global_batch % blocks:
         raise ValueError(_divisible_error(global_batch, blocks))
     return global_batch // blocks
+
+
+# Sharded volume input (each rank reads only its block): tfhybrid/volumes.py.
+from tfhybrid.volumes import volumes  # noqa: E402,F401

@@ -242,10 +242,14 @@ def _weights_message(model, v, a, b, when):
 
 
 def _batch_shared(model) -> bool:
-    """True when ranks of a model group must feed the same rows (same on every rank)."""
+    """True when ranks of a model group must feed the same rows (same on every rank).
+
+    Not for a model fed spatial blocks (``tfhybrid.data.volumes``): the ranks
+    of a group then feed different blocks of the same rows."""
     grid = runtime.current_grid()
     return (grid.size > 1 and grid.model_size > 1
-            and getattr(model, "_tfhybrid_batch_split", "data") == "data")
+            and getattr(model, "_tfhybrid_batch_split", "data") == "data"
+            and not getattr(model, "_tfhybrid_block_input", False))
 
 
 def check_batch(model, checksum, step):

@@ -287,6 +287,18 @@ API = [
      r"global batch of 10 rows cannot be split evenly over 4"),
     ("local-batch-0", lambda: tfhybrid.data.local_batch_size(0), ValueError,
      r"`global_batch`: 0"),
+    ("volumes-wrong-type", lambda: tfhybrid.data.volumes(42, batch_size=2), TypeError,
+     r"volumes: Received x of type int; expected a \.npy path"),
+    ("volumes-missing-file", lambda: tfhybrid.data.volumes("missing.npy", batch_size=2),
+     ValueError, r"x='missing\.npy'; expected an existing \.npy file"),
+    ("volumes-indivisible-depth", lambda: in_world_of(4, 4, lambda: tfhybrid.data.volumes(
+        np.zeros((4, 6, 4, 4, 1), np.float32), batch_size=2, spatial="depth")), ValueError,
+     r"depth=6 is not divisible by 4; use a multiple of 4"),
+    ("volumes-different-lengths", lambda: tfhybrid.data.volumes(
+        np.zeros((4, 4, 4, 4, 1)), np.zeros(3), batch_size=2), ValueError,
+     r"x of 4 samples and y of 3"),
+    ("volumes-bad-shuffle", lambda: tfhybrid.data.volumes(
+        np.zeros((4, 4, 4, 4, 1)), batch_size=2, shuffle=-1), ValueError, r"`shuffle`: -1"),
     # -- layers -----------------------------------------------------------------------
     ("layer-filter-dense-units", lambda: L.FilterParallelDense(0), ValueError, r"units=0"),
     ("layer-channel-dense-units", lambda: L.ChannelParallelDense(-3), ValueError,

@@ -343,8 +343,14 @@ def load(path, strategy: str | None = None, compile: bool = True, **options):
         **options: ``transform`` options (``mp``, ``spatial``, ``layers``...).
 
     Returns:
-        The transformed model. :func:`read_meta` gives the ``epoch`` (pass
-        it as ``initial_epoch``) and ``step`` (batches to skip) saved.
+        The transformed model. Its first ``fit`` continues at the saved data
+        position (:func:`resume_fit_at`): with ``initial_epoch`` omitted it
+        starts at the saved epoch (when ``epochs`` exceeds it), and in that
+        epoch it skips the ``step`` batches trained before the checkpoint,
+        so ``model.fit(tfhybrid.data.shard(dataset, model=model), epochs=E)``
+        on the same (unshuffled or seeded per epoch) dataset continues as if
+        training had never stopped. :func:`read_meta` gives the saved
+        ``epoch`` and ``step``.
 
     Raises:
         FileNotFoundError: if the checkpoint or its side file is missing.
@@ -354,13 +360,14 @@ def load(path, strategy: str | None = None, compile: bool = True, **options):
 
     Example:
         >>> model = tfhybrid.load("ckpt/last.keras", strategy="df")
-        >>> model.fit(data, initial_epoch=tfhybrid.checkpoint.read_meta("ckpt/last.keras")["epoch"])
+        >>> model.fit(tfhybrid.data.shard(batches, model=model), epochs=10)  # saved epoch/step on
     """
     from tfhybrid.transformer.api import transform
 
     path = str(path)
     if os.path.isdir(path):
-        return _load_sharded(path, strategy, compile, options)
+        return resume_fit_at(_load_sharded(path, strategy, compile, options),
+                             read_manifest(path))
     if not os.path.exists(path):
         raise FileNotFoundError(f"Checkpoint {path!r} does not exist.")
     meta = read_meta(path)
@@ -373,7 +380,7 @@ def load(path, strategy: str | None = None, compile: bool = True, **options):
     if compile:
         _compile_from(model, meta, path)
         _restore_slots(model, full, _read_slots(path, meta), meta["iterations"], strategy, options)
-    return model
+    return resume_fit_at(model, meta)
 
 
 def _compile_from(model, meta, where):
@@ -461,6 +468,86 @@ def _load_sharded(directory, strategy, compile, options):
     return model
 
 
+# -- data position: the first fit after load continues mid-epoch ------------------
+
+def resume_fit_at(model, meta):
+    """Make the first ``fit`` of ``model`` continue at the data position of ``meta``.
+
+    ``meta`` is a checkpoint's record (:func:`read_meta`): ``epoch`` (epochs
+    completed) and ``step`` (batches of the next epoch trained before the
+    checkpoint). Wraps ``model.fit`` (instance attribute, once): in the first
+    call, ``initial_epoch`` defaults to ``epoch`` when ``epochs`` exceeds it
+    (as ``keras.callbacks.BackupAndRestore`` resumes), and when the fit
+    starts at that epoch with a ``tf.data.Dataset`` (e.g. what
+    :func:`tfhybrid.data.shard` returns: one element per global batch), that
+    epoch is trained on the dataset without its first ``step`` elements,
+    then the remaining epochs on the whole dataset (two Keras ``fit`` calls,
+    one returned History). :class:`Checkpoint` counts the skipped batches in
+    the saved ``step``. Later calls are plain ``fit``.
+
+    Exact resume needs the dataset to yield the same batches in that epoch
+    as the interrupted run did: unshuffled, or shuffled with a seed that
+    depends on the epoch (``shard(..., shuffle=...)`` reshuffles per
+    iteration of the dataset object, so a new dataset restarts its order).
+
+    Returns:
+        ``model``.
+
+    Example:
+        >>> model = tfhybrid.load("ckpt/last.keras")     # saved at epoch 2, step 300
+        >>> model.fit(tfhybrid.data.shard(ds, model=model), epochs=5)
+        >>> # trains batches 300.. of epoch 2, then epochs 3 and 4 whole
+    """
+    import inspect
+    import types
+    import warnings
+
+    import tensorflow as tf
+
+    epoch, step = int(meta.get("epoch") or 0), int(meta.get("step") or 0)
+    if not epoch and not step:
+        return model
+    inner, signature = model.fit, inspect.signature(keras.Model.fit)
+    pending = [True]
+
+    def fit(self, *args, **kwargs):
+        if not pending:
+            return inner(*args, **kwargs)
+        pending.clear()
+        bound = signature.bind(self, *args, **kwargs)
+        given = set(bound.arguments)
+        bound.apply_defaults()
+        call = {k: v for k, v in bound.arguments.items() if k != "self"}
+        if "initial_epoch" not in given and call["epochs"] > epoch:
+            call["initial_epoch"] = epoch
+        if not step or call["initial_epoch"] != epoch:
+            return inner(**call)
+        if not isinstance(call["x"], tf.data.Dataset):
+            if runtime.is_root():
+                warnings.warn(f"tfhybrid.load: the checkpoint was saved after {step} batches of "
+                              f"epoch {epoch}, but fit received {type(call['x']).__name__}, not "
+                              "a tf.data.Dataset: the whole epoch is trained again. Pass "
+                              "tfhybrid.data.shard(dataset, model=model).", stacklevel=2)
+            return inner(**call)
+        first = dict(call, x=call["x"].skip(step), epochs=epoch + 1)
+        if call.get("steps_per_epoch"):
+            first["steps_per_epoch"] = call["steps_per_epoch"] - step
+        object.__setattr__(self, "_tfhybrid_step_offset", step)
+        try:
+            history = inner(**first)
+        finally:
+            object.__setattr__(self, "_tfhybrid_step_offset", 0)
+        if call["epochs"] <= epoch + 1 or self.stop_training:
+            return history
+        rest = inner(**dict(call, initial_epoch=epoch + 1))
+        rest.epoch = history.epoch + rest.epoch
+        rest.history = {k: history.history.get(k, []) + v for k, v in rest.history.items()}
+        return rest
+
+    object.__setattr__(model, "fit", types.MethodType(fit, model))
+    return model
+
+
 class Checkpoint(keras.callbacks.Callback):
     """Save a :func:`save` checkpoint during ``fit`` (every rank runs it; rank 0 writes).
 
@@ -487,8 +574,7 @@ class Checkpoint(keras.callbacks.Callback):
         >>> model.fit(data, epochs=10, callbacks=tfhybrid.callbacks.standard() + [
         ...     tfhybrid.callbacks.Checkpoint("ckpt/last.keras", every_n_steps=500)])
         >>> model = tfhybrid.load("ckpt/last.keras")        # any world size, any strategy
-        >>> meta = tfhybrid.checkpoint.read_meta("ckpt/last.keras")
-        >>> model.fit(data.skip(meta["step"]), initial_epoch=meta["epoch"], ...)
+        >>> model.fit(data, epochs=10, ...)      # resumes at the saved epoch and step
     """
 
     def __init__(self, path, every_n_steps: int = 0, every_epoch: bool = True,
@@ -520,8 +606,9 @@ class Checkpoint(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.every_n_steps and (batch + 1) % self.every_n_steps == 0:
-            self._save(self._epoch, batch + 1)
+        step = batch + 1 + getattr(self.model, "_tfhybrid_step_offset", 0)  # resumed mid-epoch
+        if self.every_n_steps and step % self.every_n_steps == 0:
+            self._save(self._epoch, step)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.every_epoch:

@@ -326,6 +326,9 @@ def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, se
         model: Optional (transformed) model; its ``_tfhybrid_batch_split``
             ("data", the default, or "world") chooses the split. Pass it:
             without it, ``d``/``gmp`` models split by the data axis only.
+            When the model's outputs stay in spatial blocks (per-voxel
+            outputs under s/ds), ``y`` and a per-voxel ``sample_weight`` are
+            also cut to this rank's block.
         batch_size: The global batch size: required with arrays and with
             single rows (the scaling form).
         map_fn: Scaling form only: a function of one row (e.g. read and
@@ -394,7 +397,8 @@ def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, se
                     f"Received batch_size={batch_size} with a dataset that is already batched "
                     "(its pipeline has a .batch()): pass either a dataset of single samples "
                     "with batch_size=<global batch>, or global batches without batch_size.")
-            return _local_batches(dataset, batch_size, blocks, index, map_fn, shuffle, seed)
+            return _labels_in_blocks(_local_batches(dataset, batch_size, blocks, index, map_fn,
+                                                    shuffle, seed), model)
         if map_fn is not None or shuffle is not None:
             raise ValueError(
                 "Received map_fn/shuffle without batch_size: they apply to a dataset of "
@@ -409,12 +413,30 @@ def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, se
                 "(dataset.batch(64, drop_remainder=True)), or pass batch_size=64 and "
                 "data.shard batches it.")
         if blocks == 1:
-            return dataset
-        return _shard_dataset(dataset, blocks, index, remainder or "drop")
+            return _labels_in_blocks(dataset, model)
+        return _labels_in_blocks(_shard_dataset(dataset, blocks, index, remainder or "drop"),
+                                 model)
     if isinstance(dataset, (np.ndarray, tuple, list, dict)):
-        return _shard_arrays(dataset, batch_size, blocks, index, remainder or "error")
+        return _labels_in_blocks(_shard_arrays(dataset, batch_size, blocks, index,
+                                               remainder or "error"), model)
     raise TypeError(f"Received an invalid `dataset` of type {type(dataset).__name__}; expected "
                     "a tf.data.Dataset of global batches or numpy arrays with batch_size.")
+
+
+def _labels_in_blocks(data, model):
+    """``data`` with per-voxel labels (and sample weights) cut to this rank's
+    spatial block when ``model``'s outputs stay split (s/ds segmentation
+    models: :mod:`tfhybrid.layers.spatial.output`); else unchanged."""
+    from tfhybrid.layers.spatial.output import split_labels, split_outputs_of
+
+    split = split_outputs_of(model) if model is not None else None
+    if split is None:
+        return data
+    spatial = split[1]
+    if isinstance(data, tf.data.Dataset):
+        return data.map(lambda *e: split_labels(e, spatial) if len(e) > 1 else e[0],
+                        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return split_labels(data, spatial)
 
 
 def local_batch_size(global_batch: int, model=None) -> int:

@@ -342,10 +342,14 @@ def metric_ranks(model):
     With the batch split over the data axis, the ranks of a model group
     compute on the same rows: one member per model group (this rank's data
     group) covers the batch once. With a world split every rank holds its
-    own rows: the world.
+    own rows: the world. With outputs split into spatial blocks every rank
+    holds its own voxels: the world (metrics of values replicated in a
+    model group, such as the loss, are means and unchanged by the sum).
     """
     grid = runtime.current_grid()
     if getattr(model, "_tfhybrid_batch_split", "data") == "world":
+        return tuple(range(grid.size))
+    if any(getattr(model, "_tfhybrid_split_outputs", ())):   # per-voxel blocks: every rank
         return tuple(range(grid.size))
     return tuple(grid.data_group_ranks(grid.model_rank))
 
@@ -476,7 +480,9 @@ def install(model):
 
     def train_step(self, data):
         if _config().guards:
-            checksum.assign(batch_checksum(data))
+            # split labels (per-voxel outputs under s/ds) differ within a model group
+            split = any(getattr(self, "_tfhybrid_split_outputs", ())) and isinstance(data, tuple)
+            checksum.assign(batch_checksum(data[0] if split else data))
         return cls.train_step(self, data)
 
     def fit(self, *args, **kwargs):

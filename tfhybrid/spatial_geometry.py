@@ -161,6 +161,80 @@ class AxisPlan:
         return self.need[0] if self.halo[0] else 0
 
 
+def transpose_output(size: int, window: int, stride: int, padding: str):
+    """(output size, rows cropped before the first output row) of a transposed
+    convolution along one axis (Keras ``Conv2DTranspose``/``Conv3DTranspose``
+    without ``output_padding``, dilation 1).
+
+    The op is the gradient of a convolution of the *output* with the same
+    window, stride and padding: ``valid`` gives ``size * stride + max(window
+    - stride, 0)`` rows, ``same`` gives ``size * stride`` rows and crops
+    ``max(window - stride, 0) // 2`` rows before the first one (TF's rule
+    for the forward convolution's padding).
+
+    Example:
+        >>> transpose_output(8, 3, 2, "same"), transpose_output(8, 2, 2, "valid")
+        ((16, 0), (16, 0))
+    """
+    extra = max(window - stride, 0)
+    if padding == "valid":
+        return size * stride + extra, 0
+    return size * stride, extra // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposeGeometry(AxisGeometry):
+    """A transposed convolution along one axis of global ``size`` split into ``parts``.
+
+    Input row ``i`` adds ``x[i] * K[t]`` to output row ``o = i * s + t - crop``
+    (``t < w``; ``crop`` from :func:`transpose_output`). Rank ``r`` computes
+    output rows ``[r*m, (r+1)*m)``; it needs the input rows ``[a, b)`` whose
+    contributions reach them, with ``a`` no later than ``(r*m + crop) / s``
+    and ``b`` such that a ``valid`` transposed convolution of rows ``[a, b)``
+    (``(b - a) * s + max(w - s, 0)`` rows, its row ``j`` being global row
+    ``a * s + j - crop``) covers them. :meth:`offset` is the first kept row
+    of that local result. ``need`` and the halo exchange are those of
+    :class:`AxisGeometry` (rows beyond the global border are zeros).
+    """
+
+    @property
+    def out_size(self) -> int:
+        return transpose_output(self.size, self.window, self.stride, self.padding)[0]
+
+    def _rows(self, i: int) -> Tuple[int, int]:
+        """Input rows ``[a, b)`` rank ``i`` needs (global, may exceed the border)."""
+        w, s, m = self.window, self.stride, self.out_block
+        crop = transpose_output(self.size, w, s, self.padding)[1]
+        first, last = i * m + crop, (i + 1) * m + crop   # in uncropped output rows
+        a = min(-(-(first - w + 1) // s), first // s)
+        b = max((last - 1) // s + 1, -(-(last - max(w - s, 0)) // s))
+        return a, b
+
+    def need(self, i: int) -> Tuple[int, int]:
+        a, b = self._rows(i)
+        n = self.block
+        return i * n - a, b - (i + 1) * n
+
+    def offset(self, i: int) -> int:
+        """Row of the local ``valid`` result where rank ``i``'s output block starts."""
+        crop = transpose_output(self.size, self.window, self.stride, self.padding)[1]
+        return i * self.out_block + crop - self._rows(i)[0] * self.stride
+
+    def problem(self) -> Optional[str]:
+        k = self.parts
+        if self.size % k:
+            return f"size {self.size} does not split evenly over {k} ranks"
+        if self.out_size % k:
+            return (f"the output size {self.out_size} (stride {self.stride}, window "
+                    f"{self.window}, padding '{self.padding}') does not split evenly over "
+                    f"{k} ranks")
+        lo, hi = self.exchange()
+        if max(lo, hi) > self.block:
+            return (f"the blocks of {self.block} rows are smaller than the halo "
+                    f"(lo={lo}, hi={hi} rows)")
+        return None
+
+
 def axis_problem_message(layer, shape, grid_shape, axis_name, geometry) -> str:
     """ValueError text for an axis that cannot be split."""
     below, above = geometry.nearest_valid()

@@ -203,6 +203,8 @@ API = [
      r"scheme='K'; expected one of"),
     ("transform-bad-fallback", lambda: tfhybrid.transform(mlp(), "d", fallback="skip"),
      ValueError, r"fallback='skip'"),
+    ("transform-bad-batch-norm", lambda: tfhybrid.transform(mlp(), "d", batch_norm="global"),
+     ValueError, r"batch_norm='global'; expected one of \('sync', 'local'\)"),
     ("transform-bad-layers", lambda: tfhybrid.transform(mlp(), "f", layers="fc1"), ValueError,
      r"expected a dict"),
     ("transform-bad-override", lambda: tfhybrid.transform(mlp(), "f", layers={"fc1": "x"}),

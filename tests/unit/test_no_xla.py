@@ -18,6 +18,7 @@ INSTANCES = [
     lambda: L.SpatialAveragePooling3D(), lambda: L.SpatialScatter(), lambda: L.SpatialGather(),
     lambda: L.SpatialZeroPadding2D(1), lambda: L.SpatialCropping2D(1),
     lambda: L.SpatialCropping3D(1), lambda: L.SpatialZeroPadding3D(1),
+    lambda: L.SpatialConv2DTranspose(4, 2), lambda: L.SpatialConv3DTranspose(4, 2),
 ]
 
 

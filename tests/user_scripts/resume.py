@@ -110,7 +110,10 @@ def main():
         return
     model = tfhybrid.load(args.ckpt, strategy=args.strategy)
     meta = tfhybrid.checkpoint.read_meta(args.ckpt)
-    model.fit(tfhybrid.data.shard(ds.skip(args.before), model=model), epochs=meta["epoch"] + 1,
+    # Saved mid-epoch (Checkpoint every_n_steps): fit skips the `step` batches
+    # itself; saved with epoch=1 after the first batches: they were "epoch 0".
+    batches = ds if meta.get("step") else ds.skip(args.before)
+    model.fit(tfhybrid.data.shard(batches, model=model), epochs=meta["epoch"] + 1,
               initial_epoch=meta["epoch"], verbose=0, callbacks=tfhybrid.callbacks.standard())
     state = tfhybrid.checkpoint.gather_optimizer_state(model)
     full = tfhybrid.gather(model)

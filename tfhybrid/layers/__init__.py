@@ -6,7 +6,8 @@ from tfhybrid.layers.spatial import (SpatialAveragePooling2D, SpatialAveragePool
                                      SpatialCropping3D, SpatialGather,
                                      SpatialMaxPooling2D, SpatialMaxPooling3D,
                                      SpatialScatter, SpatialZeroPadding2D,
-                                     SpatialZeroPadding3D)
+                                     SpatialZeroPadding3D, SpatialConv2DTranspose,
+                                     SpatialConv3DTranspose)
 # -- end spatial ------------------------------------------------------------------
 
 # -- model parallelism (filter/channel), SplitBrain boundaries, sync batch norm --

@@ -16,6 +16,7 @@ from typing import List, Tuple
 import numpy as np
 
 from tfhybrid.optimizer.reduction import reduction_of
+from tfhybrid.spatial_geometry import TransposeGeometry
 from tfhybrid.transformer import rules
 from tfhybrid.transformer.api import info_of
 from tfhybrid.transformer.rewrite import find_layer
@@ -139,6 +140,10 @@ def _kind_label(np_):
         extra = " (split out)"
     if np_.kind == "channel" and np_.params.get("input_layout") == "split":
         extra = " (split in)"
+    if np_.output.kind == "space" and np_.kind == "replicate":   # runs on its own block
+        return "spatial (local)"
+    if np_.output.kind == "space" and np_.kind == "syncbn":
+        extra = " (spatial)"
     return np_.kind + extra
 
 
@@ -166,7 +171,7 @@ def _activation_comms(np_, node, rows, ctx):
         out.append(("fwd", "allreduce", "model", y))
         if np_.params.get("input_layout") != "split" and not entry:
             out.append(("bwd", "allgather", "model", x))
-    elif np_.kind == "spatial" and np_.cls in rules.SPATIAL_CONVS:
+    elif np_.kind == "spatial" and np_.cls in rules.SPATIAL_WEIGHTED:
         halo = _halo_bytes(node, group_rows, ctx)
         out += [("fwd", "halo", "model", halo), ("bwd", "halo", "model", halo)]
     elif np_.kind == "syncbn":
@@ -191,6 +196,9 @@ def _halo_bytes(node, rows, ctx):
     halos = [window - 1 for window, _, _ in rules.window_specs(node)]
     sizes, c = node.in_shapes[0][1:len(halos) + 1], node.in_shapes[0][-1]
     local = [size // parts for size, parts in zip(sizes, ctx.spatial)]
+    if node.cls in rules.SPATIAL_TRANSPOSED:   # rows whose contributions reach a neighbour
+        halos = [sum(TransposeGeometry(size, parts, *spec).exchange())
+                 for size, parts, spec in zip(sizes, ctx.spatial, rules.window_specs(node))]
     halo = 0
     for d, parts in enumerate(ctx.spatial):
         if parts > 1:

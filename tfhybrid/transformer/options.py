@@ -17,8 +17,9 @@ from tfhybrid.strategy_names import BUILT, TRANSFORM_NAMES
 
 STRATEGIES = TRANSFORM_NAMES   # the one table: tfhybrid.strategy_names
 FALLBACKS = ("error", "replicate")
+BATCH_NORMS = ("sync", "local")
 LAYER_KINDS = ("f", "c", "s", "replicate")
-MODULO_SCHEMES = ("BK", "B/K")
+MODULO_SCHEMES = ("BK", "B", "B/K")
 DEFAULT_CCR_THRESHOLD = SPLITBRAIN_CCR_THRESHOLD   # one definition: tfhybrid.oracle.formulas
 
 # Options that only some strategies read.
@@ -29,9 +30,12 @@ _APPLIES = {
     "spatial": ("s", "ds"),
     "spatial_layers": ("s", "ds"),
     "batch_size": ("auto", "ls"),
-    "machine": ("auto", "ls"),
+    "machine": ("auto", "ls", "p"),
     "keep_grid": ("auto",),
     "fc_workers": ("ls",),
+    "stages": ("p",),
+    "micro_batches": ("p",),
+    "batch_norm": tuple(name for name in BUILT if name != "ls"),
 }
 # Strategies the transformer builds (auto picks among them).
 BUILDABLE = BUILT
@@ -51,9 +55,12 @@ class TransformOptions:
         scheme: gmp's ModuloLayer scheme (SplitBrain; the oracle's and
             :class:`tfhybrid.layers.ModuloLayer`'s name; ``modulo=`` is the
             deprecated spelling): ``"BK"`` (default;
-            the model-parallel region runs once on the group's K*B rows) or
-            ``"B/K"`` (K micro-steps of B rows, each recomputed in the
-            backward pass: activation memory of B rows instead of K*B; needs
+            the model-parallel region runs once on the group's K*B rows),
+            ``"B"`` (K rounds: the group's ranks take turns broadcasting their
+            B rows, each round recomputed in the backward pass: activation
+            memory of B rows; one model-parallel region that ends at the
+            model's single output) or ``"B/K"`` (K micro-steps of B rows,
+            each recomputed in the backward pass: activation memory of B rows instead of K*B; needs
             a local batch divisible by ``mp`` and one model-parallel region
             that ends at the model's single output).
         spatial: s/ds split: ``"height"``, ``"width"`` or ``(ph, pw)`` for
@@ -76,6 +83,17 @@ class TransformOptions:
             re-formed when another one is faster, Gholami §2.2).
         fc_workers: ls: number of FC workers n_f (must divide the n_c = world - n_f
             CONV workers; default: Stanza's node assignment from the oracle).
+        stages: p: number of pipeline stages S (must equal the model-group size
+            of ``tfhybrid.init(model_parallel=S)``; default that size).
+        micro_batches: p: GPipe micro-batches M per local batch (must divide
+            it; default S).
+        batch_norm: ``"sync"`` (default, exact): every BatchNormalization
+            whose batch or space is split over ranks becomes a
+            SyncBatchNormalization over those ranks, equal to single-process
+            batch norm. ``"local"``: plain per-rank BatchNormalization on each
+            rank's rows (or spatial block), as Horovod does; cheaper (no
+            allreduce of the moments) but NOT equal to single-process
+            training (statistics of fewer rows or of a block).
     """
 
     strategy: str
@@ -90,6 +108,9 @@ class TransformOptions:
     machine: object = None
     keep_grid: bool = False
     fc_workers: Optional[int] = None
+    stages: Optional[int] = None
+    micro_batches: Optional[int] = None
+    batch_norm: str = "sync"
 
 
 def make_options(strategy, **options) -> TransformOptions:
@@ -135,7 +156,13 @@ def _validate(o: TransformOptions):
     if o.scheme not in MODULO_SCHEMES:
         raise ValueError(f"Received an invalid value for `scheme`: scheme={o.scheme!r}; "
                          f"expected one of {MODULO_SCHEMES} (gmp's ModuloLayer scheme: 'BK' "
-                         "gathers the group's K*B rows, 'B/K' runs K micro-steps of B rows).")
+                         "gathers the group's K*B rows, 'B' broadcasts each rank's B rows "
+                         "in turn, 'B/K' runs K micro-steps of B rows).")
+    if o.batch_norm not in BATCH_NORMS:
+        raise ValueError(f"Received an invalid value for `batch_norm`: batch_norm="
+                         f"{o.batch_norm!r}; expected one of {BATCH_NORMS} ('sync': "
+                         "synchronised statistics, equal to single-process training; "
+                         "'local': per-rank statistics as in Horovod).")
     if o.fallback not in FALLBACKS:
         raise ValueError(f"Received an invalid value for `fallback`: fallback={o.fallback!r}; "
                          f"expected one of {FALLBACKS}.")

@@ -71,6 +71,9 @@ class Plan:
         context: The rules' context (group sizes, spatial grid).
         nodes: One NodePlan per layer call, in topological order.
         outputs: Per model output, the boundary inserted before it (or None).
+        split_outputs: Per model output, True when it stays split into
+            spatial blocks (a per-voxel output of s/ds: its labels are
+            split the same way and the loss is averaged over the group).
     """
 
     strategy: str
@@ -78,6 +81,7 @@ class Plan:
     context: rules.Context
     nodes: Tuple[NodePlan, ...]
     outputs: Tuple[Optional[str], ...]
+    split_outputs: Tuple[bool, ...] = ()
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
@@ -102,7 +106,7 @@ def make_plan(graph, opts, grid) -> Plan:
             partitioned (and ``fallback="error"``), or an override is invalid.
     """
     strategy = strategy_for(opts.strategy)
-    ctx = strategy.context(grid, opts, graph)
+    ctx = dataclasses.replace(strategy.context(grid, opts, graph), batch_norm=opts.batch_norm)
     kinds = strategy.kinds(graph, ctx, opts)
     kinds = _apply_overrides(graph, kinds, opts, ctx)
     kinds = _check_feasible(graph, kinds, opts, ctx)
@@ -110,8 +114,11 @@ def make_plan(graph, opts, grid) -> Plan:
     strategy.check(graph, kinds, ctx, opts)
     kinds = _pair(graph, kinds, set(opts.layers), ctx)
     nodes, layouts = _propagate(graph, kinds, strategy.layout, ctx)
-    outputs = tuple(convert(layouts[t], strategy.layout.kind)[0] for t in graph.outputs)
-    return Plan(strategy.name, strategy.batch_split, ctx, nodes, outputs)
+    # per-voxel outputs of s/ds stay in blocks (no full-resolution gather)
+    split = tuple(layouts[t].kind == "space" for t in graph.outputs)
+    outputs = tuple(None if keep else convert(layouts[t], strategy.layout.kind)[0]
+                    for t, keep in zip(graph.outputs, split))
+    return Plan(strategy.name, strategy.batch_split, ctx, nodes, outputs, split)
 
 
 # -- pass 1: assign -------------------------------------------------------------
@@ -125,7 +132,7 @@ def _apply_overrides(graph, kinds, opts, ctx):
                              f"{ctx.strategy!r}, but the model has no layer {name!r}; its "
                              f"layers are {list(names)}.")
         node, kind = graph.node(name), _OVERRIDE_KINDS[short]
-        allowed = rules.SPATIAL_CONVS if kind == "spatial" else rules.LINEAR
+        allowed = rules.SPATIAL_WEIGHTED if kind == "spatial" else rules.LINEAR
         if kind != "replicate" and node.cls not in allowed:
             raise ValueError(f"Received layers={{{name!r}: {short!r}}}: layer {name!r} is a "
                              f"{node.cls}; {short!r} applies to {' and '.join(allowed)} "

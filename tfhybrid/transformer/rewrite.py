@@ -17,6 +17,7 @@ import keras
 
 from tfhybrid import layers as P
 from tfhybrid.layers.partitioned import IO_PARTIAL_GRAD, IO_REPLICATED
+from tfhybrid.layout import VariableLayout, set_layout
 from tfhybrid.spatial_geometry import SPATIAL_AXES
 from tfhybrid.transformer.source import copy_layer
 
@@ -85,7 +86,9 @@ _SPATIAL_POOLS = {"MaxPooling2D": "SpatialMaxPooling2D", "AveragePooling2D": "Sp
 # Layers with a from_layer constructor (same arguments and name as the original).
 _SPATIAL_COPIES = {"Conv2D": P.SpatialConv2D, "ZeroPadding2D": P.SpatialZeroPadding2D,
                    "Cropping2D": P.SpatialCropping2D, "Conv3D": P.SpatialConv3D,
-                   "ZeroPadding3D": P.SpatialZeroPadding3D, "Cropping3D": P.SpatialCropping3D}
+                   "ZeroPadding3D": P.SpatialZeroPadding3D, "Cropping3D": P.SpatialCropping3D,
+                   "Conv2DTranspose": P.SpatialConv2DTranspose,
+                   "Conv3DTranspose": P.SpatialConv3DTranspose}
 
 
 def _spatial(layer, np, grid):
@@ -169,6 +172,10 @@ class _Rewriter:
         out = new(*args, **kwargs)
         if np.kind in _COPIES_WEIGHTS_AFTER_CALL and layer.weights:
             new.set_weights(layer.get_weights())
+        if np.params.get("batch_norm") == "local" and np.inputs[0].kind == "space":
+            # per-block statistics; gamma/beta gradients are the blocks' shares: sum them
+            for w in new.trainable_weights:
+                set_layout(w, VariableLayout("partial", GROUP))
         return out
 
     def build(self):
@@ -185,6 +192,9 @@ class _Rewriter:
         final = keras.tree.pack_sequence_as(structure, final)
         inputs = inputs[0] if len(inputs) == 1 else inputs
         new = keras.Model(inputs, final, name=self.model.name)
+        if any(self.plan.split_outputs):   # per-voxel outputs stay in spatial blocks
+            from tfhybrid.layers.spatial.output import install_split_outputs
+            install_split_outputs(new, self.plan.split_outputs, self.plan.context.spatial)
         return _micro_steps(new, self.plan) if self.scheme == "B/K" else new
 
 

@@ -17,6 +17,10 @@ output. Rules are small classes in a registry keyed by Keras class name:
   spatially-parallel, as the strategy assigned.
 * :class:`FullInput` (Flatten, Reshape, anything unknown): needs every
   feature of its rows, so split inputs are gathered first.
+* :class:`Concat` (Concatenate along channels), :class:`UpSampling`
+  (nearest): ``space`` blocks pass (a U-Net's skips and decoder run on
+  blocks); :class:`Linear` also rebuilds Conv2DTranspose/Conv3DTranspose
+  as spatial layers.
 
 Example:
     >>> rule_for("Dense").plan(node, [REPLICATED_ACTIVATION], "filter", ctx).output
@@ -27,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Tuple
 
-from tfhybrid.spatial_geometry import SPATIAL_AXES, AxisGeometry
+from tfhybrid.spatial_geometry import SPATIAL_AXES, AxisGeometry, TransposeGeometry
 from tfhybrid.transformer.layouts import Layout
 
 # Layers computed independently per element (or per example): any layout passes.
@@ -44,6 +48,12 @@ SPATIAL_POOLS = ("MaxPooling2D", "AveragePooling2D", "MaxPooling3D", "AveragePoo
 SPATIAL_BORDER = ("ZeroPadding2D", "Cropping2D", "ZeroPadding3D", "Cropping3D")
 # Convolutions with a spatially parallel counterpart (SpatialConv2D / SpatialConv3D).
 SPATIAL_CONVS = ("Conv2D", "Conv3D")
+# Transposed convolutions with one (SpatialConv2DTranspose / SpatialConv3DTranspose).
+SPATIAL_TRANSPOSED = ("Conv2DTranspose", "Conv3DTranspose")
+# Every layer with weights that s/ds split spatially (the region's convolutions).
+SPATIAL_WEIGHTED = SPATIAL_CONVS + SPATIAL_TRANSPOSED
+# Nearest-neighbour up-sampling: block i of the input makes block i of the output.
+SPATIAL_UPSAMPLING = ("UpSampling2D", "UpSampling3D")
 # Shape-only layers with a spatial counterpart (pooling, padding and cropping the global border).
 SPATIAL_WINDOWED = SPATIAL_POOLS + SPATIAL_BORDER
 MERGES = ("Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum")
@@ -64,12 +74,16 @@ class Context:
         data_size: Number of model groups.
         spatial: Block grid of s/ds, one part per spatial axis of the
             model: (ph, pw) for images, (pd, ph, pw) for volumes; else None.
+        batch_norm: ``"sync"`` (SyncBatchNormalization over the ranks
+            sharing the statistics) or ``"local"`` (plain per-rank
+            BatchNormalization, Horovod's behaviour).
     """
 
     strategy: str
     model_size: int
     data_size: int
     spatial: Optional[Tuple[int, int]] = None
+    batch_norm: str = "sync"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +129,17 @@ class Elementwise(Rule):
 
     def plan(self, node, layouts, kind, ctx):
         act = node.attr("activation")
-        if node.cls == "Softmax" or (node.cls == "Activation" and act in CHANNEL_MIXING):
+        mixing = node.cls == "Softmax" or (node.cls == "Activation" and act in CHANNEL_MIXING)
+        if mixing and not (layouts[0].kind == "space" and channels_last_axis(node)):
             return super().plan(node, layouts, kind, ctx)
         return Decision((None,) * len(layouts), "replicate", layouts[0])
+
+
+def channels_last_axis(node) -> bool:
+    """True when a Softmax/Concatenate acts along the last (channel) axis only."""
+    axis = node.attr("axis", -1)
+    rank = len(node.out_shape)
+    return axis in (-1, rank - 1) if isinstance(axis, int) else tuple(axis) in ((-1,), (rank - 1,))
 
 
 class Channelwise(Rule):
@@ -147,6 +169,57 @@ class Merge(Rule):
         return super().plan(node, layouts, kind, ctx)
 
 
+class Concat(Merge):
+    """Concatenate along channels: ``space`` blocks (a U-Net's skip joining the
+    decoder) and equal row layouts pass like :class:`Merge`; channel splits
+    and concatenation along other axes need full inputs."""
+
+    def plan(self, node, layouts, kind, ctx):
+        if not channels_last_axis(node) or any(lay.kind == "channel" for lay in layouts):
+            return Rule.plan(self, node, layouts, kind, ctx)
+        return super().plan(node, layouts, kind, ctx)
+
+
+class UpSampling(Channelwise):
+    """UpSampling2D/3D: nearest-neighbour up-sampling of a ``space`` block is
+    the block of the up-sampled tensor (no communication); bilinear needs
+    its neighbours' rows and gathers first."""
+
+    def plan(self, node, layouts, kind, ctx):
+        if layouts[0].kind == "space" and spatial_local(node):
+            return Decision((None,), "replicate", layouts[0])
+        return super().plan(node, layouts, kind, ctx)
+
+
+def spatial_local(node) -> bool:
+    """True for layers that compute a ``space`` block from the same block alone:
+    nearest UpSampling2D/3D (block boundaries scale by the factor)."""
+    return node.cls in SPATIAL_UPSAMPLING and \
+        node.attr("interpolation", "nearest") == "nearest" and \
+        node.attr("data_format", "channels_last") == "channels_last"
+
+
+def runs_on_blocks(node) -> bool:
+    """True for layers that compute a ``space`` block from that block alone (they
+    do not end the spatial region of s/ds): element-wise layers and merges,
+    BatchNormalization (synchronised), softmax over channels, Concatenate
+    along channels, nearest UpSampling2D/3D.
+
+    Example:
+        >>> runs_on_blocks(node_of(keras.layers.Concatenate()))
+        True
+    """
+    if node.cls == "Softmax" or (node.cls == "Activation" and
+                                 node.attr("activation") in CHANNEL_MIXING):
+        return channels_last_axis(node)
+    if node.cls == "Concatenate":
+        return channels_last_axis(node)
+    if spatial_local(node):
+        return True
+    return node.cls in ELEMENTWISE + MERGES + ("Activation", "BatchNormalization") and \
+        node.attr("activation") not in CHANNEL_MIXING
+
+
 class BatchNorm(Rule):
     """BatchNormalization -> SyncBatchNormalization over the ranks sharing its statistics.
 
@@ -164,6 +237,8 @@ class BatchNorm(Rule):
             groups, n = ("data", "model"), ctx.data_size * ctx.model_size
         else:
             groups, n = ("data",), ctx.data_size
+        if ctx.batch_norm == "local":     # Horovod's per-rank statistics (not exact)
+            return Decision(needs, "replicate", lay, {"batch_norm": "local"} if n > 1 else {})
         if n == 1:
             return Decision(needs, "replicate", lay)
         return Decision(needs, "syncbn", lay, {"bn_groups": groups})
@@ -224,8 +299,8 @@ def _per_axis(value, default, ndim):
 
 
 def spatial_ndim(node) -> int:
-    """Spatial axes of a layer: 3 for the *3D layers (NDHWC), else 2."""
-    return 3 if node.cls.endswith("3D") else 2
+    """Spatial axes of a layer: 3 for the *3D layers (NDHWC, Conv3DTranspose too), else 2."""
+    return 3 if node.cls.endswith("3D") or node.cls.endswith("3DTranspose") else 2
 
 
 def window_specs(node):
@@ -234,7 +309,7 @@ def window_specs(node):
     if node.cls in SPATIAL_BORDER:
         return [(1, 1, rows) for rows in border_rows(node)]
     n = spatial_ndim(node)
-    if node.cls in SPATIAL_CONVS:
+    if node.cls in SPATIAL_WEIGHTED:
         sizes = [d * (k - 1) + 1 for k, d in zip(_per_axis(node.attr("kernel_size"), 1, n),
                                                  _per_axis(node.attr("dilation_rate"), 1, n))]
         strides = _per_axis(node.attr("strides"), 1, n)
@@ -273,12 +348,17 @@ def spatial_problem(node, spatial) -> Optional[str]:
         return f"{head}: it is not {kind} layer"
     if node.attr("data_format", "channels_last") != "channels_last":
         return f"data_format={node.attr('data_format')!r} (channels_last needed)"
+    transposed = node.cls in SPATIAL_TRANSPOSED
+    if transposed and (node.attr("output_padding") is not None or any(
+            v != 1 for v in _per_axis(node.attr("dilation_rate"), 1, ndim))):
+        return f"{head}: output_padding or dilation_rate is set (spatial: neither)"
     for d, (axis, parts, (window, stride, padding)) in enumerate(zip(names, spatial,
                                                                      window_specs(node))):
         size = shape_in[d + 1]
         if size is None:
             return f"{head}: its {axis} is unknown (None)"
-        geometry = AxisGeometry(size, parts, window, stride, padding)
+        geometry = (TransposeGeometry if transposed else AxisGeometry)(size, parts, window,
+                                                                       stride, padding)
         problem = geometry.problem()
         if problem is None and geometry.out_size != shape_out[d + 1]:
             problem = "tfhybrid's geometry does not reproduce its output size"
@@ -294,7 +374,8 @@ def _hw(shape, ndim=2):
 _RULES = {}
 for _names, _rule in ((ELEMENTWISE + ("Activation",), Elementwise()), (CHANNELWISE, Channelwise()),
                       (MERGES, Merge()), (("BatchNormalization",), BatchNorm()),
-                      (LINEAR + SPATIAL_CONVS, Linear())):
+                      (LINEAR + SPATIAL_WEIGHTED, Linear()), (("Concatenate",), Concat()),
+                      (SPATIAL_UPSAMPLING, UpSampling())):
     for _name in _names:
         _RULES[_name] = _rule
 _DEFAULT = FullInput()

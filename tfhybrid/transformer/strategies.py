@@ -189,7 +189,10 @@ _SPATIAL_PASS = rules.ELEMENTWISE + rules.MERGES + ("Activation", "BatchNormaliz
 
 
 def _spatial_capable(node):
-    return node.cls in _SPATIAL_PASS and node.attr("activation") not in rules.CHANNEL_MIXING
+    """Layers that run on spatial blocks (rules.runs_on_blocks: element-wise, merges,
+    BatchNormalization, softmax over channels, Concatenate along channels, nearest
+    UpSampling)."""
+    return rules.runs_on_blocks(node)
 
 
 def _before_region(node, region):
@@ -222,7 +225,7 @@ def _region_walk(graph, ctx):
     """
     region = []
     for node in graph.nodes:
-        if node.cls in rules.SPATIAL_CONVS:
+        if node.cls in rules.SPATIAL_WEIGHTED:
             problem = _conv_problem(node, ctx)
             if problem:
                 return region, (node, problem)
@@ -246,7 +249,7 @@ def _explicit_walk(graph, ctx, count):
     for node in graph.nodes:
         if len(region) == count:
             break
-        if node.cls in rules.SPATIAL_CONVS:
+        if node.cls in rules.SPATIAL_WEIGHTED:
             problem = _conv_problem(node, ctx)
             if problem:
                 return region, (node, problem)

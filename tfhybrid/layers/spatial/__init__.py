@@ -9,15 +9,20 @@ A spatially parallel region of a CNN::
     x = SpatialGather(split="height")(x)                   # blocks -> full
     logits = keras.layers.Dense(10)(keras.layers.Flatten()(x))
 
-Element-wise layers (activations, dropout with a group-wide seed, Add)
-work on blocks unchanged. Every layer here equals its Keras counterpart on
+Element-wise layers (activations, dropout with a group-wide seed, Add),
+``Concatenate`` along channels of equally split blocks (U-Net skips),
+nearest-neighbour ``UpSampling2D/3D`` and a softmax over channels work on
+blocks unchanged; ``SpatialConv2DTranspose``/``SpatialConv3DTranspose``
+up-sample with a halo, so a whole U-Net runs on blocks. Every layer here equals its Keras counterpart on
 the full input, block by block, in outputs and gradients; convolution
 weights are partial over the group (``VariableLayout("partial", group)``).
 
 Modules: :mod:`tfhybrid.spatial_geometry` (which rows each rank holds and
 needs; pure Python, beside the process grid), :mod:`.core` (halo assembly and
 overlapped execution), :mod:`.conv`, :mod:`.pool`, :mod:`.io` (scatter and
-gather), :mod:`.border` (zero padding and cropping).
+gather), :mod:`.border` (zero padding and cropping), :mod:`.transpose`
+(transposed convolutions), :mod:`.output` (per-voxel outputs kept in blocks:
+their loss, metrics and labels).
 """
 from tfhybrid.layers.spatial.conv import SpatialConv2D, SpatialConv3D
 from tfhybrid.layers.spatial.border import (SpatialCropping2D, SpatialCropping3D,
@@ -25,8 +30,9 @@ from tfhybrid.layers.spatial.border import (SpatialCropping2D, SpatialCropping3D
 from tfhybrid.layers.spatial.io import SpatialGather, SpatialScatter
 from tfhybrid.layers.spatial.pool import (SpatialAveragePooling2D, SpatialAveragePooling3D,
                                           SpatialMaxPooling2D, SpatialMaxPooling3D)
+from tfhybrid.layers.spatial.transpose import SpatialConv2DTranspose, SpatialConv3DTranspose
 
 __all__ = ["SpatialConv2D", "SpatialConv3D", "SpatialMaxPooling2D", "SpatialMaxPooling3D",
            "SpatialAveragePooling2D", "SpatialAveragePooling3D", "SpatialScatter",
            "SpatialGather", "SpatialZeroPadding2D", "SpatialZeroPadding3D", "SpatialCropping2D",
-           "SpatialCropping3D"]
+           "SpatialCropping3D", "SpatialConv2DTranspose", "SpatialConv3DTranspose"]

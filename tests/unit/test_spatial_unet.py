@@ -1,0 +1,153 @@
+"""U-Nets under the spatial strategies, in one process: the transposed
+convolutions' block geometry against Keras, the planner keeping every layer
+of a 2-D and a 3-D U-Net on blocks (no layer at full resolution, the output
+split), ``describe`` labelling them, and ``transform(batch_norm=...)``.
+Multi-rank exactness is tests/parallel/test_unet.py."""
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import tfhybrid
+from tfhybrid.spatial_geometry import TransposeGeometry, transpose_output
+from tfhybrid.transformer import rules
+from tfhybrid.transformer.options import make_options
+
+from test_transform_planner import plan_of
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "parallel"))
+from unet_models import unet  # noqa: E402
+
+
+def _blockwise_transpose(layer, x, parts):
+    """The output of a built Conv2DTranspose (kernel 1 along width) computed
+    block by block along height over ``parts`` blocks, as
+    SpatialConv2DTranspose does: the block's rows plus the halo (zeros
+    beyond the border), a 'valid' transposed convolution, the block's rows of
+    its result."""
+    geom = TransposeGeometry(x.shape[1], parts, layer.kernel_size[0], layer.strides[0],
+                             layer.padding)
+    assert geom.problem() is None, geom.problem()
+    n, out = geom.block, []
+    for i in range(parts):
+        lo, hi = geom.need(i)
+        rows = np.arange(i * n - lo, (i + 1) * n + hi)
+        inside = ((rows >= 0) & (rows < x.shape[1]))[None, :, None, None]
+        ext = np.where(inside, np.take(x, np.clip(rows, 0, x.shape[1] - 1), axis=1), 0.0)
+        y = np.asarray(ops.conv_transpose(ext.astype(np.float32), layer.kernel,
+                                          list(layer.strides), padding="valid"))
+        out.append(y[:, geom.offset(i):geom.offset(i) + geom.out_block])
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("kernel,stride,padding,parts", [
+    (2, 2, "valid", 2), (3, 2, "same", 2), (3, 2, "same", 4), (4, 2, "same", 4),
+    (3, 1, "same", 4), (3, 1, "valid", 2), (4, 2, "valid", 2), (5, 2, "same", 2),
+    (1, 2, "valid", 4), (2, 3, "same", 2)])
+def test_transpose_geometry_reproduces_keras(kernel, stride, padding, parts):
+    size = next(n for n in range(4, 64) if TransposeGeometry(
+        n, parts, kernel, stride, padding).problem() is None)
+    x = np.random.default_rng(kernel * 10 + stride).standard_normal(
+        (2, size, 5, 3)).astype(np.float32)
+    layer = keras.layers.Conv2DTranspose(2, (kernel, 1), strides=(stride, 1), padding=padding,
+                                         use_bias=False)
+    want = np.asarray(layer(x))
+    np.testing.assert_allclose(_blockwise_transpose(layer, x, parts), want, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_transpose_geometry_halos_and_errors():
+    assert TransposeGeometry(8, 2, 2, 2, "valid").exchange() == (0, 0)   # U-Net's 2x2/2
+    assert TransposeGeometry(8, 2, 3, 2, "same").exchange() == (1, 0)
+    assert TransposeGeometry(8, 4, 3, 1, "same").exchange() == (1, 1)
+    assert transpose_output(8, 3, 2, "valid") == (17, 0)
+    assert "output size 17" in TransposeGeometry(8, 2, 3, 2, "valid").problem()
+
+
+def kinds(plan):
+    return {n.name: n.kind for n in plan.nodes}
+
+
+@pytest.mark.parametrize("shape,up,size,spatial", [
+    ((16, 16, 1), "transpose", 2, None), ((16, 16, 1), "upsample", 4, (2, 2)),
+    ((8, 8, 8, 1), "transpose3", 2, "height"), ((16, 8, 8, 1), "transpose", 4, None),
+    ((8, 8, 8, 1), "upsample", 4, (1, 2, 2))])
+def test_every_unet_layer_runs_on_blocks(shape, up, size, spatial):
+    model = unet(shape, filters=2, depth=2, up=up)
+    options = {} if spatial is None else {"spatial": spatial}
+    plan = plan_of(model, "s", size, size, **options)
+    assert all(n.output.kind == "space" for n in plan.nodes), \
+        [n.name for n in plan.nodes if n.output.kind != "space"]
+    conversions = [(n.name, c) for n in plan.nodes for c in n.conversions if c]
+    assert conversions == [("enc0_conv1", "space_scatter")]
+    assert plan.outputs == (None,) and plan.split_outputs == (True,)
+    k = kinds(plan)
+    weighted = [n.name for n in plan.nodes if n.cls in rules.SPATIAL_WEIGHTED]
+    assert weighted and all(k[name] == "spatial" for name in weighted)
+    assert {k[n.name] for n in plan.nodes if n.cls == "BatchNormalization"} == {"syncbn"}
+
+
+def test_ds_unet_keeps_the_output_split_over_each_model_group():
+    plan = plan_of(unet((8, 8, 8, 1), filters=2), "ds", 4, 2)
+    assert plan.split_outputs == (True,) and plan.context.spatial == (2, 1, 1)
+    assert plan.node("enc0_bn1").params["bn_groups"] == ("data", "model")
+
+
+def test_layers_that_need_neighbours_end_the_region():
+    i = keras.Input((8, 8, 2))
+    x = keras.layers.Conv2D(4, 3, padding="same", name="conv1")(i)
+    y = keras.layers.Conv2D(4, 3, padding="same", name="conv2")(x)
+    z = keras.layers.Concatenate(axis=1, name="cat_rows")([x, y])   # along height: gathered
+    model = keras.Model(i, keras.layers.Conv2D(2, 1, name="head")(z))
+    plan = plan_of(model, "s", 2, 2)
+    assert plan.node("cat_rows").conversions == ("space_gather", "space_gather")
+    assert plan.split_outputs == (False,) and plan.outputs == (None,)
+    i = keras.Input((8, 8, 2))
+    x = keras.layers.Conv2D(4, 3, padding="same", name="conv1")(i)
+    x = keras.layers.UpSampling2D(interpolation="bilinear", name="up")(x)
+    plan = plan_of(keras.Model(i, keras.layers.Conv2D(2, 1, name="head")(x)), "s", 2, 2)
+    assert plan.node("up").conversions == ("space_gather",)
+    assert kinds(plan)["head"] == "replicate"
+
+
+def test_output_padding_keeps_a_transposed_conv_replicated():
+    i = keras.Input((8, 8, 2))
+    x = keras.layers.Conv2D(4, 3, padding="same", name="conv1")(i)
+    x = keras.layers.Conv2DTranspose(2, 3, strides=2, padding="same", output_padding=1,
+                                     name="up")(x)
+    plan = plan_of(keras.Model(i, x), "s", 2, 2)
+    assert kinds(plan) == {"conv1": "spatial", "up": "replicate"}
+    assert plan.node("up").conversions == ("space_gather",)
+
+
+def test_describe_shows_the_decoder_as_spatial():
+    tfhybrid.init()
+    try:
+        pmodel = tfhybrid.transform(unet((16, 16, 1), filters=2, depth=2), "s")
+        rows = tfhybrid.describe(pmodel, batch_size=2, print_fn=None).rows
+    finally:
+        tfhybrid.shutdown()
+    labels = {r.name: r.kind for r in rows}
+    assert labels["up0"] == labels["dec0_conv2"] == labels["head"] == "spatial"
+    assert labels["skip0"] == labels["softmax"] == labels["dec0_relu1"] == "spatial (local)"
+    assert all(label.startswith("spatial") for label in labels.values()), labels
+    assert pmodel._tfhybrid_split_outputs == (True,)
+
+
+def test_batch_norm_option():
+    model = unet((8, 8, 1), filters=2, depth=1)
+    sync = plan_of(model, "ds", 4, 2)
+    local = plan_of(model, "ds", 4, 2, batch_norm="local")
+    assert kinds(sync)["enc0_bn1"] == "syncbn"
+    assert kinds(local)["enc0_bn1"] == "replicate"
+    assert local.node("enc0_bn1").params == {"batch_norm": "local"}
+    assert kinds(plan_of(model, "d", 4, 1, batch_norm="local"))["enc0_bn1"] == "replicate"
+    assert make_options("s").batch_norm == "sync"
+    with pytest.raises(ValueError, match=r"batch_norm='mean'; expected one of \('sync', "
+                                         r"'local'\)"):
+        make_options("d", batch_norm="mean")
+    with pytest.raises(ValueError, match=r"batch_norm='local' does not apply to strategy 'ls'"):
+        make_options("ls", batch_norm="local")

@@ -1,0 +1,97 @@
+"""User script: a checkpoint saved mid-epoch resumes at its data position by itself.
+
+    python resume_position.py --phase train  --strategy f --model-parallel 2 --ckpt /tmp/x.keras
+    python resume_position.py --phase resume --strategy d --ckpt /tmp/x.keras
+
+The train phase fits one epoch of 4 global batches with
+``tfhybrid.callbacks.Checkpoint(every_n_steps=3)``: the checkpoint holds
+epoch 0, step 3. The resume phase loads it and calls ``fit`` on the *whole*
+dataset for 2 epochs, as if nothing had happened: tfhybrid must train batch
+3 of epoch 0 and then epoch 1 whole (8 steps in all), which it compares with
+one uninterrupted single-process run of 2 epochs (plain Keras, same batches),
+and its own Checkpoint(every_n_steps=2) must name the steps by their position
+in the epoch. Prints ``RESULT {json}`` per rank.
+"""
+import argparse
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfhybrid  # noqa: E402
+from resume import GLOBAL_BATCH, data, loss, make_model, optimizer  # noqa: E402
+
+STEPS_PER_EPOCH, EPOCHS = 4, 2
+
+
+def reference(opt_name):
+    """Plain Keras, one process: EPOCHS epochs of the same batches, in order."""
+    keras.utils.set_random_seed(0)
+    model = make_model()
+    opt = optimizer(opt_name)
+    model.compile(optimizer=opt, loss=loss())
+    x, y = data(STEPS_PER_EPOCH)
+    for _ in range(EPOCHS):
+        for s in range(STEPS_PER_EPOCH):
+            sl = slice(s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH)
+            model.train_on_batch(x[sl], y[sl])
+    return model, opt
+
+
+def rel(a, b):
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", choices=["train", "resume"], required=True)
+    ap.add_argument("--strategy", required=True)
+    ap.add_argument("--model-parallel", type=int, default=1)
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    args = ap.parse_args()
+    tfhybrid.init(model_parallel=args.model_parallel)
+    x, y = data(STEPS_PER_EPOCH)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH, drop_remainder=True)
+    if args.phase == "train":
+        keras.utils.set_random_seed(0)
+        model = tfhybrid.transform(make_model(), strategy=args.strategy)
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(optimizer(args.optimizer)),
+                      loss=loss())
+        saver = tfhybrid.callbacks.Checkpoint(args.ckpt, every_n_steps=3, every_epoch=False)
+        model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0,
+                  callbacks=tfhybrid.callbacks.standard() + [saver])
+        print("RESULT " + json.dumps({"rank": tfhybrid.grid().rank,
+                                      "meta": tfhybrid.checkpoint.read_meta(args.ckpt)}))
+        return
+    model = tfhybrid.load(args.ckpt, strategy=args.strategy)
+    directory = os.path.dirname(os.path.abspath(args.ckpt))
+    saver = tfhybrid.callbacks.Checkpoint(os.path.join(directory, "r-e{epoch}-s{step}.keras"),
+                                          every_n_steps=2, every_epoch=False)
+    history = model.fit(tfhybrid.data.shard(ds, model=model), epochs=EPOCHS, verbose=0,
+                        callbacks=tfhybrid.callbacks.standard() + [saver])
+    state = tfhybrid.checkpoint.gather_optimizer_state(model)
+    full = tfhybrid.gather(model)
+    ref, opt = reference(args.optimizer)
+    ref_slots = tfhybrid.checkpoint.slots_of(opt, ref.trainable_variables)
+    worst_s = 0.0
+    for name, values in state["slots"].items():
+        for value, per_var in zip(values, ref_slots):
+            if value is not None and name in per_var:
+                worst_s = max(worst_s, rel(value, per_var[name].numpy()))
+    print("RESULT " + json.dumps({
+        "rank": tfhybrid.grid().rank,
+        "weights_rel": max(rel(a.numpy(), b.numpy()) for a, b in zip(full.trainable_variables,
+                                                                      ref.trainable_variables)),
+        "slots_rel": worst_s, "slot_names": sorted(state["slots"]),
+        "iterations": state["iterations"], "ref_iterations": int(opt.iterations.numpy()),
+        "history_epochs": history.epoch, "losses": len(history.history["loss"]),
+        "saved": sorted(f for f in os.listdir(directory) if f.startswith("r-e")
+                        and f.endswith(".keras"))}))
+
+
+if __name__ == "__main__":
+    main()

@@ -514,19 +514,18 @@ def resume_fit_at(model, meta):
         if not pending:
             return inner(*args, **kwargs)
         pending.clear()
-        bound = signature.bind(self, *args, **kwargs)
-        given = set(bound.arguments)
-        bound.apply_defaults()
-        call = {k: v for k, v in bound.arguments.items() if k != "self"}
-        if "initial_epoch" not in given and call["epochs"] > epoch:
+        call = {k: v for k, v in signature.bind(self, *args, **kwargs).arguments.items()
+                if k != "self"}                 # as given: Keras warns about some defaults
+        epochs = call.get("epochs", signature.parameters["epochs"].default)
+        if "initial_epoch" not in call and epochs > epoch:
             call["initial_epoch"] = epoch
-        if not step or call["initial_epoch"] != epoch:
+        if not step or call.get("initial_epoch", 0) != epoch:
             return inner(**call)
-        if not isinstance(call["x"], tf.data.Dataset):
+        if not isinstance(call.get("x"), tf.data.Dataset):
             if runtime.is_root():
                 warnings.warn(f"tfhybrid.load: the checkpoint was saved after {step} batches of "
-                              f"epoch {epoch}, but fit received {type(call['x']).__name__}, not "
-                              "a tf.data.Dataset: the whole epoch is trained again. Pass "
+                              f"epoch {epoch}, but fit received {type(call.get('x')).__name__}, "
+                              "not a tf.data.Dataset: the whole epoch is trained again. Pass "
                               "tfhybrid.data.shard(dataset, model=model).", stacklevel=2)
             return inner(**call)
         first = dict(call, x=call["x"].skip(step), epochs=epoch + 1)
@@ -537,7 +536,7 @@ def resume_fit_at(model, meta):
             history = inner(**first)
         finally:
             object.__setattr__(self, "_tfhybrid_step_offset", 0)
-        if call["epochs"] <= epoch + 1 or self.stop_training:
+        if epochs <= epoch + 1 or self.stop_training:
             return history
         rest = inner(**dict(call, initial_epoch=epoch + 1))
         rest.epoch = history.epoch + rest.epoch

@@ -210,11 +210,12 @@ S_LAYERS = {"conv1": SpatialConv3D, "conv2": SpatialConv3D, "bn": SyncBatchNorma
 # (strategy, model_parallel, options, {layer: class in the transformed model})
 CASES = {2: [("f", 2, {}, F_LAYERS), ("c", 2, {}, C_LAYERS), ("s", 2, {}, S_LAYERS)],
          4: [("f", 4, {}, F_LAYERS), ("c", 4, {}, C_LAYERS), ("df", 2, {}, F_LAYERS),
-             ("ds", 2, {}, S_LAYERS)]}.get(N, [])
+             ("s", 4, {"spatial": (2, 2, 1)}, S_LAYERS), ("ds", 2, {}, S_LAYERS)]}.get(N, [])
 
 
 @pytest.mark.parametrize("strategy,mp,options,layer_types", CASES,
-                         ids=[f"{s}-mp{m}" for s, m, _, _ in CASES])
+                         ids=[f"{s}-mp{m}{'-' + str(o['spatial']) if o else ''}".replace(" ", "")
+                              for s, m, o, _ in CASES])
 def test_cosmoflow_fit_equals_single_process(grid_of, strategy, mp, options, layer_types):
     grid_of(mp)
     x, y = data()

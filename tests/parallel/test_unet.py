@@ -195,3 +195,31 @@ def test_spatial_conv_layers_are_used(grid_of):
     pmodel = transform(_build((16, 16, 1), "transpose", False), "s")
     assert isinstance(pmodel.get_layer("up0"), SpatialConv2DTranspose)
     assert isinstance(pmodel.get_layer("head"), SpatialConv2D)
+
+
+LOCAL_BN_CASES = [("s", 2)] if N == 2 else []
+
+
+@pytest.mark.parametrize("strategy,mp", LOCAL_BN_CASES)
+def test_local_batch_norm_keeps_replicas_equal_but_differs_from_single_process(
+        grid_of, strategy, mp):
+    """batch_norm="local": plain BatchNormalization on each rank's block (Horovod's
+    per-rank statistics). gamma/beta stay identical on the ranks (their gradients
+    are summed over the blocks), but training is not single-process training."""
+    grid_of(mp)
+    shape, up = (16, 16, 1), "transpose"
+    data = _data(shape, None)
+    _, expected, _ = _reference((shape, up, True, None), shape, up, True, data)
+    pmodel = transform(_build(shape, up, True), strategy, batch_norm="local")
+    bn = pmodel.get_layer("enc0_bn1")
+    assert type(bn) is keras.layers.BatchNormalization
+    _compile(pmodel, tfhybrid.DistributedOptimizer(keras.optimizers.SGD(LR)), eager=True)
+    pmodel.fit(tfhybrid.data.shard(_dataset(*data), model=pmodel), epochs=1, shuffle=False,
+               verbose=0)
+    from tfhybrid.comm import backend
+    gamma = bn.gamma.numpy()
+    ranks = tfhybrid.grid().group("model").ranks
+    total = backend.allreduce(tf.constant(gamma), ranks, "test.local_bn.gamma").numpy()
+    np.testing.assert_allclose(total, len(ranks) * gamma, rtol=1e-6)
+    actual = gather(pmodel).get_weights()
+    assert max(float(np.max(np.abs(a - e))) for a, e in zip(actual, expected)) > 1e-4

@@ -3,15 +3,20 @@ convolutions' block geometry against Keras, the planner keeping every layer
 of a 2-D and a 3-D U-Net on blocks (no layer at full resolution, the output
 split), ``describe`` labelling them, and ``transform(batch_norm=...)``.
 Multi-rank exactness is tests/parallel/test_unet.py."""
+import contextlib
 import os
 import sys
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras import ops
 
 import tfhybrid
+from tfhybrid import runtime
+from tfhybrid.layers.spatial.output import label_block, split_labels
+from tfhybrid.process_grid import ProcessGrid
 from tfhybrid.spatial_geometry import TransposeGeometry, transpose_output
 from tfhybrid.transformer import rules
 from tfhybrid.transformer.options import make_options
@@ -151,3 +156,65 @@ def test_batch_norm_option():
         make_options("d", batch_norm="mean")
     with pytest.raises(ValueError, match=r"batch_norm='local' does not apply to strategy 'ls'"):
         make_options("ls", batch_norm="local")
+
+
+@contextlib.contextmanager
+def pretend(size, rank, mp):
+    """This process as global rank ``rank`` of a ``size``-rank grid (no Horovod)."""
+    saved = dict(runtime._STATE)
+    runtime._STATE.update(grid=ProcessGrid(size=size, rank=rank, model_parallel=mp),
+                          args=(mp, None))
+    try:
+        yield
+    finally:
+        runtime._STATE.clear()
+        runtime._STATE.update(saved)
+
+
+class _SplitModel(keras.layers.Layer):
+    """Stands in for a transformed model with one split output on grid ``spatial``."""
+
+    def __init__(self, spatial):
+        super().__init__()
+        self._tfhybrid_split_outputs, self._tfhybrid_output_grid = (True,), spatial
+        self.layers = []
+
+
+def test_labels_are_cut_like_the_split_output():
+    y = np.arange(4 * 8 * 6).reshape(4, 8, 6)
+    w = np.ones((4, 8, 6, 1), np.float32) * np.arange(8)[None, :, None, None]
+    x = np.zeros((4, 8, 6, 1), np.float32)
+    with pretend(4, 3, 4):                 # (2, 2) grid: block (1, 1)
+        got = label_block(y, (2, 2))
+        np.testing.assert_array_equal(got, y[:, 4:, 3:])
+        xs, ys, ws = split_labels((x, y, w), (2, 2))
+        assert xs.shape == x.shape and ws.shape == (4, 4, 3, 1) and float(ws[0, 0, 0, 0]) == 4
+        assert label_block(np.ones((4, 1, 1)), (2, 2)).shape == (4, 1, 1)   # broadcast weights
+        assert label_block(np.ones((4,)), (2, 2)).shape == (4,)              # per sample
+    with pretend(4, 2, 2):                 # ds: 2 data groups x depth 2 -> data 1, block 0
+        model = _SplitModel((2, 1))
+        xs, ys = tfhybrid.data.shard((x, y), model=model, batch_size=4)
+        np.testing.assert_array_equal(ys, y[2:4, :4])
+        assert xs.shape == (2, 8, 6, 1)
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+        (bx, by), = list(tfhybrid.data.shard(ds, model=model))
+        np.testing.assert_array_equal(by.numpy(), y[2:4, :4])
+    with pretend(2, 1, 2), pytest.raises(ValueError, match=r"labels of shape \(4, 7, 6\) "
+                                                           r"cannot be split into 2 blocks"):
+        label_block(np.zeros((4, 7, 6)), (2, 1))
+
+
+def test_mixed_split_and_replicated_outputs_refuse_to_compute_a_loss():
+    i = keras.Input((8, 8, 1))
+    x = keras.layers.Conv2D(2, 3, padding="same", name="conv")(i)
+    seg = keras.layers.Activation("softmax", name="seg")(x)
+    cls = keras.layers.Dense(2, name="cls")(keras.layers.Flatten(name="flat")(x))
+    tfhybrid.init()
+    try:
+        pmodel = tfhybrid.transform(keras.Model(i, [seg, cls]), "s")
+        assert pmodel._tfhybrid_split_outputs == (True, False)
+        with pytest.raises(ValueError, match=r"1 of its 2 outputs stay split into spatial "
+                                             r"blocks and the others are replicated"):
+            pmodel.compute_loss(None, None, None)
+    finally:
+        tfhybrid.shutdown()

@@ -218,3 +218,17 @@ def test_mixed_split_and_replicated_outputs_refuse_to_compute_a_loss():
             pmodel.compute_loss(None, None, None)
     finally:
         tfhybrid.shutdown()
+
+
+def test_describe_counts_the_transposed_convolutions_halo():
+    from tfhybrid.transformer.describe import _halo_bytes
+    from tfhybrid.transformer.graph import as_functional, describe_graph
+
+    i = keras.Input((8, 6, 2))
+    x = keras.layers.Conv2DTranspose(3, 3, strides=2, padding="same", name="up3")(i)
+    y = keras.layers.Conv2DTranspose(3, 2, strides=2, name="up2")(i)
+    graph = describe_graph(as_functional(keras.Model(i, [x, y])))
+    ctx = rules.Context("s", 2, 1, (2, 1))
+    # kernel 3 / stride 2 'same': one row of the previous block; 2x2 / 2 'valid': none
+    assert _halo_bytes(graph.node("up3"), 4, ctx) == 4 * 1 * 6 * 2 * 4
+    assert _halo_bytes(graph.node("up2"), 4, ctx) == 0

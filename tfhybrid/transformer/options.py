@@ -67,10 +67,11 @@ class TransformOptions:
             image models; ``"depth"``, ``"height"``, ``"width"`` or
             ``(pd, ph, pw)`` for volume (Conv3D) models. Default: the first
             spatial axis (height, or depth for volumes).
-        spatial_layers: s/ds: number of leading Conv2D/Conv3D layers to split
-            spatially (default: every Conv2D before the first layer that
-            cannot run on a spatial block; s/ds raise when that leaves
-            none).
+        spatial_layers: s/ds: number of leading Conv2D/Conv3D (and
+            Conv2DTranspose/Conv3DTranspose) layers to split spatially
+            (default: every one before the first layer that cannot run on a
+            spatial block, e.g. Flatten; a whole U-Net runs on blocks; s/ds
+            raise when that leaves none).
         layers: Per-layer overrides ``{"name": "f"|"c"|"s"|"replicate"}``.
         fallback: ``"error"`` (default) raises for a layer the strategy
             cannot partition; ``"replicate"`` keeps it replicated.

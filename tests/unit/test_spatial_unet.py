@@ -232,3 +232,16 @@ def test_describe_counts_the_transposed_convolutions_halo():
     # kernel 3 / stride 2 'same': one row of the previous block; 2x2 / 2 'valid': none
     assert _halo_bytes(graph.node("up3"), 4, ctx) == 4 * 1 * 6 * 2 * 4
     assert _halo_bytes(graph.node("up2"), 4, ctx) == 0
+
+
+def test_residual_add_skips_and_same_padding_transposed_convs_stay_on_blocks():
+    i = keras.Input((8, 8, 8, 1))
+    a = keras.layers.Conv3D(2, 3, padding="same", name="a")(i)
+    b = keras.layers.MaxPooling3D(2, name="pool")(a)
+    b = keras.layers.Conv3DTranspose(2, 3, strides=2, padding="same", name="up")(b)
+    x = keras.layers.Add(name="skip")([a, b])
+    x = keras.layers.Dropout(0.1, name="drop")(x)
+    x = keras.layers.Conv3D(3, 1, activation="softmax", name="head")(x)
+    plan = plan_of(keras.Model(i, x), "ds", 4, 2, spatial=(1, 1, 2))
+    assert all(n.output.kind == "space" for n in plan.nodes)
+    assert kinds(plan)["up"] == "spatial" and plan.split_outputs == (True,)

@@ -64,6 +64,23 @@ class ArraySource:
         return np.asarray(self.array[(int(i),) + tuple(region)])
 
 
+class NpySource(ArraySource):
+    """All samples in one ``.npy`` file, memory-mapped anew for every read.
+
+    Each read maps the file, copies one sample's block out and drops the
+    map, so the pages touched do not stay in this process's resident set.
+    """
+
+    def __init__(self, path, label):
+        self.path = path
+        super().__init__(np.load(path, mmap_mode="r"), label)
+        self.array = None          # no long-lived map
+
+    def read(self, i, region):
+        mapped = np.load(self.path, mmap_mode="r")
+        return np.array(mapped[(int(i),) + tuple(region)])
+
+
 class FileSource:
     """One ``.npy`` file per sample; each is memory-mapped and sliced when read."""
 
@@ -114,7 +131,7 @@ def open_source(source, label="inputs"):
                                  "no file; expected one .npy file per sample.")
             return FileSource(files, label)
         if path.endswith(".npy") and os.path.isfile(path):
-            return ArraySource(np.load(path, mmap_mode="r"), label)
+            return NpySource(path, label)
         raise ValueError(f"{WHERE}: Received {label}={path!r}; expected an existing .npy file "
                          "of all samples (N, ...), a directory of per-sample .npy files or a "
                          "glob pattern of them.")
@@ -238,8 +255,13 @@ def _output_label_parts(model, parts, label_shape):
     ndim = len(parts)
     if len(outputs) != 1 or len(outputs[0].shape) < ndim + 1:
         return (1,) * ndim
-    if any(getattr(model, "_tfhybrid_split_outputs", ()) or ()):
-        return tuple(parts)       # per-voxel outputs kept in the input's spatial blocks
+    try:
+        from tfhybrid.layers.spatial.output import split_outputs_of
+    except ImportError:       # pragma: no cover - a checkout without split outputs
+        split_outputs_of = None
+    split = split_outputs_of(model) if split_outputs_of is not None else None
+    if split is not None:     # per-voxel outputs kept in spatial blocks (U-Nets under s/ds)
+        return tuple(int(k) for k in split[1])
     out = outputs[0].shape[1:ndim + 1]
     result = []
     for d, (size, k) in enumerate(zip(label_shape[:ndim], parts)):

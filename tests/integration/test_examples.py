@@ -19,6 +19,10 @@ CASES = {
     "gholami_integrated.py": (["--image_size=16", "--fc_units=32", "--filters=4"],
                               "integrated parallelism on 2 ranks",
                               ["ds+layers", "filter (split out)", "channel (split in)"]),
+    "cosmoflow.py": (["--volume_size=16", "--filters=2", "--run_eagerly", "--batch_size=4"],
+                     "CosmoFlow-like regression on 2 ranks", ["4x8x16x16x4", "spatial"]),
+    "unet3d.py": (["--volume_size=16", "--filters=2", "--run_eagerly", "--batch_size=2"],
+                  "3-D U-Net segmentation on 2 ranks", ["2x8x16x16x1", "2x8x16x16 ", "up0"]),
 }
 
 

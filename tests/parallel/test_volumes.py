@@ -6,7 +6,9 @@ model on ``volumes(...)`` of them: each rank reads its rows and, under
 ``s``/``ds``, only its spatial block, which the model's input scatter then
 passes through. The reference is ``fit`` of the unmodified model in one
 process on the whole arrays in the same shuffled order (one seed); the
-gathered weights after two epochs must equal it (1e-4).
+gathered weights after two epochs must equal it (1e-4): a CosmoFlow-like
+regression (per-sample targets; its output is gathered) and a 3-D U-Net
+(per-voxel labels read as blocks: its output stays split).
 
 Run under ``horovodrun -np 2`` and ``-np 4``.
 """
@@ -18,7 +20,8 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid.transformer import gather, transform
 
-from conftest import randn, world_size
+from conftest import randn, rng, world_size
+from unet_models import unet3d
 
 N = world_size()
 SAMPLES, BATCH, D, H, W, C, SEED, LR = 8, 4, 8, 4, 4, 2, 5, 0.05
@@ -35,18 +38,10 @@ def cosmoflow_like(seed=0):
     return keras.Model(i, keras.layers.Dense(4, name="targets")(x), name="cosmo_like")
 
 
-def fully_conv(seed=0):
-    """Two Conv3D and a per-voxel 1x1x1 head: per-voxel regression."""
-    keras.utils.set_random_seed(seed)
-    i = keras.Input((D, H, W, C))
-    x = keras.layers.Conv3D(4, 3, padding="same", activation="relu", name="conv1")(i)
-    x = keras.layers.Conv3D(1, 1, name="head")(x)
-    return keras.Model(i, x, name="voxel_head")
-
-
-def reference(build, x, y):
+def reference(build, x, y, loss="mse", eager=False):
     model = build()
-    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=False)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss=loss, jit_compile=False,
+                  run_eagerly=eager)
     order = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
         SAMPLES, seed=SEED, reshuffle_each_iteration=True).batch(BATCH, drop_remainder=True)
     model.fit(order, epochs=2, verbose=0, shuffle=False)
@@ -101,21 +96,34 @@ def test_fit_on_volumes_equals_single_process(grid_of, tmp_path, strategy, mp, o
                                gather(model)(x[:2]), rtol=1e-4, atol=1e-5)
 
 
-def test_per_voxel_labels_with_gathered_output(grid_of, tmp_path):
-    """A fully convolutional model under s: its output is gathered, so the
-    per-voxel labels are read whole while the inputs are read as blocks."""
+def unet_volume():
+    return unet3d((16, 8, 8, 1), classes=3, filters=2, depth=2, seed=1)
+
+
+def test_unet_per_voxel_labels_in_blocks(grid_of, tmp_path):
+    """A 3-D U-Net under s (depth): its output stays in blocks, so volumes
+    reads both the inputs and the per-voxel labels as this rank's blocks
+    (from per-sample files); two epochs equal single-process training."""
     grid = grid_of(N)
-    x = randn((SAMPLES, D, H, W, C), "volumes", "vx")
-    y = randn((SAMPLES, D, H, W, 1), "volumes", "vy")
-    expected = reference(fully_conv, x, y)
-    model = transform(fully_conv(), "s")
-    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse",
-                  jit_compile=False)
-    xs, ys = write(tmp_path, x, y, per_sample=False)
-    ds = tfhybrid.data.volumes(xs, ys, batch_size=BATCH, model=model, shuffle=True, seed=SEED)
-    out_shape = tuple(model.outputs[0].shape[1:4])
-    assert ds.element_spec[0].shape[1] == D // grid.size
-    assert tuple(ds.element_spec[1].shape[1:4]) == out_shape
+    x = randn((SAMPLES, 16, 8, 8, 1), "volumes", "ux")
+    y = rng("volumes", "uy").integers(0, 3, (SAMPLES, 16, 8, 8)).astype(np.int32)
+    loss = "sparse_categorical_crossentropy"
+    expected = reference(unet_volume, x, y, loss, eager=True)
+    model = transform(unet_volume(), "s")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(LR)), loss=loss,
+                  jit_compile=False, run_eagerly=True)     # 2 steps: cheaper than tracing
+    xs, _ = write(tmp_path, x, np.zeros(1), per_sample=True)
+    (tmp_path / "y").mkdir()
+    for i, sample in enumerate(y):
+        np.save(tmp_path / "y" / f"{i:04d}.npy", sample)
+    ds = tfhybrid.data.volumes(xs, str(tmp_path / "y"), batch_size=BATCH, model=model,
+                               shuffle=True, seed=SEED)
+    block = (BATCH // grid.data_size, 16 // grid.size, 8, 8)
+    assert tuple(ds.element_spec[0].shape) == block + (1,)
+    assert tuple(ds.element_spec[1].shape) == block           # labels: the output's block
     model.fit(ds, epochs=2, verbose=0, shuffle=False)
+    initial = unet_volume().get_weights()
+    moved = max(float(np.max(np.abs(e - i))) for e, i in zip(expected, initial))
+    assert moved > 1e-3, "the reference did not train: the comparison would be vacuous"
     for i, (a, e) in enumerate(zip(gather(model).get_weights(), expected)):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6, err_msg=f"weight {i}")

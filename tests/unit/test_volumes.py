@@ -107,7 +107,10 @@ def test_npy_file_is_memory_mapped_and_directory_of_samples(tmp_path):
     for i in range(N):
         np.save(tmp_path / "samples" / f"{i:03d}.npy", x[i])
     src = V.open_source(str(tmp_path / "x.npy"))
-    assert isinstance(src.array, np.memmap)          # mapped, not loaded
+    assert isinstance(src, V.NpySource) and src.array is None    # mapped per read only
+    block = src.read(3, (slice(2, 4), slice(None)))
+    assert not isinstance(block, np.memmap) and block.base is None
+    np.testing.assert_array_equal(block, x[3, 2:4])
     with pretend(4, 3, 4):
         one = batches(tfhybrid.data.volumes(str(tmp_path / "x.npy"), str(tmp_path / "t.npy"),
                                             batch_size=2, spatial="depth"))

@@ -187,8 +187,8 @@ def _meta(model, state, epoch, step):
     grid = runtime.current_grid()
     return {
         "format": FORMAT,
-        "strategy": "ls" if hasattr(model, "layer_separation_state") else info_of(
-            model).plan.strategy,
+        "strategy": "ls" if hasattr(model, "layer_separation_state") else "p" if hasattr(
+            model, "pipeline_state") else info_of(model).plan.strategy,
         "world_size": grid.size,
         "model_parallel": grid.model_size,
         "epoch": epoch,
@@ -267,8 +267,8 @@ def save(model, path, epoch: int | None = None, step: int | None = None,
                          "writer, rank 0).")
     path = _check_path(path)
     full = gather(model)   # ls: also copies the FC workers' parameters to every CONV worker
-    ls = getattr(model, "layer_separation_state", None)
-    state = ls() if ls is not None else gather_optimizer_state(model)
+    ls = getattr(model, "layer_separation_state", None) or getattr(model, "pipeline_state", None)
+    state = ls() if ls is not None else gather_optimizer_state(model)   # ls / p: own gather
     rng = gather_rng_state(model)
     if runtime.is_root():
         meta = _meta(model, state, epoch, step)

@@ -15,14 +15,14 @@ s          spatial (domain) parallelism (ParaDL §3.2; Gholami)       yes    yes
 df         data x filter on a 2-D grid (ParaDL; Gholami's 1.5D)       yes    yes
 ds         data x spatial (ParaDL; Gholami's integrated)             yes    yes
 gmp        SplitBrain's group model parallelism                      yes    yes
-p          pipeline over layer stages (ParaDL §3.4; GPipe)                  yes
+p          pipeline over layer stages (ParaDL §3.4; GPipe)           yes    yes
 ls         Stanza's layer separation (CONV / FC workers)             yes    yes
 auto       the oracle's choice (``transform`` only)                  yes
 =========  ========================================================  =====  =========
 
 Example:
     >>> BUILT
-    ('d', 'f', 'c', 's', 'df', 'ds', 'gmp', 'ls')
+    ('d', 'f', 'c', 's', 'df', 'ds', 'gmp', 'p', 'ls')
     >>> "auto" in TRANSFORM_NAMES and "auto" not in PREDICTED
     True
 """
@@ -58,7 +58,7 @@ TABLE: Tuple[StrategyName, ...] = (
     StrategyName("df", "data x filter grid", True, True),
     StrategyName("ds", "data x spatial grid", True, True),
     StrategyName("gmp", "SplitBrain group model parallelism", True, True),
-    StrategyName("p", "pipeline over layer stages", False, True),
+    StrategyName("p", "pipeline over layer stages", True, True),
     StrategyName("ls", "Stanza layer separation", True, True),
     StrategyName("auto", "the oracle's choice", True, False),
 )

@@ -30,7 +30,10 @@ def test_refusal_is_transforms_error_message():
     assert refusal(model, "d", 4, 1) is None
     why = refusal(model, "c", 4, 4)
     assert "Embedding" in why and "fallback='replicate'" in why
-    assert "does not build strategy 'p'" in refusal(model, "p", 4, 2)
+    assert refusal(model, "p", 4, 2) is None       # Embedding | LSTM | Dense: 2 cut points
+    assert "stages=4 for model 'text', which can be cut at only 2 places" in refusal(
+        model, "p", 4, 4)
+    assert "does not build strategy 'serial'" in refusal(model, "serial", 4, 1)
     assert "strategy='ls'" in refusal(model, "ls", 4, 2)
 
 

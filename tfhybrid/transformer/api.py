@@ -58,7 +58,10 @@ def transform(model, strategy="d", **options):
             leading convolutions over all ranks), ``"df"``/``"ds"`` (data
             groups x filter/spatial groups), ``"gmp"`` (SplitBrain: convs data
             parallel over all ranks, FC layers with high CCR partitioned in
-            groups of ``mp``) or ``"auto"`` (the oracle's choice).
+            groups of ``mp``), ``"p"`` (GPipe pipeline: ``stages=S`` stages on
+            the model groups of ``init(model_parallel=S)``, ``micro_batches=M``;
+            data parallel across model groups), ``"ls"`` (Stanza's layer
+            separation, ``fc_workers=``) or ``"auto"`` (the oracle's choice).
         **options: ``mp``, ``ccr_threshold``, ``scheme`` (``"BK"`` or
             ``"B/K"``: the ModuloLayer scheme) (gmp); ``spatial``,
             ``spatial_layers`` (s/ds); ``layers`` (per-layer overrides
@@ -92,6 +95,10 @@ def transform(model, strategy="d", **options):
         from tfhybrid.transformer import layer_separation
         return layer_separation.build(model, grid, opts.fc_workers, opts.machine,
                                       opts.batch_size)
+    if opts.strategy == "p":      # pipeline stages: tfhybrid/transformer/pipeline.py
+        from tfhybrid.transformer import pipeline
+        return pipeline.build(model, grid, opts.stages, opts.micro_batches, opts.machine,
+                              getattr(opts, "batch_norm", "sync"))
     functional = as_functional(model)
     graph = describe_graph(functional)
     auto_choice = None

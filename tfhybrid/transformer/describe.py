@@ -80,6 +80,9 @@ def describe(model, batch_size=None, print_fn=print) -> Description:
     if hasattr(model, "fc_part") and hasattr(model, "bytes_moved"):   # ls: layer_separation.py
         from tfhybrid.transformer.layer_separation import describe_ls
         return describe_ls(model, batch_size, print_fn, Description)
+    if hasattr(model, "pipeline_state") and hasattr(model, "bytes_moved"):   # p: pipeline.py
+        from tfhybrid.transformer.pipeline import describe_p
+        return describe_p(model, batch_size, print_fn, Description)
     info = info_of(model)
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
             batch_size, int) or batch_size < 1):

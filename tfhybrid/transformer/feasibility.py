@@ -54,6 +54,15 @@ def refusal(model, strategy: str, p: int, model_parallel: int, graph=None,
         except ValueError as err:
             return str(err)
         return None
+    if strategy == "p":        # pipeline stages (pipeline.py)
+        from tfhybrid.transformer import pipeline
+        try:
+            stages = pipeline.check_stages(options.get("stages") or model_parallel,
+                                           model_parallel)
+            pipeline.plan_stages(as_functional(model), stages)
+        except ValueError as err:
+            return str(err)
+        return None
     try:
         grid = ProcessGrid(size=p, rank=0, model_parallel=model_parallel)
         if graph is None:

@@ -45,6 +45,8 @@ def gather(model):
     """
     if hasattr(model, "gathered") and hasattr(model, "fc_part"):   # ls (layer_separation)
         return model.gathered()
+    if hasattr(model, "gathered") and hasattr(model, "pipeline_state"):   # p (pipeline.py)
+        return model.gathered()
     info = info_of(model)
     full = rebuild(info.source, getattr(info, "objects", None))
     for np in info.plan.nodes:

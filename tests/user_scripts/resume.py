@@ -46,16 +46,39 @@ def optimizer(name):
     return keras.optimizers.SGD(0.05, momentum=0.9)
 
 
-def reference(total_steps, opt_name):
+def reference(total_steps, opt_name, epochs=1):
+    """Plain Keras in one process: ``epochs`` passes over ``total_steps`` batches, in order."""
     keras.utils.set_random_seed(0)
     model = make_model()
     opt = optimizer(opt_name)
     model.compile(optimizer=opt, loss=loss())
     x, y = data(total_steps)
-    for s in range(total_steps):
+    for s in list(range(total_steps)) * epochs:
         sl = slice(s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH)
         model.train_on_batch(x[sl], y[sl])
     return model, opt
+
+
+def compared(model, total_steps, opt_name, epochs=1):
+    """Gathered weights and optimizer slots of transformed ``model`` against
+    :func:`reference`: worst relative differences, iteration counts, slot names."""
+    state = tfhybrid.checkpoint.gather_optimizer_state(model)
+    full = tfhybrid.gather(model)
+    ref, opt = reference(total_steps, opt_name, epochs)
+    ref_slots = tfhybrid.checkpoint.slots_of(opt, ref.trainable_variables)
+
+    def rel(a, b):
+        return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
+
+    worst_s = 0.0
+    for name, values in state["slots"].items():
+        for value, per_var in zip(values, ref_slots):
+            if value is not None and name in per_var:
+                worst_s = max(worst_s, rel(value, per_var[name].numpy()))
+    return {"weights_rel": max(rel(a.numpy(), b.numpy()) for a, b in
+                               zip(full.trainable_variables, ref.trainable_variables)),
+            "slots_rel": worst_s, "iterations": state["iterations"],
+            "ref_iterations": int(opt.iterations.numpy()), "slot_names": sorted(state["slots"])}
 
 
 def main():
@@ -115,23 +138,8 @@ def main():
     batches = ds if meta.get("step") else ds.skip(args.before)
     model.fit(tfhybrid.data.shard(batches, model=model), epochs=meta["epoch"] + 1,
               initial_epoch=meta["epoch"], verbose=0, callbacks=tfhybrid.callbacks.standard())
-    state = tfhybrid.checkpoint.gather_optimizer_state(model)
-    full = tfhybrid.gather(model)
-    ref, opt = reference(args.before + args.steps, args.optimizer)
-    ref_slots = tfhybrid.checkpoint.slots_of(opt, ref.trainable_variables)
-    worst_w = max(float(np.max(np.abs(a.numpy() - b.numpy())) / (np.max(np.abs(b.numpy())) + 1e-12))
-                  for a, b in zip(full.trainable_variables, ref.trainable_variables))
-    worst_s = 0.0
-    for name, values in state["slots"].items():
-        for value, per_var in zip(values, ref_slots):
-            if value is None or name not in per_var:
-                continue
-            b = per_var[name].numpy()
-            worst_s = max(worst_s, float(np.max(np.abs(value - b)) / (np.max(np.abs(b)) + 1e-12)))
-    print("RESULT " + json.dumps({
-        "rank": tfhybrid.grid().rank, "weights_rel": worst_w, "slots_rel": worst_s,
-        "iterations": state["iterations"], "ref_iterations": int(opt.iterations.numpy()),
-        "slot_names": sorted(state["slots"])}))
+    print("RESULT " + json.dumps({"rank": tfhybrid.grid().rank,
+                                  **compared(model, args.before + args.steps, args.optimizer)}))
 
 
 if __name__ == "__main__":

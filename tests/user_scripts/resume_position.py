@@ -18,31 +18,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfhybrid  # noqa: E402
-from resume import GLOBAL_BATCH, data, loss, make_model, optimizer  # noqa: E402
+from resume import GLOBAL_BATCH, compared, data, loss, make_model, optimizer  # noqa: E402
 
 STEPS_PER_EPOCH, EPOCHS = 4, 2
-
-
-def reference(opt_name):
-    """Plain Keras, one process: EPOCHS epochs of the same batches, in order."""
-    keras.utils.set_random_seed(0)
-    model = make_model()
-    opt = optimizer(opt_name)
-    model.compile(optimizer=opt, loss=loss())
-    x, y = data(STEPS_PER_EPOCH)
-    for _ in range(EPOCHS):
-        for s in range(STEPS_PER_EPOCH):
-            sl = slice(s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH)
-            model.train_on_batch(x[sl], y[sl])
-    return model, opt
-
-
-def rel(a, b):
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
 
 
 def main():
@@ -73,21 +54,8 @@ def main():
                                           every_n_steps=2, every_epoch=False)
     history = model.fit(tfhybrid.data.shard(ds, model=model), epochs=EPOCHS, verbose=0,
                         callbacks=tfhybrid.callbacks.standard() + [saver])
-    state = tfhybrid.checkpoint.gather_optimizer_state(model)
-    full = tfhybrid.gather(model)
-    ref, opt = reference(args.optimizer)
-    ref_slots = tfhybrid.checkpoint.slots_of(opt, ref.trainable_variables)
-    worst_s = 0.0
-    for name, values in state["slots"].items():
-        for value, per_var in zip(values, ref_slots):
-            if value is not None and name in per_var:
-                worst_s = max(worst_s, rel(value, per_var[name].numpy()))
     print("RESULT " + json.dumps({
-        "rank": tfhybrid.grid().rank,
-        "weights_rel": max(rel(a.numpy(), b.numpy()) for a, b in zip(full.trainable_variables,
-                                                                      ref.trainable_variables)),
-        "slots_rel": worst_s, "slot_names": sorted(state["slots"]),
-        "iterations": state["iterations"], "ref_iterations": int(opt.iterations.numpy()),
+        "rank": tfhybrid.grid().rank, **compared(model, STEPS_PER_EPOCH, args.optimizer, EPOCHS),
         "history_epochs": history.epoch, "losses": len(history.history["loss"]),
         "saved": sorted(f for f in os.listdir(directory) if f.startswith("r-e")
                         and f.endswith(".keras"))}))

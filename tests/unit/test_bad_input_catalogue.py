@@ -325,6 +325,22 @@ API = [
      lambda: in_world_of(4, 4, lambda: tfhybrid.transform(volume_model(4, 2), "c")),
      ValueError, r"'conv3d' \(Conv3D\).*its 2 input channels are not divisible by the model "
      r"group size 4\. Use fallback='replicate'.*or run on 2 ranks"),
+    ("transform-p-stages-not-model-group",
+     lambda: in_world_of(2, 2, lambda: tfhybrid.transform(mlp(), "p", stages=4)), ValueError,
+     r"stages=4, but the model groups of this grid have 2 ranks.*"
+     r"tfhybrid.init\(model_parallel=4\)"),
+    ("transform-p-one-stage", lambda: tfhybrid.transform(mlp(), "p"), ValueError,
+     r"strategy='p' needs at least 2 stages.*model_parallel=S"),
+    ("transform-p-more-stages-than-cuts",
+     lambda: in_world_of(4, 4, lambda: tfhybrid.transform(mlp(), "p", stages=4)), ValueError,
+     r"stages=4 for model 'mlp', which can be cut at only 1 places.*Use stages <= 2"),
+    ("transform-p-micro-batches-0",
+     lambda: in_world_of(2, 2, lambda: tfhybrid.transform(mlp(), "p", micro_batches=0)),
+     ValueError, r"micro_batches=0; expected a positive integer"),
+    ("p-micro-batches-not-dividing",
+     lambda: __import__("tfhybrid.transformer.pipeline", fromlist=["x"]).check_micro_batches(
+         4, 6), ValueError, r"micro_batches=4, which does not divide the local batch of 6 "
+                            r"rows.*Use micro_batches in \[1, 2, 3, 6\]"),
     ("layer-output-layout", lambda: L.FilterParallelDense(4, output_layout="sharded"),
      ValueError, r"output_layout='sharded'; expected one of"),
     ("layer-group", lambda: L.FilterParallelDense(4, group="rows"), ValueError,

@@ -177,3 +177,43 @@ def test_bad_sources(tmp_path):
             tfhybrid.data.volumes(42, batch_size=2)
         with pytest.raises(ValueError, match="expected \\(D, H, W, C\\) volumes"):
             tfhybrid.data.volumes(np.zeros((4, 3)), batch_size=2)
+
+
+def test_npy_reads_touch_only_the_block(tmp_path, monkeypatch):
+    """Every read of the memory-mapped .npy (one file, or one per sample) slices the
+    block out of the map: recorded through a wrapper around np.load's memmap."""
+    x = volumes_x()
+    np.save(tmp_path / "x.npy", x)
+    (tmp_path / "s").mkdir()
+    for i in range(N):
+        np.save(tmp_path / "s" / f"{i}.npy", x[i])
+    maps, load = [], np.load
+
+    def recording_load(path, *args, **kwargs):
+        out = load(path, *args, **kwargs)
+        if kwargs.get("mmap_mode") == "r":
+            out = Recorder(out)
+            maps.append(out)
+        return out
+
+    monkeypatch.setattr(V.np, "load", recording_load)
+    for source in (str(tmp_path / "x.npy"), str(tmp_path / "s")):
+        maps.clear()
+        with pretend(4, 1, 4):
+            got = np.concatenate(batches(tfhybrid.data.volumes(source, batch_size=4,
+                                                               spatial="depth")))
+        np.testing.assert_array_equal(got, x[:, 2:4])
+        touched = sum(m.bytes for m in maps)
+        assert touched == got.nbytes == x.nbytes // 4, (source, touched)
+
+
+def test_h5py_dataset_is_read_by_slices_only(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    x, y = volumes_x(), voxel_y()
+    with h5py.File(tmp_path / "v.h5", "w") as f:
+        f["x"], f["y"] = x, y
+    with h5py.File(tmp_path / "v.h5", "r") as f, pretend(2, 0, 2):
+        got = batches(tfhybrid.data.volumes(f["x"], f["y"], batch_size=4, spatial=(1, 2, 1),
+                                            split_labels=True))
+    np.testing.assert_array_equal(np.concatenate([b[0] for b in got]), x[:, :, :2])
+    np.testing.assert_array_equal(np.concatenate([b[1] for b in got]), y[:, :, :2])

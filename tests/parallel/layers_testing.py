@@ -135,3 +135,58 @@ def check_save_load(model, x, path):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
         assert layout_of(a) == layout_of(b)
     np.testing.assert_allclose(loaded(x), model(x), **FWD)
+
+
+# -- filter/channel-parallel convolutions (test_layers_conv.py, test_conv3d_parallel.py) --
+
+def seeded_conv(source, filters, in_ch, *key, **options):
+    """A built ``source`` (keras.layers.Conv2D/Conv3D) with weights every rank draws
+    from ``key``, named after its filters."""
+    from conftest import randn
+    layer = source(filters, name=f"{source.__name__.lower()}_{filters}", **options)
+    layer.build((None,) * (len(layer.kernel_size) + 1) + (in_ch,))
+    layer.set_weights([randn(w.shape, "w", i, *key) for i, w in enumerate(layer.weights)])
+    return layer
+
+
+def conv_config_id(config):
+    """Test id of a (kernel_size, strides, padding, dilation_rate, activation, use_bias) tuple."""
+    return "k{}-s{}-{}-d{}-{}-{}".format(*config).replace(" ", "")
+
+
+def check_conv_stack(ref, par, x, u, g, mode):
+    """Sequential ``par`` (an f(split) -> c(split) stack of ``ref``'s layers) equals
+    ``ref`` in value, input gradient and this rank's block of every weight gradient,
+    and its traced train step issues one allreduce forward and one for dx."""
+    def loss_of(model):
+        return lambda t: (model(t), tf.reduce_sum(model(t) * u))
+
+    y_ref, dx_ref, dw_ref = value_and_grads(loss_of(ref), ref.trainable_weights, x, "eager")
+    y, dx, dw = value_and_grads(loss_of(par), par.trainable_weights, x, mode)
+    np.testing.assert_allclose(y, y_ref, **FWD)
+    np.testing.assert_allclose(dx, dx_ref, **GRAD)
+    for v, gr, full in zip(par.trainable_weights, dw, dw_ref):
+        np.testing.assert_allclose(gr, expected(v, full, g), err_msg=v.path, **GRAD)
+
+    @tf.function
+    def train_step(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            loss = tf.reduce_sum(par(t))
+        return tape.gradient(loss, [t] + par.trainable_weights)
+
+    concrete = train_step.get_concrete_function(tf.constant(x))
+    train_step(tf.constant(x))
+    assert count_horovod_ops(concrete) == ({"HorovodAllreduce": 2} if g.size > 1 else {})
+
+
+def check_conv_to_layer(ref, classes):
+    """``from_layer`` -> config round trip -> ``to_layer`` gives ``ref`` back exactly,
+    for each (parallel class, layout options) of ``classes``."""
+    for cls, options in classes:
+        layer = cls.from_layer(ref, **options)
+        assert type(layer).from_config(layer.get_config()).get_config() == layer.get_config()
+        plain = layer.to_layer()
+        assert type(plain) is type(ref) and plain.get_config() == ref.get_config()
+        for a, b in zip(plain.get_weights(), ref.get_weights()):
+            np.testing.assert_array_equal(a, b)

@@ -20,8 +20,9 @@ from tfhybrid.layers import (ChannelParallelConv3D, FilterParallelConv3D, Spatia
 from tfhybrid.transformer import describe, gather, transform
 
 from conftest import model_parallel_values, randn, world_size
-from layers_testing import (FWD, GRAD, check_save_load, compare_partitioned, count_horovod_ops,
-                            rank_path, value_and_grads, expected)
+from layers_testing import (check_conv_stack, check_conv_to_layer, check_save_load,
+                            compare_partitioned, conv_config_id as config_id, rank_path,
+                            seeded_conv)
 
 N = world_size()
 MPS = model_parallel_values()
@@ -44,23 +45,14 @@ def grid(request, grid_of):
     return grid_of(request.param)
 
 
-def conv3d(filters, in_ch, *key, kernel_size=3, strides=1, padding="same", dilation_rate=1,
-           activation=None, use_bias=True):
-    layer = keras.layers.Conv3D(filters, kernel_size, strides=strides, padding=padding,
-                                dilation_rate=dilation_rate, activation=activation,
-                                use_bias=use_bias, name=f"conv3d_{filters}")
-    layer.build((None, None, None, None, in_ch))
-    layer.set_weights([randn(w.shape, "w3", i, *key) for i, w in enumerate(layer.weights)])
-    return layer
+def conv3d(filters, in_ch, *key, kernel_size=3, padding="same", **options):
+    return seeded_conv(keras.layers.Conv3D, filters, in_ch, "3d", *key,
+                       kernel_size=kernel_size, padding=padding, **options)
 
 
 def compare(cls, ref, in_layout, out_layout, mode):
     u = randn(ref.compute_output_shape(IN_SHAPE), "u3", ref.name)
     compare_partitioned(cls, ref, in_layout, out_layout, mode, randn(IN_SHAPE, "x3"), u)
-
-
-def config_id(c):
-    return "k{}-s{}-{}-d{}-{}-{}".format(*c).replace(" ", "")
 
 
 # -- layers ---------------------------------------------------------------------------
@@ -103,43 +95,16 @@ def test_filter_then_channel_pair(grid):
     layers = pair_layers()
     ref = keras.Sequential([keras.Input(IN_SHAPE[1:]), layers[0],
                             keras.layers.MaxPooling3D((1, 2, 2)), layers[1]])
-    par = pair_parallel(layers)
-    x = randn(IN_SHAPE, "px")
-    u = randn(ref.compute_output_shape(IN_SHAPE), "pu")
-
-    def loss_of(model):
-        return lambda t: (model(t), tf.reduce_sum(model(t) * u))
-
-    y_ref, dx_ref, dw_ref = value_and_grads(loss_of(ref), ref.trainable_weights, x, "eager")
-    y, dx, dw = value_and_grads(loss_of(par), par.trainable_weights, x, "function")
-    np.testing.assert_allclose(y, y_ref, **FWD)
-    np.testing.assert_allclose(dx, dx_ref, **GRAD)
-    g = grid.group("model")
-    for v, gr, full in zip(par.trainable_weights, dw, dw_ref):
-        np.testing.assert_allclose(gr, expected(v, full, g), err_msg=v.path, **GRAD)
-
-    @tf.function
-    def step(t):
-        with tf.GradientTape() as tape:
-            tape.watch(t)
-            loss = tf.reduce_sum(par(t))
-        return tape.gradient(loss, [t] + par.trainable_weights)
-
-    counts = count_horovod_ops(step.get_concrete_function(tf.constant(x)))
-    assert counts == ({"HorovodAllreduce": 2} if grid.model_size > 1 else {})
+    check_conv_stack(ref, pair_parallel(layers), randn(IN_SHAPE, "px"),
+                     randn(ref.compute_output_shape(IN_SHAPE), "pu"), grid.group("model"),
+                     "function")
 
 
 def test_to_layer_config_and_save(grid, tmp_path):
     ref = conv3d(FILTERS, IN_SHAPE[-1], "to", kernel_size=(3, 1, 2), strides=(1, 2, 1),
                  dilation_rate=1)
-    for cls, kw in [(FilterParallelConv3D, {}), (ChannelParallelConv3D, {"input_layout": "split"})]:
-        layer = cls.from_layer(ref, **kw)
-        assert type(layer).from_config(layer.get_config()).get_config() == layer.get_config()
-        plain = layer.to_layer()
-        assert type(plain) is keras.layers.Conv3D
-        assert plain.get_config() == ref.get_config()
-        for a, b in zip(plain.get_weights(), ref.get_weights()):
-            np.testing.assert_array_equal(a, b)
+    check_conv_to_layer(ref, [(FilterParallelConv3D, {}),
+                              (ChannelParallelConv3D, {"input_layout": "split"})])
     check_save_load(pair_parallel(pair_layers()), randn(IN_SHAPE, "save3"),
                     rank_path(tmp_path, "conv3d"))
 

@@ -5,16 +5,14 @@ reference Conv2D is built on every rank from seeded weights; paddings,
 strides, dilation, activation, bias on/off and every input/output layout.
 """
 import keras
-import numpy as np
 import pytest
-import tensorflow as tf
 
 from tfhybrid.layers import ChannelParallelConv2D, FilterParallelConv2D
-from tfhybrid.layout import layout_of
 
 from conftest import model_parallel_values, randn
-from layers_testing import (FWD, GRAD, block, check_save_load, compare_partitioned, value_and_grads,
-                            count_horovod_ops, rank_path)
+from layers_testing import (check_conv_stack, check_conv_to_layer, check_save_load,
+                            compare_partitioned, conv_config_id as config_id, rank_path,
+                            seeded_conv)
 
 MPS = model_parallel_values()
 IN_SHAPE = (2, 9, 9, 4)
@@ -38,23 +36,14 @@ def grid(request, grid_of):
     return grid_of(request.param)
 
 
-def conv(filters, in_ch, *key, kernel_size=3, strides=1, padding="same", dilation_rate=1,
-         activation=None, use_bias=True):
-    layer = keras.layers.Conv2D(filters, kernel_size, strides=strides, padding=padding,
-                                dilation_rate=dilation_rate, activation=activation,
-                                use_bias=use_bias, name=f"conv{filters}")
-    layer.build((None, None, None, in_ch))
-    layer.set_weights([randn(w.shape, "w", i, *key) for i, w in enumerate(layer.weights)])
-    return layer
+def conv(filters, in_ch, *key, kernel_size=3, padding="same", **options):
+    return seeded_conv(keras.layers.Conv2D, filters, in_ch, *key, kernel_size=kernel_size,
+                       padding=padding, **options)
 
 
 def compare(cls, ref, in_layout, out_layout, mode):
     u = randn(ref.compute_output_shape(IN_SHAPE), "u", ref.name)
     compare_partitioned(cls, ref, in_layout, out_layout, mode, randn(IN_SHAPE, "x"), u)
-
-
-def config_id(c):
-    return "k{}-s{}-{}-d{}-{}-{}".format(*c).replace(" ", "")
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
@@ -94,53 +83,18 @@ def stack_parallel(layers):
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_stack_filter_then_channel(grid, mode):
+    """f(split) -> c(split): values, gradients; in a train step one allreduce
+    forward, one for dx."""
     layers = stack_layers()
     ref = keras.Sequential([keras.Input(IN_SHAPE[1:])] + layers)
-    x, u = randn(IN_SHAPE, "sx"), randn((2, 4, 4, 6), "su")
-
-    def loss_of(model):
-        return lambda t: (model(t), tf.reduce_sum(model(t) * u))
-
-    y_ref, dx_ref, dw_ref = value_and_grads(loss_of(ref), ref.trainable_weights, x, "eager")
-    par = stack_parallel(layers)
-    y, dx, dw = value_and_grads(loss_of(par), par.trainable_weights, x, mode)
-    np.testing.assert_allclose(y, y_ref, **FWD)
-    np.testing.assert_allclose(dx, dx_ref, **GRAD)
-    g = grid.group("model")
-    for v, gr, full in zip(par.trainable_weights, dw, dw_ref):
-        lay = layout_of(v)
-        want = block(full, lay.axis, g) if lay.kind == "sharded" and g.size > 1 else full
-        np.testing.assert_allclose(gr, want, err_msg=v.path, **GRAD)
-
-
-def test_conv_pair_collective_count(grid):
-    """f(split) -> c(split) in a train step: one allreduce forward, one for dx."""
-    par = stack_parallel(stack_layers())
-    x = tf.constant(randn(IN_SHAPE, "cx"))
-
-    @tf.function
-    def train_step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(par(x))
-        return tape.gradient(loss, [x] + par.trainable_weights)
-
-    concrete = train_step.get_concrete_function(x)
-    train_step(x)
-    expect = {"HorovodAllreduce": 2} if grid.model_size > 1 else {}
-    assert count_horovod_ops(concrete) == expect
+    check_conv_stack(ref, stack_parallel(layers), randn(IN_SHAPE, "sx"),
+                     randn((2, 4, 4, 6), "su"), grid.group("model"), mode)
 
 
 def test_to_layer_and_config(grid):
     ref = conv(FILTERS, IN_SHAPE[-1], "to", kernel_size=(3, 1), strides=2, dilation_rate=1)
-    for cls, kw in [(FilterParallelConv2D, {}), (ChannelParallelConv2D, {"input_layout": "split"})]:
-        layer = cls.from_layer(ref, **kw)
-        assert type(layer).from_config(layer.get_config()).get_config() == layer.get_config()
-        plain = layer.to_layer()
-        assert type(plain) is keras.layers.Conv2D
-        assert plain.get_config() == ref.get_config()
-        for a, b in zip(plain.get_weights(), ref.get_weights()):
-            np.testing.assert_array_equal(a, b)
+    check_conv_to_layer(ref, [(FilterParallelConv2D, {}),
+                              (ChannelParallelConv2D, {"input_layout": "split"})])
 
 
 def test_save_load_round_trip(grid, tmp_path):

@@ -127,3 +127,27 @@ def test_unet_per_voxel_labels_in_blocks(grid_of, tmp_path):
     assert moved > 1e-3, "the reference did not train: the comparison would be vacuous"
     for i, (a, e) in enumerate(zip(gather(model).get_weights(), expected)):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6, err_msg=f"weight {i}")
+
+
+def test_unseeded_shuffle_agrees_within_model_groups(grid_of):
+    """shuffle=True without a seed: one seed drawn on rank 0 and broadcast, so the
+    ranks of a model group read the same rows and the data groups' rows partition
+    every global batch, epoch after epoch."""
+    from tfhybrid.comm import backend
+
+    grid = grid_of(2)
+    ids = np.broadcast_to(np.arange(SAMPLES, dtype=np.float32)[:, None, None, None, None],
+                          (SAMPLES, D, H, W, C))
+    ds = tfhybrid.data.volumes(ids, batch_size=BATCH, spatial="depth", shuffle=True)
+    epochs = [[int(v) for b in ds for v in b[:, 0, 0, 0, 0].numpy()] for _ in range(2)]
+    rows = np.asarray(epochs, np.int32).reshape(1, -1)
+    every = backend.allgather(tf.constant(rows), tuple(range(N)), "test.volumes.order").numpy()
+    for group in range(grid.data_size):
+        members = grid.model_group_ranks(group)
+        assert all((every[r] == every[members[0]]).all() for r in members)
+    firsts = every[[grid.model_group_ranks(g)[0] for g in range(grid.data_size)]]
+    firsts = firsts.reshape(grid.data_size, 2, SAMPLES // BATCH, BATCH // grid.data_size)
+    for epoch in range(2):
+        batches_ = np.concatenate(list(firsts[:, epoch]), axis=-1)     # global batches
+        assert sorted(batches_.ravel().tolist()) == list(range(SAMPLES))
+    assert (firsts[:, 0] != firsts[:, 1]).any()          # a new order each epoch

@@ -8,8 +8,9 @@ output and of the input gradient, kernel/bias gradients summed over the
 spatial group), for strides 1 and 2, padding same/valid, halos of 0-2 rows.
 
 Models (``unet_models``): ``tfhybrid.transform`` of a 2-D and a 3-D U-Net
-(depth 2, skips by Concatenate, BatchNormalization, transposed-convolution
-or nearest up-sampling, a per-voxel 1x1 convolution + softmax head) under
+(depth 2, skips by Concatenate, BatchNormalization or LayerNormalization,
+transposed-convolution or nearest up-sampling, a per-voxel 1x1 convolution or
+Dense + softmax head) under
 ``s`` (depth, height, a 2x2 grid) and ``ds``. Every layer runs on blocks
 (none at full resolution); the output and the labels stay split
 (``tfhybrid.data.shard`` cuts the labels). The reference is ``fit`` of the
@@ -113,7 +114,13 @@ def _data(shape, weights):
 
 
 def _build(shape, up, bn):
-    return unet(shape, classes=CLASSES, filters=2, depth=2, up=up, batch_norm=bn, seed=3)
+    """bn: True (BatchNormalization), False, or "layer" (LayerNormalization and a
+    per-voxel Dense head instead of the 1x1 convolution)."""
+    # LayerNormalization over 2 channels maps every voxel to +-1 (a gradient of ~0 that
+    # float32 rounding dominates): give it 4 channels
+    return unet(shape, classes=CLASSES, filters=4 if bn == "layer" else 2, depth=2, up=up,
+                batch_norm=bn is True,
+                layer_norm=bn == "layer", head="dense" if bn == "layer" else "conv", seed=3)
 
 
 def _reference(key, shape, up, bn, data):
@@ -136,7 +143,7 @@ def _reference(key, shape, up, bn, data):
 # SyncBN is covered by test_transform_3d) covers the graph path.
 UNET_CASES = {
     2: [("2d-s-height", (16, 16, 1), "transpose", False, None, "s", 2, None, "traced"),
-        ("2d-s-width-halo", (16, 16, 1), "transpose3", False, "voxel", "s", 2, "width",
+        ("2d-s-width-halo-ln", (16, 16, 1), "transpose3", "layer", "voxel", "s", 2, "width",
          "eager"),
         ("3d-s-depth", (8, 8, 8, 1), "transpose", True, "sample", "s", 2, None, "eager"),
         ("3d-s-height-up", (8, 8, 8, 1), "upsample", False, None, "s", 2, "height", "eager")],

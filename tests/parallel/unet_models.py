@@ -16,17 +16,19 @@ Example:
 import keras
 
 
-def _block(x, filters, conv, name, batch_norm):
+def _block(x, filters, conv, name, batch_norm, layer_norm=False):
     for j in (1, 2):
         x = conv(filters, 3, padding="same", name=f"{name}_conv{j}")(x)
         if batch_norm:
             x = keras.layers.BatchNormalization(name=f"{name}_bn{j}")(x)
+        if layer_norm:
+            x = keras.layers.LayerNormalization(name=f"{name}_ln{j}")(x)
         x = keras.layers.Activation("relu", name=f"{name}_relu{j}")(x)
     return x
 
 
 def unet(input_shape, classes=3, filters=4, depth=2, up="transpose", batch_norm=True,
-         seed=0, name=None):
+         seed=0, name=None, head="conv", layer_norm=False):
     """A U-Net on ``input_shape`` (H, W, C) or (D, H, W, C).
 
     Args:
@@ -40,6 +42,8 @@ def unet(input_shape, classes=3, filters=4, depth=2, up="transpose", batch_norm=
             (nearest UpSampling + 3x3 convolution).
         batch_norm: BatchNormalization after every 3x3 convolution.
         seed: Keras' random seed for the initial weights.
+        head: ``"conv"`` (1x1 convolution) or ``"dense"`` (Dense on every voxel).
+        layer_norm: LayerNormalization over channels after every 3x3 convolution.
     """
     keras.utils.set_random_seed(seed)
     ndim = len(input_shape) - 1
@@ -50,10 +54,10 @@ def unet(input_shape, classes=3, filters=4, depth=2, up="transpose", batch_norm=
     inputs = keras.Input(input_shape, name="image")
     x, skips = inputs, []
     for level in range(depth):
-        x = _block(x, filters * 2 ** level, conv, f"enc{level}", batch_norm)
+        x = _block(x, filters * 2 ** level, conv, f"enc{level}", batch_norm, layer_norm)
         skips.append(x)
         x = pool(2, name=f"pool{level}")(x)
-    x = _block(x, filters * 2 ** depth, conv, "mid", batch_norm)
+    x = _block(x, filters * 2 ** depth, conv, "mid", batch_norm, layer_norm)
     for level in reversed(range(depth)):
         f = filters * 2 ** level
         if up == "upsample":
@@ -64,8 +68,11 @@ def unet(input_shape, classes=3, filters=4, depth=2, up="transpose", batch_norm=
         else:
             x = transpose(f, 2, strides=2, name=f"up{level}")(x)
         x = keras.layers.Concatenate(name=f"skip{level}")([x, skips[level]])
-        x = _block(x, f, conv, f"dec{level}", batch_norm)
-    x = conv(classes, 1, name="head")(x)
+        x = _block(x, f, conv, f"dec{level}", batch_norm, layer_norm)
+    if head == "dense":
+        x = keras.layers.Dense(classes, name="head")(x)
+    else:
+        x = conv(classes, 1, name="head")(x)
     outputs = keras.layers.Activation("softmax", name="softmax")(x)
     return keras.Model(inputs, outputs, name=name or f"unet{ndim}d")
 

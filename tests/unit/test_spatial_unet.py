@@ -148,7 +148,7 @@ def test_batch_norm_option():
     local = plan_of(model, "ds", 4, 2, batch_norm="local")
     assert kinds(sync)["enc0_bn1"] == "syncbn"
     assert kinds(local)["enc0_bn1"] == "replicate"
-    assert local.node("enc0_bn1").params == {"batch_norm": "local"}
+    assert local.node("enc0_bn1").params == {"batch_norm": "local", "weights": "partial"}
     assert kinds(plan_of(model, "d", 4, 1, batch_norm="local"))["enc0_bn1"] == "replicate"
     assert make_options("s").batch_norm == "sync"
     with pytest.raises(ValueError, match=r"batch_norm='mean'; expected one of \('sync', "
@@ -245,3 +245,18 @@ def test_residual_add_skips_and_same_padding_transposed_convs_stay_on_blocks():
     plan = plan_of(keras.Model(i, x), "ds", 4, 2, spatial=(1, 1, 2))
     assert all(n.output.kind == "space" for n in plan.nodes)
     assert kinds(plan)["up"] == "spatial" and plan.split_outputs == (True,)
+
+
+def test_dense_head_and_layer_norm_run_per_voxel_on_blocks():
+    model = unet((16, 16, 1), filters=2, depth=2, batch_norm=False, layer_norm=True,
+                 head="dense")
+    plan = plan_of(model, "s", 4, 4, spatial=(2, 2))
+    assert all(n.output.kind == "space" for n in plan.nodes)
+    assert plan.node("head").params == {"weights": "partial"}
+    assert plan.node("enc0_ln1").params == {"weights": "partial"}
+    assert plan.split_outputs == (True,)
+    i = keras.Input((8, 8, 2))                  # LayerNormalization over rows: gathered
+    x = keras.layers.Conv2D(2, 3, padding="same", name="conv")(i)
+    x = keras.layers.LayerNormalization(axis=1, name="ln_rows")(x)
+    plan = plan_of(keras.Model(i, x), "s", 2, 2)
+    assert plan.node("ln_rows").conversions == ("space_gather",)

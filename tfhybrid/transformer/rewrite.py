@@ -172,8 +172,9 @@ class _Rewriter:
         out = new(*args, **kwargs)
         if np.kind in _COPIES_WEIGHTS_AFTER_CALL and layer.weights:
             new.set_weights(layer.get_weights())
-        if np.params.get("batch_norm") == "local" and np.inputs[0].kind == "space":
-            # per-block statistics; gamma/beta gradients are the blocks' shares: sum them
+        if np.params.get("weights") == "partial":
+            # a per-voxel layer (Dense head, local BatchNormalization) on a spatial block:
+            # its weight gradients are the blocks' shares, summed over the group
             for w in new.trainable_weights:
                 set_layout(w, VariableLayout("partial", GROUP))
         return out

@@ -199,11 +199,33 @@ def spatial_local(node) -> bool:
         node.attr("data_format", "channels_last") == "channels_last"
 
 
+def per_voxel(node) -> bool:
+    """True for layers with weights that act on each voxel of an image or volume
+    alone: Dense on a (batch, spatial..., channels) tensor (a 1x1 convolution)
+    and LayerNormalization over channels. On ``space`` blocks they run
+    unchanged; their weight gradients are the blocks' shares (partial)."""
+    shape = node.in_shapes[0] if node.in_shapes else ()
+    if len(shape) not in (4, 5):
+        return False
+    if node.cls == "Dense":
+        return True
+    return node.cls == "LayerNormalization" and channels_last_axis(node)
+
+
+class PerVoxel(Rule):
+    """LayerNormalization over channels: ``space`` blocks pass (partial weights)."""
+
+    def plan(self, node, layouts, kind, ctx):
+        if layouts[0].kind == "space" and per_voxel(node):
+            return Decision((None,), "replicate", layouts[0], {"weights": "partial"})
+        return super().plan(node, layouts, kind, ctx)
+
+
 def runs_on_blocks(node) -> bool:
     """True for layers that compute a ``space`` block from that block alone (they
     do not end the spatial region of s/ds): element-wise layers and merges,
     BatchNormalization (synchronised), softmax over channels, Concatenate
-    along channels, nearest UpSampling2D/3D.
+    along channels, nearest UpSampling2D/3D, Dense and LayerNormalization per voxel.
 
     Example:
         >>> runs_on_blocks(node_of(keras.layers.Concatenate()))
@@ -214,7 +236,7 @@ def runs_on_blocks(node) -> bool:
         return channels_last_axis(node)
     if node.cls == "Concatenate":
         return channels_last_axis(node)
-    if spatial_local(node):
+    if spatial_local(node) or per_voxel(node):
         return True
     return node.cls in ELEMENTWISE + MERGES + ("Activation", "BatchNormalization") and \
         node.attr("activation") not in CHANNEL_MIXING
@@ -238,7 +260,10 @@ class BatchNorm(Rule):
         else:
             groups, n = ("data",), ctx.data_size
         if ctx.batch_norm == "local":     # Horovod's per-rank statistics (not exact)
-            return Decision(needs, "replicate", lay, {"batch_norm": "local"} if n > 1 else {})
+            params = {"batch_norm": "local"} if n > 1 else {}
+            if lay.kind == "space":       # gamma/beta gradients: the blocks' shares
+                params["weights"] = "partial"
+            return Decision(needs, "replicate", lay, params)
         if n == 1:
             return Decision(needs, "replicate", lay)
         return Decision(needs, "syncbn", lay, {"bn_groups": groups})
@@ -256,6 +281,8 @@ class Linear(Rule):
     def plan(self, node, layouts, kind, ctx):
         lay = layouts[0]
         if kind == "replicate":
+            if lay.kind == "space" and per_voxel(node):   # a Dense head on blocks
+                return Decision((None,), "replicate", lay, {"weights": "partial"})
             return super().plan(node, layouts, kind, ctx)
         rows = Layout("replicated", lay.grouped or lay.kind == "rows")
         if kind == "spatial":
@@ -375,7 +402,7 @@ _RULES = {}
 for _names, _rule in ((ELEMENTWISE + ("Activation",), Elementwise()), (CHANNELWISE, Channelwise()),
                       (MERGES, Merge()), (("BatchNormalization",), BatchNorm()),
                       (LINEAR + SPATIAL_WEIGHTED, Linear()), (("Concatenate",), Concat()),
-                      (SPATIAL_UPSAMPLING, UpSampling())):
+                      (SPATIAL_UPSAMPLING, UpSampling()), (("LayerNormalization",), PerVoxel())):
     for _name in _names:
         _RULES[_name] = _rule
 _DEFAULT = FullInput()

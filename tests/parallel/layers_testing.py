@@ -154,6 +154,20 @@ def conv_config_id(config):
     return "k{}-s{}-{}-d{}-{}-{}".format(*config).replace(" ", "")
 
 
+def conv_of_config(source, filters, in_ch, config):
+    """:func:`seeded_conv` with the options of a :func:`conv_config_id` tuple."""
+    ks, st, pad, dil, act, bias = config
+    return seeded_conv(source, filters, in_ch, "cfg", conv_config_id(config), kernel_size=ks,
+                       strides=st, padding=pad, dilation_rate=dil, activation=act, use_bias=bias)
+
+
+def compare_conv(cls, ref, in_shape, in_layout, out_layout, mode):
+    """:func:`compare_partitioned` of ``ref`` on seeded inputs of ``in_shape``."""
+    from conftest import randn
+    u = randn(ref.compute_output_shape(in_shape), "u", ref.name)
+    compare_partitioned(cls, ref, in_layout, out_layout, mode, randn(in_shape, "x"), u)
+
+
 def check_conv_stack(ref, par, x, u, g, mode):
     """Sequential ``par`` (an f(split) -> c(split) stack of ``ref``'s layers) equals
     ``ref`` in value, input gradient and this rank's block of every weight gradient,

@@ -21,7 +21,7 @@ from tfhybrid.transformer import describe, gather, transform
 
 from conftest import model_parallel_values, randn, world_size
 from layers_testing import (check_conv_stack, check_conv_to_layer, check_save_load,
-                            compare_partitioned, conv_config_id as config_id, rank_path,
+                            compare_conv, conv_config_id as config_id, conv_of_config, rank_path,
                             seeded_conv)
 
 N = world_size()
@@ -50,11 +50,6 @@ def conv3d(filters, in_ch, *key, kernel_size=3, padding="same", **options):
                        kernel_size=kernel_size, padding=padding, **options)
 
 
-def compare(cls, ref, in_layout, out_layout, mode):
-    u = randn(ref.compute_output_shape(IN_SHAPE), "u3", ref.name)
-    compare_partitioned(cls, ref, in_layout, out_layout, mode, randn(IN_SHAPE, "x3"), u)
-
-
 # -- layers ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
@@ -62,10 +57,8 @@ def compare(cls, ref, in_layout, out_layout, mode):
                          ids=["filter", "channel"])
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_conv3d_matches_keras_conv3d(grid, config, cls, mode):
-    ks, st, pad, dil, act, bias = config
-    ref = conv3d(FILTERS, IN_SHAPE[-1], "cfg", config_id(config), kernel_size=ks, strides=st,
-                 padding=pad, dilation_rate=dil, activation=act, use_bias=bias)
-    compare(cls, ref, "replicated", "replicated", mode)
+    ref = conv_of_config(keras.layers.Conv3D, FILTERS, IN_SHAPE[-1], config)
+    compare_conv(cls, ref, IN_SHAPE, "replicated", "replicated", mode)
 
 
 @pytest.mark.parametrize("cls,in_layout,out_layout", LAYOUTS,
@@ -73,7 +66,7 @@ def test_conv3d_matches_keras_conv3d(grid, config, cls, mode):
 def test_conv3d_layouts(grid, cls, in_layout, out_layout):
     ref = conv3d(FILTERS, IN_SHAPE[-1], "lay", strides=(1, 2, 1),
                  activation="relu" if out_layout != "partial" else None)
-    compare(cls, ref, in_layout, out_layout, "function")
+    compare_conv(cls, ref, IN_SHAPE, in_layout, out_layout, "function")
 
 
 def pair_layers():

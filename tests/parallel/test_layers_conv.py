@@ -11,7 +11,7 @@ from tfhybrid.layers import ChannelParallelConv2D, FilterParallelConv2D
 
 from conftest import model_parallel_values, randn
 from layers_testing import (check_conv_stack, check_conv_to_layer, check_save_load,
-                            compare_partitioned, conv_config_id as config_id, rank_path,
+                            compare_conv, conv_config_id as config_id, conv_of_config, rank_path,
                             seeded_conv)
 
 MPS = model_parallel_values()
@@ -41,32 +41,25 @@ def conv(filters, in_ch, *key, kernel_size=3, padding="same", **options):
                        padding=padding, **options)
 
 
-def compare(cls, ref, in_layout, out_layout, mode):
-    u = randn(ref.compute_output_shape(IN_SHAPE), "u", ref.name)
-    compare_partitioned(cls, ref, in_layout, out_layout, mode, randn(IN_SHAPE, "x"), u)
-
-
 @pytest.mark.parametrize("mode", ["eager", "function"])
 @pytest.mark.parametrize("cls", [FilterParallelConv2D, ChannelParallelConv2D],
                          ids=["filter", "channel"])
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_conv_matches_conv2d(grid, config, cls, mode):
-    ks, st, pad, dil, act, bias = config
-    ref = conv(FILTERS, IN_SHAPE[-1], "cfg", config_id(config), kernel_size=ks, strides=st,
-               padding=pad, dilation_rate=dil, activation=act, use_bias=bias)
-    compare(cls, ref, "replicated", "replicated", mode)
+    ref = conv_of_config(keras.layers.Conv2D, FILTERS, IN_SHAPE[-1], config)
+    compare_conv(cls, ref, IN_SHAPE, "replicated", "replicated", mode)
 
 
 @pytest.mark.parametrize("in_layout,out_layout", FILTER_LAYOUTS)
 def test_filter_conv_layouts(grid, in_layout, out_layout):
     ref = conv(FILTERS, IN_SHAPE[-1], "fl", strides=2, activation="relu")
-    compare(FilterParallelConv2D, ref, in_layout, out_layout, "function")
+    compare_conv(FilterParallelConv2D, ref, IN_SHAPE, in_layout, out_layout, "function")
 
 
 @pytest.mark.parametrize("in_layout,out_layout", CHANNEL_LAYOUTS)
 def test_channel_conv_layouts(grid, in_layout, out_layout):
     ref = conv(FILTERS, IN_SHAPE[-1], "cl", padding="valid")
-    compare(ChannelParallelConv2D, ref, in_layout, out_layout, "function")
+    compare_conv(ChannelParallelConv2D, ref, IN_SHAPE, in_layout, out_layout, "function")
 
 
 def stack_layers():

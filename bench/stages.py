@@ -23,6 +23,16 @@ a small SplitBrain-like VGG trained with ``d`` and ``ls`` (fc_workers=1) on
 the same global batch, one ``train_on_batch`` step each, interleaved round by round;
 the median over rounds of the per-step time averaged over the ranks, and the
 ratio ls/d.
+
+Pipeline (``horovodrun -np 4 --gloo .venv/bin/python bench/stages.py --pipeline
+--batch 32``): the same small VGG as ``p`` with one stage per rank and
+M = 1, 2, 4, 8 micro-batches beside ``d``, one step each interleaved round by
+round (p/d ratio); then each rank times its stage alone (forward+backward of
+its M micro-batches, no communication): the bubble fraction measured is
+1 - busy / step time (mean over stages), printed beside GPipe's
+(S-1)/(M+S-1) (which assumes balanced stages, free transfers and one core
+per rank: on a shared 2-core box the ranks' compute does not overlap, so the
+measured fraction is not the schedule's alone).
 """
 from __future__ import annotations
 
@@ -186,6 +196,94 @@ def count_bytes(k):
                   f"{a / b:.3f}); gradients {c / 1e6:.3f} MB (step_bytes {d / 1e6:.3f})")
 
 
+def _stage_busy(m, lb, rounds):
+    """Seconds this rank's stage of pipeline model ``m`` computes per step alone: forward
+    and backward of its M micro-batches of ``lb / M`` rows, no communication (median)."""
+    import tensorflow as tf
+    spec = m.spec
+    shape, dtype = spec.boundaries[spec.stage]
+    rows = lb // spec.micro_batches
+    ins = [tf.random.normal((rows,) + tuple(shape)) for _ in range(spec.micro_batches)]
+    variables = m.stage.trainable_variables
+
+    @tf.function
+    def step():
+        total = []
+        for a in ins:
+            with tf.GradientTape() as tape:
+                tape.watch(a)
+                out = m.stage(a, training=True)
+                loss = tf.reduce_sum(out)
+            total.append(tape.gradient(loss, variables + [a]))
+        return total
+
+    step()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def pipeline_ratio(rounds, batch, micro):
+    """p (one stage per rank, M micro-batches) vs d: step times measured interleaved,
+    and the bubble fraction measured against GPipe's (S-1)/(M+S-1)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import tfhybrid
+    from tfhybrid.comm import backend
+    tfhybrid.init()
+    S = backend.size()
+    tfhybrid.shutdown()
+    tfhybrid.init(model_parallel=S)       # one pipeline of S stages; d over all ranks
+    keras.utils.set_random_seed(1)
+    base = small_vgg(keras)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch * 2, 16, 16, 3)).astype("float32")
+    y = rng.integers(0, 10, batch * 2)
+    runs = {}
+    for label, strat, opts in [("d", "d", {})] + [(f"p M={m}", "p", {"micro_batches": m})
+                                                  for m in micro]:
+        m = tfhybrid.transform(base, strat, **opts)
+        m.compile(tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        xl, yl = tfhybrid.data.shard((x, y), model=m, batch_size=batch)
+        lb = tfhybrid.data.local_batch_size(batch, m)
+        m.fit(xl, yl, batch_size=lb, epochs=1, shuffle=False, verbose=0)   # trace
+        runs[label] = (m, xl[:lb], yl[:lb], lb)
+    times = {s: [] for s in runs}
+    world = tuple(range(S))
+    for _ in range(rounds):
+        for s, (m, xb, yb, _) in runs.items():
+            backend.barrier()
+            t0 = time.perf_counter()
+            m.train_on_batch(xb, yb)
+            dt = time.perf_counter() - t0
+            slow = backend.allreduce(tf.constant([dt]), world, f"bench.pt.{s}").numpy()
+            times[s].append(float(slow[0]) / S)   # mean over ranks
+    med = {s: statistics.median(v) for s, v in times.items()}
+    busy = {}
+    for s, (m, _, _, lb) in runs.items():
+        if s != "d":
+            mine = _stage_busy(m, lb, rounds)
+            busy[s] = float(backend.allreduce(tf.constant([mine]), world,
+                                              f"bench.busy.{s}").numpy()[0]) / S
+    if backend.rank() == 0:
+        print(f"\np vs d (small VGG 16x16, global batch {batch}, {S} stages on {S} ranks, "
+              f"{rounds} interleaved rounds, median of the rank mean; stages "
+              f"{[list(st) for st in runs[next(iter(busy))][0].spec.plan.stages]}):")
+        print(f"  d: {med['d'] * 1e3:.1f} ms")
+        for s in busy:
+            M = runs[s][0].micro_batches
+            measured = 1.0 - busy[s] / med[s]
+            gpipe = (S - 1) / (M + S - 1)
+            print(f"  {s}: {med[s] * 1e3:.1f} ms, p/d {med[s] / med['d']:.2f}; stage busy "
+                  f"{busy[s] * 1e3:.1f} ms (mean over stages) -> bubble {measured:.2f} measured "
+                  f"vs (S-1)/(M+S-1) = {gpipe:.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--p", type=int, default=4)
@@ -193,6 +291,10 @@ def main():
     ap.add_argument("--measure", action="store_true", help="measure ls/d (under horovodrun)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--batch", type=int, default=24)
+    ap.add_argument("--pipeline", action="store_true",
+                    help="measure p/d and the pipeline bubble (under horovodrun)")
+    ap.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="micro-batch counts for --pipeline")
     ap.add_argument("--count", action="store_true",
                     help="count the bytes of one eager ls step (under horovodrun)")
     args = ap.parse_args()
@@ -201,6 +303,9 @@ def main():
         return
     if args.measure:
         time_ratio(args.rounds, args.batch)
+        return
+    if args.pipeline:
+        pipeline_ratio(args.rounds, args.batch, args.micro)
         return
     import keras
     from tfhybrid.oracle.models import splitbrain_vgg

@@ -464,6 +464,11 @@ def _pipe_one(ctx, p, stages, S):
     a += m.latency_of(2)        # each send is one runtime call
     outs = [ctx.rows[st[-1]].y for st in stages[:-1]]
     p2p = 2 * (p + S - 2) * max(a + B / S * y * d * beta for y in outs) if outs else 0.0
+    # As tfhybrid issues it (transformer/pipeline.py): each transfer above is one
+    # alltoall on the stage pair's process set; after the drain the last stage
+    # broadcasts its B predictions over the pipeline (every rank logs the loss).
+    ab, bb = m.alpha_beta(p)
+    p2p += formulas._log2c(p) * (ab + m.latency_of(p) + B * ctx.rows[-1].y * d * bb)
     mem = max(ctx.mem((ctx.rows[i], B, 1, 1) for i in st) for st in stages)
     reasons = _batch_reasons(B, S, "segments S")
     opts = {"segments": S, "stages": [[ctx.rows[i].name for i in (st[0], st[-1])]

@@ -34,7 +34,7 @@ import dataclasses
 import glob
 import math
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -162,6 +162,8 @@ class VolumeLayout:
             all 1 when the model takes whole volumes).
         coords: This rank's block coordinate along each spatial axis.
         label_parts: Block grid of per-voxel labels (all 1: whole).
+        label_coords: This rank's block coordinate in ``label_parts``
+            (default: ``coords``).
     """
 
     blocks: int
@@ -169,6 +171,7 @@ class VolumeLayout:
     parts: Tuple[int, ...]
     coords: Tuple[int, ...]
     label_parts: Tuple[int, ...]
+    label_coords: Optional[Tuple[int, ...]] = None
 
     def rows(self, batch_size):
         """This rank's rows ``[start, stop)`` of a global batch."""
@@ -202,7 +205,8 @@ class VolumeLayout:
         ndim = len(self.parts)
         if len(sample_shape) < ndim:      # per-sample labels (e.g. regression targets)
             return (slice(None),) * len(sample_shape)
-        spatial = self._region(sample_shape[:ndim], self.label_parts, self.coords, "labels")
+        coords = self.coords if self.label_coords is None else self.label_coords
+        spatial = self._region(sample_shape[:ndim], self.label_parts, coords, "labels")
         return spatial + (slice(None),) * (len(sample_shape) - ndim)
 
     @staticmethod
@@ -316,10 +320,7 @@ def plan(model=None, spatial=None, ndim=3, label_shape=None, split_labels=None):
     else:
         parts = (1,) * ndim
     parts = tuple(int(p) for p in parts)
-    if math.prod(parts) > 1:
-        coords = tuple(g.index for g in grid.subgroups(parts))
-    else:
-        coords = (0,) * ndim
+    coords = _coords(grid, parts)
     label_parts = (1,) * ndim
     if label_shape is not None and len(label_shape) >= ndim:
         if split_labels is None:
@@ -327,7 +328,15 @@ def plan(model=None, spatial=None, ndim=3, label_shape=None, split_labels=None):
                            if model is not None else (1,) * ndim)
         elif split_labels:
             label_parts = parts
-    return VolumeLayout(blocks, index, parts, coords, tuple(label_parts))
+    label_parts = tuple(int(k) for k in label_parts)
+    return VolumeLayout(blocks, index, parts, coords, label_parts, _coords(grid, label_parts))
+
+
+def _coords(grid, parts):
+    """This rank's block coordinate in the row-major block grid ``parts`` of its model group."""
+    if math.prod(parts) > 1:
+        return tuple(g.index for g in grid.subgroups(parts))
+    return (0,) * len(parts)
 
 
 # -- the model side: accept blocks ------------------------------------------------

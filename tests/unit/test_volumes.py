@@ -217,3 +217,14 @@ def test_h5py_dataset_is_read_by_slices_only(tmp_path):
                                             split_labels=True))
     np.testing.assert_array_equal(np.concatenate([b[0] for b in got]), x[:, :, :2])
     np.testing.assert_array_equal(np.concatenate([b[1] for b in got]), y[:, :, :2])
+
+
+def test_label_blocks_follow_the_output_grid_not_the_input():
+    """Labels split by the output's grid use this rank's coordinate in that grid,
+    even when the input is read whole."""
+    with pretend(2, 1, 2):
+        layout = V.plan(spatial=None, ndim=3, label_shape=(D, H, W), split_labels=False)
+        assert layout.label_region((D, H, W)) == (slice(0, D), slice(0, H), slice(0, W))
+        split = V.VolumeLayout(1, 0, (1, 1, 1), (0, 0, 0), (2, 1, 1), (1, 0, 0))
+        assert split.input_region((D, H, W, C))[0] == slice(0, D)
+        assert split.label_region((D, H, W))[0] == slice(D // 2, D)

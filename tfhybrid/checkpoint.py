@@ -143,8 +143,13 @@ def gather_rng_state(model) -> dict:
     mine = (np.stack([np.asarray(v.numpy(), np.int64) for v in seeds]) if seeds
             else np.zeros((0, 2), np.int64))
     if grid.size > 1:
-        rows = backend.allgather(tf.constant(mine[None]), tuple(range(grid.size)),
-                                 "checkpoint.rng").numpy()
+        world = tuple(range(grid.size))
+        # Ranks may hold different layers (p stages): pad to the longest list.
+        counts = backend.allgather(tf.constant([mine.shape[0]], tf.int64), world,
+                                   "checkpoint.rng.n").numpy()
+        mine = np.concatenate([mine, np.zeros((int(counts.max()) - mine.shape[0], 2),
+                                              np.int64)])
+        rows = backend.allgather(tf.constant(mine[None]), world, "checkpoint.rng").numpy()
     else:
         rows = mine[None]
     return {"global_seed": context.global_seed(), "per_rank": rows}

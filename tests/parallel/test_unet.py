@@ -231,3 +231,12 @@ def test_local_batch_norm_keeps_replicas_equal_but_differs_from_single_process(
     np.testing.assert_allclose(total, len(ranks) * gamma, rtol=1e-6)
     actual = gather(pmodel).get_weights()
     assert max(float(np.max(np.abs(a - e))) for a, e in zip(actual, expected)) > 1e-4
+
+
+def test_transposed_conv_that_does_not_split_names_the_sizes(grid_of):
+    grid_of(N)
+    up = SpatialConv2DTranspose(2, 3, strides=2, padding="valid", split="height", name="up")
+    with pytest.raises(ValueError, match=r"'up': the input of global shape \(1, 8, 8, 1\) "
+                                         r"cannot be split over the \d+x1 grid along height: "
+                                         r"the output size 17 .*does not split evenly"):
+        up(np.zeros((1, 8 // N, 8, 1), np.float32))

@@ -302,6 +302,13 @@ API = [
     ("volumes-bad-shuffle", lambda: tfhybrid.data.volumes(
         np.zeros((4, 4, 4, 4, 1)), batch_size=2, shuffle=-1), ValueError, r"`shuffle`: -1"),
     # -- layers -----------------------------------------------------------------------
+    ("layer-spatial-transpose-output-padding",
+     lambda: L.SpatialConv2DTranspose(4, 3, strides=2, output_padding=1, name="up"), ValueError,
+     r"'up': Received output_padding=\(1, 1\); spatial transposed convolutions support "
+     r"output_padding=None only.*Keep this layer replicated"),
+    ("layer-spatial-transpose-dilation",
+     lambda: L.SpatialConv3DTranspose(4, 3, dilation_rate=2, name="up"), ValueError,
+     r"'up': Received dilation_rate=\(2, 2, 2\); .*dilation_rate=1 only"),
     ("layer-filter-dense-units", lambda: L.FilterParallelDense(0), ValueError, r"units=0"),
     ("layer-channel-dense-units", lambda: L.ChannelParallelDense(-3), ValueError,
      r"units=-3"),

@@ -49,7 +49,8 @@ MODEL_PATH = os.path.join(HERE, "results", "oracle_bench_model.keras")
 STRATEGIES = {"d": (1, {}), "df": (2, {}), "gmp": (2, {"mp": 2}),
               "f": ("world", {"fallback": "replicate"}),
               "c": ("world", {"fallback": "replicate"}), "s": ("world", {}), "ds": (2, {}),
-              "ls": (1, {})}   # ls: fc_workers = np // 2 (n_c divides the batch of 64)
+              "ls": (1, {}),   # ls: fc_workers = np // 2 (n_c divides the batch of 64)
+              "p": ("world", {"micro_batches": 2})}   # p: one stage per rank, M = 2
 
 
 def make_model():
@@ -195,7 +196,7 @@ def worker(args):
            for name, (_, info) in steps.items() if times[name]}
     from tfhybrid.profiling import measure_phases  # noqa: WPS433
     for name, (step, info) in steps.items():     # per phase: Profile's measurement
-        if name in ("serial", "ls") or step is None:
+        if name in ("serial", "ls", "p") or step is None:
             continue
         _use_grid(info.get("model_parallel"))
         _sync()
@@ -236,7 +237,7 @@ def _predict(machine_path, name, np_, batch, mp):
     if name == "serial":
         return predict(model, "serial", 1, batch, machine_path)
     opts = {"df": {"grid": (np_ // 2, 2)}, "ds": {"spatial": (2, 1)},
-            "gmp": {"mp": 2}, "ls": {"n_f": np_ // 2}}.get(name, {})
+            "gmp": {"mp": 2}, "ls": {"n_f": np_ // 2}, "p": {"segments": 2}}.get(name, {})
     if name == "gmp":
         opts["scheme"] = "BK"          # the ModuloLayer scheme tfhybrid.transform builds
     if name == "s":

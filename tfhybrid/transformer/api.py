@@ -66,7 +66,8 @@ def transform(model, strategy="d", **options):
             ``"B/K"``: the ModuloLayer scheme) (gmp); ``spatial``,
             ``spatial_layers`` (s/ds); ``layers`` (per-layer overrides
             ``{"fc1": "f", "fc2": "c", "conv1": "replicate"}``); ``fallback``
-            (``"error"`` or ``"replicate"``). See
+            (``"error"`` or ``"replicate"``); ``stages``, ``micro_batches``,
+            ``machine`` (p); ``fc_workers`` (ls). See
             :class:`~tfhybrid.transformer.options.TransformOptions`.
 
     Returns:
@@ -86,6 +87,7 @@ def transform(model, strategy="d", **options):
         >>> pmodel = tfhybrid.transform(model, "df")
         >>> pmodel = tfhybrid.transform(model, "gmp", ccr_threshold=100)
         >>> pmodel = tfhybrid.transform(model, "gmp", scheme="B/K")   # K micro-steps
+        >>> pmodel = tfhybrid.transform(model, "p", stages=2, micro_batches=4)   # GPipe
         >>> tfhybrid.describe(pmodel)
     """
     _refuse_transformed(model)

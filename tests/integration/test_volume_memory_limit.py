@@ -1,18 +1,18 @@
-"""Under a per-process memory limit that single-process training of a volume
-exceeds, ``s`` at 4 ranks (each reading only its depth block with
-``tfhybrid.data.volumes``) trains within it (issue 17 item 3).
+"""Under a per-process memory limit that single-process training of the
+bench's volume exceeds, ``s`` at 4 ranks (each reading only its depth block
+with ``tfhybrid.data.volumes``) trains within it (issue 17 item 3).
 
-The limit is ``RLIMIT_DATA`` (private writable memory: what malloc and
-TensorFlow's CPU allocator map). ``RLIMIT_AS`` is not usable: TensorFlow
-and Horovod reserve address space they never touch. Measured with
-``bench/volume_memory.py`` on the 2-core box (128^3 x 4 volumes, global batch
-4, CosmoFlow-like encoder with 4 filters; VmData peaks polled every 5 ms):
-one process 1661 MB, each of 4 ranks under s 1172-1196 MB (resident peaks
-1263 MB vs 859-945 MB). The limit of 1400 MB lies between: the single
-process builds its model and pipeline within it (VmData ~700 MB before
-``fit``), then an allocation of the training step fails (seen: a oneDNN
-pooling buffer, raising; a tf.data thread's stack, aborting), while the 4
-ranks finish their step. Runs the bench's own workers (~85 s here).
+The volume and model are ``bench/volume_memory.py``'s: a 3-D U-Net (depth
+2, 8 filters, BatchNormalization) on 96^3 x 1 volumes, global batch 3. The
+limit is ``RLIMIT_DATA`` (private writable memory: what malloc and
+TensorFlow's CPU allocator map); ``RLIMIT_AS`` is not usable, TensorFlow and
+Horovod reserve address space they never touch. Measured on the 2-core box
+(VmData peaks polled every 5 ms): one process 2798 MB, each of 4 ranks under
+s 1773-1793 MB (resident peaks 2129 MB vs 1152-1210 MB). The limit of 2300
+MB lies between, ~500 MB from both: the single process builds its model and
+pipeline within it (~500-700 MB) and dies in its training step (an
+allocation fails: seen as an abort), while the 4 ranks finish their step.
+Runs the bench's own workers (~65 s here).
 """
 import os
 import shutil
@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import volume_memory  # noqa: E402
 
-LIMIT_MB = 1400
-ARGS = ["--model", "cosmoflow", "--size", "128", "--channels", "4", "--filters", "4", "--batch", "4", "--samples", "4",
-        "--steps", "1", "--limit_mb", str(LIMIT_MB)]
+LIMIT_MB = 2300
+ARGS = ["--model", "unet", "--size", "96", "--channels", "1", "--filters", "8", "--batch", "3",
+        "--samples", "3", "--steps", "1", "--limit_mb", str(LIMIT_MB)]
 
 
 @pytest.mark.skipif(not os.path.exists(volume_memory.HOROVODRUN), reason="needs horovodrun")
@@ -51,7 +51,7 @@ def test_s_at_4_ranks_trains_within_a_limit_single_process_exceeds():
     assert spatial_proc.returncode == 0, spatial_proc.stderr[-3000:]
     assert sorted(r["rank"] for r in spatial) == [0, 1, 2, 3]
     assert all(r["ok"] and r["limit_mb"] == LIMIT_MB for r in spatial), spatial
-    assert all(tuple(r["block"]) == (4, 32, 128, 128, 4) for r in spatial), spatial
+    assert all(tuple(r["block"]) == (3, 24, 96, 96, 1) for r in spatial), spatial
     worst = max(r["vm_data_peak_mb"] for r in spatial)
     why = single[0].get("error") or f"exit {single_proc.returncode} during fit, VmData " \
         f"{single[0]['vm_data_before_fit_mb']:.0f} MB before it"

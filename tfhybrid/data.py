@@ -432,11 +432,11 @@ def _labels_in_blocks(data, model):
     split = split_outputs_of(model) if model is not None else None
     if split is None:
         return data
-    spatial = split[1]
+    flags, spatial = split
     if isinstance(data, tf.data.Dataset):
-        return data.map(lambda *e: split_labels(e, spatial) if len(e) > 1 else e[0],
+        return data.map(lambda *e: split_labels(e, spatial, flags) if len(e) > 1 else e[0],
                         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return split_labels(data, spatial)
+    return split_labels(data, spatial, flags)
 
 
 def local_batch_size(global_batch: int, model=None) -> int:

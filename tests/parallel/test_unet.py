@@ -240,3 +240,42 @@ def test_transposed_conv_that_does_not_split_names_the_sizes(grid_of):
                                          r"cannot be split over the \d+x1 grid along height: "
                                          r"the output size 17 .*does not split evenly"):
         up(np.zeros((1, 8 // N, 8, 1), np.float32))
+
+
+def _multitask():
+    """The 2-D U-Net with a second, replicated output: a classification head on
+    the bottleneck (GlobalAveragePooling gathers the blocks)."""
+    seg = _build((16, 16, 1), "transpose", False)
+    gap = keras.layers.GlobalAveragePooling2D(name="gap")(seg.get_layer("mid_relu2").output)
+    cls = keras.layers.Dense(2, activation="softmax", name="cls")(gap)
+    return keras.Model(seg.inputs, [seg.outputs[0], cls], name="multitask")
+
+
+MULTITASK_CASES = [("s", 2)] if N == 2 else []
+
+
+@pytest.mark.parametrize("strategy,mp", MULTITASK_CASES)
+def test_split_and_replicated_outputs_train_like_single_process(grid_of, strategy, mp):
+    """A per-voxel output (split, labels cut) beside a replicated one (labels whole):
+    the replicated loss enters the gradient once, the blocks' losses with 1/K."""
+    grid_of(mp)
+    x, yseg, _ = _data((16, 16, 1), None)
+    ycls = (yseg.reshape(len(yseg), -1).mean(1) > 1).astype(np.int32)
+    data = tf.data.Dataset.from_tensor_slices((x, (yseg, ycls))).batch(BATCH, drop_remainder=True)
+    loss = ["sparse_categorical_crossentropy"] * 2
+    ref = _multitask()
+    initial = ref.get_weights()
+    ref.compile(optimizer=keras.optimizers.SGD(LR), loss=loss, run_eagerly=True)
+    ref.fit(data, epochs=1, shuffle=False, verbose=0)
+    want = ref.evaluate(data, verbose=0)
+    pmodel = transform(_multitask(), strategy)
+    assert pmodel._tfhybrid_split_outputs == (True, False)
+    pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(LR)), loss=loss,
+                   run_eagerly=True)
+    pmodel.fit(tfhybrid.data.shard(data, model=pmodel), epochs=1, shuffle=False, verbose=0)
+    got = pmodel.evaluate(tfhybrid.data.shard(data, model=pmodel), verbose=0)
+    actual, expected = gather(pmodel).get_weights(), ref.get_weights()
+    assert max(float(np.max(np.abs(e - i))) for e, i in zip(expected, initial)) > 1e-3
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6, err_msg=f"weight {i}")
+    np.testing.assert_allclose(got, want, rtol=1e-4, err_msg="evaluate [loss, seg, cls]")

@@ -204,7 +204,7 @@ def test_labels_are_cut_like_the_split_output():
         label_block(np.zeros((4, 7, 6)), (2, 1))
 
 
-def test_mixed_split_and_replicated_outputs_refuse_to_compute_a_loss():
+def test_mixed_split_and_replicated_outputs():
     i = keras.Input((8, 8, 1))
     x = keras.layers.Conv2D(2, 3, padding="same", name="conv")(i)
     seg = keras.layers.Activation("softmax", name="seg")(x)
@@ -213,11 +213,19 @@ def test_mixed_split_and_replicated_outputs_refuse_to_compute_a_loss():
     try:
         pmodel = tfhybrid.transform(keras.Model(i, [seg, cls]), "s")
         assert pmodel._tfhybrid_split_outputs == (True, False)
-        with pytest.raises(ValueError, match=r"1 of its 2 outputs stay split into spatial "
-                                             r"blocks and the others are replicated"):
-            pmodel.compute_loss(None, None, None)
+        pmodel.compile(loss=["sparse_categorical_crossentropy"] * 2)
+        xs = np.ones((2, 8, 8, 1), np.float32)
+        loss = pmodel.compute_loss(xs, [np.zeros((2, 8, 8)), np.zeros(2)], pmodel(xs))
+        assert np.isfinite(float(loss))
     finally:
         tfhybrid.shutdown()
+    yseg, ycls = np.arange(2 * 8 * 8).reshape(2, 8, 8), np.arange(2)
+    with pretend(2, 1, 2):          # only the split output's labels are cut
+        _, (a, b) = split_labels((xs, (yseg, ycls)), (2, 1), flags=(True, False))
+        np.testing.assert_array_equal(a, yseg[:, 4:])
+        np.testing.assert_array_equal(b, ycls)
+        _, (a, b) = split_labels((xs, (yseg, yseg)), (2, 1), flags=(True, False))
+        assert a.shape == (2, 4, 8) and b.shape == (2, 8, 8)
 
 
 def test_describe_counts_the_transposed_convolutions_halo():
@@ -260,3 +268,13 @@ def test_dense_head_and_layer_norm_run_per_voxel_on_blocks():
     x = keras.layers.LayerNormalization(axis=1, name="ln_rows")(x)
     plan = plan_of(keras.Model(i, x), "s", 2, 2)
     assert plan.node("ln_rows").conversions == ("space_gather",)
+
+
+def test_a_classification_head_beside_the_decoder_does_not_end_the_region():
+    seg = unet((16, 16, 1), filters=2, depth=2)
+    gap = keras.layers.GlobalAveragePooling2D(name="gap")(seg.get_layer("mid_relu2").output)
+    cls = keras.layers.Dense(2, name="cls")(gap)
+    plan = plan_of(keras.Model(seg.inputs, [seg.outputs[0], cls]), "s", 2, 2)
+    assert plan.node("gap").conversions == ("space_gather",)
+    assert kinds(plan)["dec0_conv2"] == kinds(plan)["up0"] == "spatial"
+    assert plan.split_outputs == (True, False)

@@ -221,7 +221,9 @@ def _region_walk(graph, ctx):
 
     The region holds every Conv2D before the first layer that cannot run on
     spatial blocks; pooling/padding/cropping layers that split, and
-    element-wise layers, do not end it.
+    element-wise layers, do not end it, nor (once the region has a
+    convolution) a layer from which no convolution follows (a classification
+    head beside a U-Net's decoder: its input is gathered).
     """
     region = []
     for node in graph.nodes:
@@ -232,8 +234,23 @@ def _region_walk(graph, ctx):
             region.append(node.name)
         elif not (rules.spatial_window(node, ctx.spatial) or _spatial_capable(node)
                   or _before_region(node, region)):
+            if region and not _feeds_conv(graph, node):   # a side head (e.g. a classifier
+                continue                                   # beside a U-Net decoder) gathers
             return region, (node, _stop_reason(node, ctx))
     return region, None
+
+
+def _feeds_conv(graph, node):
+    """True when ``node``'s output reaches a convolution (Conv2D/3D or transposed)."""
+    seen, todo = set(), [node.output]
+    while todo:
+        for consumer in graph.consumers(todo.pop()):
+            if consumer.cls in rules.SPATIAL_WEIGHTED:
+                return True
+            if consumer.name not in seen:
+                seen.add(consumer.name)
+                todo.append(consumer.output)
+    return False
 
 
 def _default_region(graph, ctx, opts):

@@ -20,8 +20,10 @@ the functions that read :data:`SPLIT_OUTPUTS_ATTR`:
 * **metrics**: their states hold counts and sums of this rank's voxels, so
   ``evaluate`` sums them over every rank (:func:`tfhybrid.guards.metric_ranks`).
 
-Models whose outputs are some split and some replicated are refused at
-``compute_loss`` (their losses would need different weights).
+Models with split and replicated outputs (a segmentation and a
+classification head) train exactly too: the gradient of each replicated
+output is scaled by ``K`` before the group mean's ``1/K``, so it enters
+once, as without split outputs; their labels stay whole.
 """
 from __future__ import annotations
 
@@ -51,13 +53,8 @@ def install_split_outputs(model, split_outputs, spatial):
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         flags = getattr(self, SPLIT_OUTPUTS_ATTR)
-        if not all(flags):
-            raise ValueError(
-                f"Model {self.name!r}: {sum(flags)} of its {len(flags)} outputs stay split into "
-                "spatial blocks and the others are replicated; tfhybrid averages the loss of "
-                "split outputs over the spatial group, which would be wrong for the others. "
-                "Train a model whose outputs are all per-voxel (split), or all gathered "
-                "(e.g. end the per-voxel branch with a Flatten/Reshape).")
+        if not all(flags) and y_pred is not None:
+            y_pred = _replicated_outputs_whole(y_pred, flags)
         loss = cls.compute_loss(self, x, y, y_pred, sample_weight, training=training)
         return group_mean(loss, "split_output.loss")
 
@@ -85,6 +82,24 @@ def group_mean(value, name):
         return backend.allreduce(t, group.ranks, name, average=True), grad
 
     return _mean(tf.convert_to_tensor(value))
+
+
+def _replicated_outputs_whole(y_pred, flags):
+    """``y_pred`` with the gradient of every replicated (not split) output scaled
+    by ``K``: the group mean's backward divides every loss term by ``K``, right
+    for the blocks' losses, while a replicated output's loss is the same on
+    every rank and must enter once."""
+    k = runtime.current_grid().group("model").size
+    flat = tf.nest.flatten(y_pred)
+    if k == 1 or len(flat) != len(flags):
+        return y_pred
+
+    @tf.custom_gradient
+    def _whole(t):
+        return tf.identity(t), lambda dy: dy * k
+
+    flat = [t if split else _whole(t) for t, split in zip(flat, flags)]
+    return tf.nest.pack_sequence_as(y_pred, flat)
 
 
 def split_outputs_of(model):
@@ -143,15 +158,30 @@ def label_block(t, spatial, what="labels"):
     return t
 
 
-def split_labels(element, spatial):
+def split_labels(element, spatial, flags=None):
     """A ``(x, y[, sample_weight])`` element with ``y`` and a per-voxel
     ``sample_weight`` cut to this rank's spatial block (``x`` stays whole:
-    the model's SpatialScatter splits it)."""
+    the model's SpatialScatter splits it).
+
+    ``flags``: per model output, True when it is split. With several outputs
+    and ``y`` a list/tuple of one entry per output, only the entries of split
+    outputs are cut (a classification head's labels stay whole).
+    """
     if not isinstance(element, (tuple, list)) or len(element) < 2:
         return element
     out = list(element)
-    out[1] = tf.nest.map_structure(lambda t: label_block(t, spatial, "labels"), out[1])
-    if len(out) > 2 and out[2] is not None:
-        out[2] = tf.nest.map_structure(lambda t: label_block(t, spatial, "sample weights"),
-                                       out[2])
+    for i, what in ((1, "labels"), (2, "sample weights")):
+        if i < len(out) and out[i] is not None:
+            out[i] = _cut(out[i], spatial, flags, what)
     return type(element)(out) if isinstance(element, tuple) else out
+
+
+def _cut(value, spatial, flags, what):
+    def cut(t):
+        return label_block(t, spatial, what)
+
+    if flags is not None and len(flags) > 1 and isinstance(value, (tuple, list)) and \
+            len(value) == len(flags):
+        parts = [tf.nest.map_structure(cut, v) if split else v for v, split in zip(value, flags)]
+        return type(value)(parts)
+    return tf.nest.map_structure(cut, value)

@@ -32,8 +32,11 @@ transformed model check for them itself:
 - ``summary`` adds a line saying the counts are this rank's (per-rank blocks).
 
 A guarded step costs one small eager allgather (a few floats per rank) and
-one pass over the weights in numpy; other steps only add the batch checksum
-(one reduction per input tensor) to the traced step. ``Config(guards=False)``
+one pass over the weights in numpy; other steps add one ``tf.cond`` on a
+flag to the traced step: the batch checksum (one reduction per input
+tensor) runs only on guarded steps, and only where ranks of a model group
+must feed the same rows (not under pure data parallelism, nor in one
+process, where there is nothing to compare). ``Config(guards=False)``
 turns the checks off (the optimizer wrapping stays).
 
 The companion to the batch check: :func:`tfhybrid.init` broadcasts one seed
@@ -218,8 +221,13 @@ def _check_weight_sums(model, sums, when):
     grid = runtime.current_grid()
     world = [list(range(grid.size))]
     data_groups = [list(grid.data_group_ranks(m)) for m in range(grid.model_size)]
+    model_groups = [list(grid.model_group_ranks(d)) for d in range(grid.data_size)]
     for i, v in enumerate(model.trainable_variables):
-        for ranks in (data_groups if layout_of(v).kind == "sharded" else world):
+        groups = data_groups if layout_of(v).kind == "sharded" else world
+        if getattr(v, "_tfhybrid_periodic_average", None) is not None:
+            # gmp's periodic averaging: each model group's copy drifts between averagings
+            groups = [] if layout_of(v).kind == "sharded" else model_groups
+        for ranks in groups:
             vals = sums[ranks, i]
             if np.max(vals) - np.min(vals) > RTOL * max(1.0, float(np.max(np.abs(vals)))):
                 other = next(r for r in ranks if abs(sums[r, i] - sums[ranks[0], i])
@@ -300,14 +308,28 @@ class GuardCallback(keras.callbacks.Callback):
     broadcast callbacks). ``every``: period after the first steps (0: none).
     """
 
-    def __init__(self, checksum_variable, every):
+    def __init__(self, checksum_variable, every, due_variable=None):
         super().__init__()
         self._checksum = checksum_variable
         self._every = every
+        self._due = due_variable
+        self._due_value = None
         self._step = 0
+
+    def _scheduled(self, step):
+        return step <= FIRST_STEPS or (bool(self._every) and step % self._every == 0)
+
+    def _set_due(self, value):
+        """Tell ``train_step`` whether the next step's batch checksum is needed
+        (one assign per change of value: at most two per period)."""
+        if self._due is not None and value != self._due_value:
+            self._due.assign(value)
+            self._due_value = value
 
     def on_train_begin(self, logs=None):
         self._step = 0
+        self._due_value = None
+        self._set_due(True)
         check_weights(self.model, "at the start of fit")
 
     def on_train_batch_end(self, batch, logs=None):
@@ -318,6 +340,10 @@ class GuardCallback(keras.callbacks.Callback):
             # drift at step 1 persists); batches after every first step (each its rows)
             check_step(self.model, float(self._checksum.numpy()), self._step,
                        weights=self._step == FIRST_STEPS or periodic)
+        self._set_due(self._scheduled(self._step + 1))
+
+    def on_train_end(self, logs=None):
+        self._set_due(True)     # a later train_step outside fit computes its checksum
 
 
 # -- the hook on transformed models ----------------------------------------
@@ -471,6 +497,9 @@ def install(model):
         return model
     cls = type(model)
     checksum = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="tfhybrid_batch_checksum")
+    # True before the steps whose batch the GuardCallback compares (set by it):
+    # the traced step skips the checksum's work on the other steps.
+    due = tf.Variable(True, trainable=False, name="tfhybrid_batch_checksum_due")
 
     def compile(self, *args, **kwargs):   # noqa: A001 - Keras' name
         bound = inspect.signature(cls.compile).bind(self, *args, **kwargs)
@@ -479,10 +508,14 @@ def install(model):
         return cls.compile(*bound.args, **bound.kwargs)
 
     def train_step(self, data):
-        if _config().guards:
+        # Only where ranks of a model group must feed the same rows (nothing to
+        # compare otherwise: pure data parallelism, one process), and only on
+        # the steps the GuardCallback checks.
+        if _config().guards and _batch_shared(self):
             # split labels (per-voxel outputs under s/ds) differ within a model group
             split = any(getattr(self, "_tfhybrid_split_outputs", ())) and isinstance(data, tuple)
-            checksum.assign(batch_checksum(data[0] if split else data))
+            rows = data[0] if split else data
+            checksum.assign(tf.cond(due, lambda: batch_checksum(rows), checksum.read_value))
         return cls.train_step(self, data)
 
     def fit(self, *args, **kwargs):
@@ -491,7 +524,7 @@ def install(model):
         if config.guards:
             bound = inspect.signature(cls.fit).bind(self, *args, **kwargs)
             check_structure(self, planned_steps(bound.arguments, "steps_per_epoch"))
-            extra.append(GuardCallback(checksum, config.guard_every_steps))
+            extra.append(GuardCallback(checksum, config.guard_every_steps, due))
         return _call_with_callbacks(cls.fit, self, args, kwargs, extra)
 
     def evaluate(self, *args, **kwargs):
@@ -535,6 +568,7 @@ def install(model):
     for name, fn in methods:
         object.__setattr__(model, name, types.MethodType(fn, model))
     object.__setattr__(model, "_tfhybrid_batch_checksum", checksum)
+    object.__setattr__(model, "_tfhybrid_batch_checksum_due", due)
     object.__setattr__(model, "_tfhybrid_guarded", True)
     return model
 

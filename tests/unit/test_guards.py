@@ -41,7 +41,25 @@ def test_transformed_model_is_guarded_and_trains_alone():
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")   # one process: not wrapped
     x = np.ones((4, 3), np.float32)
     model.fit(x, np.zeros((4, 2), np.float32), batch_size=4, verbose=0)
-    assert float(model._tfhybrid_batch_checksum.numpy()) != 0.0     # the step recorded it
+    # one process: no model group to compare, so the step skips the checksum's work
+    assert float(model._tfhybrid_batch_checksum.numpy()) == 0.0
+
+
+def test_guard_callback_asks_for_batch_checksums_only_on_guarded_steps():
+    model = tfhybrid.transform(_model(), "d")
+    due = model._tfhybrid_batch_checksum_due
+    cb = guards.GuardCallback(model._tfhybrid_batch_checksum, 4, due)
+    cb.set_model(model)
+    due.assign(False)
+    cb.on_train_begin()
+    seen = [bool(due.numpy())]              # before step 1
+    for batch in range(9):
+        cb.on_train_batch_end(batch)
+        seen.append(bool(due.numpy()))      # before step batch + 2
+    # steps 1, 2 (the first steps), 4 and 8 (every 4): the others skip the checksum
+    assert seen == [True, True, False, True, False, False, False, True, False, False]
+    cb.on_train_end()
+    assert bool(due.numpy())                # train_step outside fit: checksum again
 
 
 @pytest.mark.parametrize("kwargs, phrase", [

@@ -3,6 +3,7 @@
     horovodrun -np 4 python guard_cases.py good          # model groups of 2
     horovodrun -np 2 python guard_cases.py per_rank_shuffle
     horovodrun -np 2 python guard_cases.py perturbed
+    horovodrun -np 2 python guard_cases.py late_rows     # guard_every_steps=4
 
 ``good``: a plain Keras optimizer (wrapped by compile, with a warning; the
 weights after 3 steps equal single-process training), an unseeded
@@ -109,11 +110,26 @@ def perturbed(grid):
     model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0)   # no broadcast
 
 
+def late_rows(grid):
+    """Ranks feed different rows at step 4 only, with guard_every_steps=4:
+    the steps between the guarded ones skip the batch checksum, step 4's must
+    run again and catch it."""
+    x, y = data(B * 5)
+    if grid.rank == 1:      # e.g. a per-rank augmentation kicking in late
+        x[3 * B:4 * B] = x[3 * B:4 * B][::-1].copy()
+    model = tfhybrid.transform(make_model(), "df")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=loss())
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True)
+    model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0,
+              callbacks=tfhybrid.callbacks.standard())
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", choices=["good", "per_rank_shuffle", "perturbed"])
+    ap.add_argument("case", choices=["good", "per_rank_shuffle", "perturbed", "late_rows"])
     args = ap.parse_args()
-    grid = tfhybrid.init(model_parallel=2, config=tfhybrid.Config(guard_every_steps=1))
+    every = 4 if args.case == "late_rows" else 1
+    grid = tfhybrid.init(model_parallel=2, config=tfhybrid.Config(guard_every_steps=every))
     globals()[args.case](grid)
 
 

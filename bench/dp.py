@@ -43,6 +43,14 @@ R = 100 (T_c - T_b) / T_c with T_c the time of the step's bucket allreduces
 run alone and T_b the exposed communication time T_step - T_compute
 (T_compute: the same fit with the plain optimizer, no communication).
 
+Each contender is timed in wall time and in CPU time (``time.process_time``
+of each process, all its threads, summed over the ranks): on a shared box
+the wall time mostly measures the other load, the CPU time the work a step
+costs. The README fit vs numpy loop (and, with ``--single``, plain Keras vs
+``transform(d)``) ratios are printed for both, paired per round (median
+and range) and from each contender's best round. ``--pair`` runs only that
+pair (``horovodrun -np 2 ... bench/dp.py --pair``).
+
 Writes bench/results/dp.json and prints a markdown table on rank 0.
 """
 import argparse
@@ -123,10 +131,21 @@ def barrier():
 
 
 def timed(fn):
+    """(wall seconds, CPU seconds of this process, bytes written) of ``fn()``."""
     barrier()
-    w0, t0 = wchar(), time.perf_counter()
+    w0, c0, t0 = wchar(), time.process_time(), time.perf_counter()
     fn()
-    return time.perf_counter() - t0, wchar() - w0
+    return time.perf_counter() - t0, time.process_time() - c0, wchar() - w0
+
+
+def summed_over_ranks(samples):
+    """``{name: [seconds per round]}`` summed over the ranks (one allreduce)."""
+    names = list(samples)
+    if SIZE == 1 or not names:
+        return samples
+    table = np.array([samples[k] for k in names], np.float64)
+    total = backend.allreduce(tf.constant(table), tuple(range(SIZE)), "bench.cpu").numpy()
+    return {k: list(total[i]) for i, k in enumerate(names)}
 
 
 class Contenders:
@@ -193,7 +212,7 @@ class Contenders:
         rows = tf.data.Dataset.from_tensor_slices((self.gx, self.gy))
         data = tfhybrid.data.shard(rows, model=model, batch_size=self.gb).cache()
         model.fit(data.take(1), verbose=0, callbacks=tfhybrid.callbacks.standard())
-        return lambda: model.fit(data, verbose=0)
+        return lambda: model.fit(data, verbose=0, callbacks=tfhybrid.callbacks.standard())
 
     def mwms_loop(self):
         with STRATEGY.scope():
@@ -238,6 +257,12 @@ VARIANTS = {"tfhybrid": (None, 1), "tfhybrid (1 MiB buckets)": (2**20, 1),
             "tfhybrid (steps_per_execution=10)": (None, 10)}
 
 
+def build_pair(c):
+    """Only issue 20's pair: the user's Horovod loop and the README fit."""
+    return {"horovod loop (numpy)": c.horovod_numpy_loop(),
+            "tfhybrid fit (README)": c.readme_fit()}, {}
+
+
 def build(c):
     runs, opts = {}, {}
     for name, (bucket_bytes, spe) in VARIANTS.items():
@@ -280,20 +305,22 @@ def overlap(samples, name, steps):
             "R_percent_best": 100 * (best_c - best_b) / best_c}
 
 
-def summarise(samples, bytes_sent, c, opts, args):
+def summarise(samples, bytes_sent, cpu, c, opts, args):
+    if "tfhybrid" not in c.models:       # --pair: the two contenders only
+        return {"world_size": SIZE, "global_batch": c.gb, "steps_per_round": c.steps,
+                "rounds": args.rounds, **_pair_summary(samples, cpu, c.steps)}
     params = sum(int(np.prod(v.shape)) for v in c.models["tfhybrid"].trainable_variables)
     ring_min = 2 * (SIZE - 1) / SIZE * params * 4
     t = {k: median_of(samples, k) / c.steps for k in samples}
     thr = {k: c.gb / v for k, v in t.items() if "only" not in k}
     return {
+        **_pair_summary(samples, cpu, c.steps),
         "world_size": SIZE, "global_batch": c.gb, "steps_per_round": c.steps,
         "rounds": args.rounds, "parameters": params,
         "step_time_s": t, "samples_per_s": thr,
         "best_step_time_s": {k: min(v) / c.steps for k, v in samples.items()},
         "step_time_s_per_round": {k: [x / c.steps for x in v] for k, v in samples.items()},
         "ratio_vs_tfhybrid": {k: thr["tfhybrid"] / v for k, v in thr.items()},
-        "readme_fit_vs_numpy_loop": _paired_ratio(samples, "horovod loop (numpy)",
-                                                  "tfhybrid fit (README)"),
         "bytes_per_step": {
             "ring_minimum": ring_min,
             "tfhybrid_counted": {k: o.communication_plan()["ring_bytes"] for k, o in opts.items()},
@@ -306,6 +333,39 @@ def summarise(samples, bytes_sent, c, opts, args):
     }
 
 
+def _pair_summary(samples, cpu, steps):
+    """Issue 20's comparison in wall time and in CPU time (summed over ranks)."""
+    slow, fast = "horovod loop (numpy)", "tfhybrid fit (README)"
+    return {"readme_fit_vs_numpy_loop": _paired_ratio(samples, slow, fast),
+            "readme_fit_vs_numpy_loop_cpu": _paired_ratio(cpu, slow, fast),
+            "cpu_ms_per_step_summed_over_ranks": {
+                k: {"min": min(v) / steps * 1e3, "median": statistics.median(v) / steps * 1e3}
+                for k, v in cpu.items()},
+            "wall_ms_per_step": {
+                k: {"min": min(v) / steps * 1e3, "median": statistics.median(v) / steps * 1e3}
+                for k, v in samples.items()}}
+
+
+def _ratio_line(title, wall, cpu, wall_best, cpu_best, target):
+    """One line: the paired wall and CPU ratios and the ratio of the best rounds."""
+    return (f"{title}, paired per round: wall {wall['median']:.3f}x median (range "
+            f"{wall['min']:.3f}-{wall['max']:.3f}), CPU {cpu['median']:.3f}x median (range "
+            f"{cpu['min']:.3f}-{cpu['max']:.3f}); best rounds: wall {wall_best:.3f}x, CPU "
+            f"{cpu_best:.3f}x ({wall['rounds']} rounds; > 1: tfhybrid is faster; target "
+            f">= {target})")
+
+
+def _pair_lines(res, slow, fast, title, target):
+    w, c = res["wall_ms_per_step"], res["cpu_ms_per_step_summed_over_ranks"]
+    rows = [f"{k}: wall {w[k]['median']:.2f} ms/step median, {w[k]['min']:.2f} best; CPU "
+            f"(process_time, summed over {res['world_size']} rank(s)) {c[k]['median']:.2f} "
+            f"ms/step median, {c[k]['min']:.2f} best" for k in (slow, fast)]
+    rows.append(_ratio_line(title, res["ratio_wall"], res["ratio_cpu"],
+                            w[slow]["min"] / w[fast]["min"], c[slow]["min"] / c[fast]["min"],
+                            target))
+    return rows
+
+
 def _paired_ratio(samples, slow_name, fast_name):
     """Median over rounds of time(slow_name) / time(fast_name), and its range:
     > 1 means ``fast_name`` is faster (paired within a round: same load)."""
@@ -314,7 +374,16 @@ def _paired_ratio(samples, slow_name, fast_name):
             "rounds": len(ratios)}
 
 
+def pair_table(res):
+    res = dict(res, ratio_wall=res["readme_fit_vs_numpy_loop"],
+               ratio_cpu=res["readme_fit_vs_numpy_loop_cpu"])
+    return "\n".join(_pair_lines(res, "horovod loop (numpy)", "tfhybrid fit (README)",
+                                 "tfhybrid fit (README) speed vs horovod loop (numpy)", 1.0))
+
+
 def table(res):
+    if "step_time_s" not in res:
+        return pair_table(res)
     rows = ["| contender | step ms (median) | step ms (best) | samples/s (median) | tfhybrid "
             "speed-up | bytes sent/step (measured) |", "|---|---:|---:|---:|---:|---:|"]
     b = res["bytes_per_step"]
@@ -336,10 +405,7 @@ def table(res):
                     f"T_b = {o['T_b_best'] * 1e3:.1f} ms, R = {o['R_percent_best']:.0f}%)")
     if res["mwms_error"]:
         rows.append(f"MWMS baseline not run: {res['mwms_error']}")
-    r = res["readme_fit_vs_numpy_loop"]
-    rows.append(f"tfhybrid fit (README) speed vs horovod loop (numpy), paired per round: "
-                f"{r['median']:.3f}x median (range {r['min']:.3f}-{r['max']:.3f}, "
-                f"{r['rounds']} rounds; > 1: fit is faster)")
+    rows.append(pair_table(res))
     return "\n".join(rows)
 
 
@@ -358,19 +424,23 @@ def single(args):
             "tfhybrid d fit": lambda: ours.fit(tfhybrid.data.shard(ds, model=ours), verbose=0)}
     for fn in runs.values():
         fn()
-    samples = {k: [] for k in runs}
+    samples, cpu = {k: [] for k in runs}, {k: [] for k in runs}
     for _ in range(args.rounds):
         for name, fn in runs.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-    r = _paired_ratio(samples, "keras fit", "tfhybrid d fit")
-    for k, v in samples.items():
-        print(f"{k}: {statistics.median(v) / args.steps * 1e3:.2f} ms/step median, "
-              f"{min(v) / args.steps * 1e3:.2f} best")
-    print(f"world size 1: tfhybrid d fit speed vs plain Keras fit, paired per round: "
-          f"{r['median']:.3f}x median (range {r['min']:.3f}-{r['max']:.3f}, {r['rounds']} rounds; "
-          "target >= 0.98)")
+            dt, dc, _ = timed(fn)
+            samples[name].append(dt)
+            cpu[name].append(dc)
+    steps = args.steps
+    res = {"world_size": 1, "ratio_wall": _paired_ratio(samples, "keras fit", "tfhybrid d fit"),
+           "ratio_cpu": _paired_ratio(cpu, "keras fit", "tfhybrid d fit"),
+           "cpu_ms_per_step_summed_over_ranks": {
+               k: {"min": min(v) / steps * 1e3, "median": statistics.median(v) / steps * 1e3}
+               for k, v in cpu.items()},
+           "wall_ms_per_step": {
+               k: {"min": min(v) / steps * 1e3, "median": statistics.median(v) / steps * 1e3}
+               for k, v in samples.items()}}
+    print("\n".join(_pair_lines(res, "keras fit", "tfhybrid d fit",
+                                "world size 1: tfhybrid d fit speed vs plain Keras fit", 0.98)))
 
 
 def main():
@@ -381,20 +451,24 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "dp.json"))
     ap.add_argument("--single", action="store_true",
                     help="world size 1: plain Keras fit vs transform(d) fit")
+    ap.add_argument("--pair", action="store_true",
+                    help="only issue 20's pair: horovod loop (numpy) vs tfhybrid fit (README)")
     args = ap.parse_args()
     tfhybrid.init()
     if args.single:
         return single(args)
     c = Contenders(args.steps, args.batch)
-    runs, opts = build(c)
+    runs, opts = build_pair(c) if args.pair else build(c)
     samples = {k: [] for k in runs}
     bytes_sent = {k: [] for k in runs}
+    cpu = {k: [] for k in runs}
     for _ in range(args.rounds):
         for name, fn in runs.items():
-            dt, nbytes = timed(fn)
+            dt, dc, nbytes = timed(fn)
             samples[name].append(dt)
+            cpu[name].append(dc)
             bytes_sent[name].append(nbytes)
-    res = summarise(samples, bytes_sent, c, opts, args)
+    res = summarise(samples, bytes_sent, summed_over_ranks(cpu), c, opts, args)
     if RANK == 0:
         print(table(res))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

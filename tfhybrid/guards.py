@@ -17,7 +17,8 @@ transformed model check for them itself:
   after each of the first :data:`FIRST_STEPS` steps and every
   ``Config.guard_every_steps`` steps, ranks compare a checksum of their
   batch (the ranks of a model group must feed the same rows); at the start
-  of training (after the broadcast callbacks), after step
+  of training (after the broadcast callbacks; skipped when one of them
+  broadcast this fit's weights), after step
   :data:`FIRST_STEPS` (a drift at an earlier step persists) and every
   ``guard_every_steps`` steps, of their trainable weights (replicated and
   partial weights agree over the world, sharded blocks over the data group);
@@ -330,7 +331,10 @@ class GuardCallback(keras.callbacks.Callback):
         self._step = 0
         self._due_value = None
         self._set_due(True)
-        check_weights(self.model, "at the start of fit")
+        # A broadcast callback of this fit (listed before this one) has just made
+        # every replica rank 0's: nothing to compare (one allgather less per fit).
+        if not getattr(self.model, "_tfhybrid_broadcast_in_fit", False):
+            check_weights(self.model, "at the start of fit")
 
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1
@@ -519,6 +523,7 @@ def install(model):
         return cls.train_step(self, data)
 
     def fit(self, *args, **kwargs):
+        object.__setattr__(self, "_tfhybrid_broadcast_in_fit", False)   # set by the callback
         extra = _watchdog_callbacks()
         config = _config()
         if config.guards:

@@ -470,9 +470,11 @@ def summary_note(model) -> str:
 
 
 def _watchdog_callbacks():
+    """The watchdog's callback, when the watchdog runs (multi-process jobs): in
+    one process, or with the watchdog off, its per-step hooks would do nothing."""
     from tfhybrid import watchdog
 
-    return [watchdog.WatchdogCallback()]
+    return [watchdog.WatchdogCallback()] if watchdog.get().enabled else []
 
 
 def _wrap_optimizer(optimizer):
@@ -526,7 +528,7 @@ def install(model):
         object.__setattr__(self, "_tfhybrid_broadcast_in_fit", False)   # set by the callback
         extra = _watchdog_callbacks()
         config = _config()
-        if config.guards:
+        if config.guards and runtime.current_grid().size > 1:   # one process: nothing to compare
             bound = inspect.signature(cls.fit).bind(self, *args, **kwargs)
             check_structure(self, planned_steps(bound.arguments, "steps_per_epoch"))
             extra.append(GuardCallback(checksum, config.guard_every_steps, due))

@@ -56,8 +56,8 @@ def phase_of(op: str, name: str) -> str:
         return "halo"
     if ".ls." in f".{name}." or name.startswith("tfh.ls"):
         return "p2p"
-    if op in ("allgather", "alltoall"):     # tfhybrid's reduce-scatter is an alltoall
-        return "FB-allgather"
+    if op in ("allgather", "alltoall", "broadcast"):   # reduce-scatter and rooted reduce:
+        return "FB-allgather"                          # alltoalls; broadcast: gmp's "B"
     if op == "grouped_allreduce":
         return "GE-allreduce"
     return "FB-allreduce"

@@ -49,7 +49,10 @@ def reference_model():
 
 
 def splitbrain_model(scheme, entry, exit_):
-    """conv -> Flatten -> Modulo -> f(16) -> c(12) -> Dense(8) -> f(8) [-> Shard] -> f(8) -> inverse."""
+    """conv -> Flatten -> Modulo -> f(16) -> c(12) -> Dense(8) -> f(8) [-> Shard] -> f(8) -> inverse.
+
+    ``scheme`` "BK": ModuloLayer, region, ModuloInverseLayer; "B" or "B/K": the
+    region is the ModuloLayer's ``body``."""
     conv, d16, d12, d8a, d8, d5 = reference_layers()
     region = [
         FilterParallelDense.from_layer(d16, input_layout=PG if entry == PG else R,
@@ -71,7 +74,7 @@ def splitbrain_model(scheme, entry, exit_):
         tail = [ModuloLayer("BK", output_layout=entry)] + region + \
             [ModuloInverseLayer(input_layout=inverse_in)]
     else:
-        tail = [ModuloLayer("B/K", body=keras.Sequential(region), output_layout=entry,
+        tail = [ModuloLayer(scheme, body=keras.Sequential(region), output_layout=entry,
                             inverse_input_layout=inverse_in)]
     return keras.Sequential(head + tail)
 

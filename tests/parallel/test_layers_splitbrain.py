@@ -1,4 +1,4 @@
-"""ShardLayer, ModuloLayer ("BK", "B/K") and ModuloInverseLayer under horovodrun.
+"""ShardLayer, ModuloLayer ("BK", "B", "B/K") and ModuloInverseLayer under horovodrun.
 
 The boundary layers alone against numpy (values, and the gradient scaling by
 K and 1/K), static shapes when Keras traces with an unknown batch, ``.keras``
@@ -77,7 +77,7 @@ def test_inverse_keeps_own_rows_and_scales_gradient_by_1_over_k(grid, in_layout,
 # -- Keras logits behind a softmax output ---------------------------------------------
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
-@pytest.mark.parametrize("scheme", ["BK", "B/K"])
+@pytest.mark.parametrize("scheme", ["BK", "B", "B/K"])
 def test_softmax_rows_carry_keras_logits_to_the_loss(grid, scheme, mode):
     """Keras' crossentropy of a softmax output reads its ``_keras_logits``, not the
     probabilities clipped to [1e-7, 1 - 1e-7]; the rows leaving the region carry
@@ -94,7 +94,7 @@ def test_softmax_rows_carry_keras_logits_to_the_loss(grid, scheme, mode):
         model = keras.Sequential([ModuloLayer("BK", output_layout=R), dense,
                                   ModuloInverseLayer()])
     else:
-        model = ModuloLayer("B/K", body=dense, output_layout=R)
+        model = ModuloLayer(scheme, body=dense, output_layout=R)
 
     def call(t):
         loss = keras.losses.sparse_categorical_crossentropy(labels, model(t))
@@ -136,7 +136,7 @@ def test_static_shapes_with_unknown_batch(grid, scheme, exit_):
 
 
 def test_save_load_round_trip(grid, tmp_path):
-    for scheme in ("BK", "B/K"):
+    for scheme in ("BK", "B", "B/K"):
         model = splitbrain_model(scheme, PG, "shard")
         x = randn((B,) + IMG, "save", grid.rank)
         check_save_load(model, x, rank_path(tmp_path, f"splitbrain_{scheme.replace('/', '')}"))
@@ -156,7 +156,9 @@ def test_b_over_k_batch_not_divisible(grid_of):
 def test_modulo_argument_errors(grid):
     with pytest.raises(ValueError, match=r"'m1'.*scheme='B/K' .* pass body="):
         ModuloLayer("B/K", name="m1")
-    with pytest.raises(ValueError, match=r"`scheme`: scheme='B'; expected one of"):
-        ModuloLayer("B")
+    with pytest.raises(ValueError, match=r"`scheme`: scheme='BB'; expected one of"):
+        ModuloLayer("BB")
+    with pytest.raises(ValueError, match=r"'m2'.*scheme='B' .* pass body="):
+        ModuloLayer("B", name="m2")
     with pytest.raises(ValueError, match=r"`input_layout`: input_layout='split'"):
         ModuloInverseLayer(input_layout="split")

@@ -270,3 +270,16 @@ def test_deprecated_option_spellings_still_work_and_warn():
     assert old_grid.total_s == predict(CPROF, "ds", 4, 4, M, spatial=(2, 1)).total_s
     by_name = predict(CPROF, "s", 2, 4, M, spatial="height")
     assert by_name.options["grid"]["spatial"] == [2, 1]
+
+
+def test_gmp_b_scheme_hand():
+    r = predict(PROF, "gmp", 2, 4, M, mp=2, scheme="B", ccr_threshold=0)
+    b_over_k = predict(PROF, "gmp", 2, 4, M, mp=2, scheme="B/K", ccr_threshold=0)
+    assert r.options["scheme"] == "B" and r.options["pairs"] == [("fc1", "fc2")]
+    # 2 rounds of one rank's 2 samples: broadcast of x=2 (forward and its recompute, a
+    # tree of 1 hop) and the rooted reduce of its gradient; the outputs' gradient (y=2)
+    # broadcast back; the pair's allreduce of y_fc2 for 2 samples, twice (recompute)
+    assert r.comm_s["FB-allgather"] == pytest.approx(2 * (2 * 3 + 3) + 2 * 3)
+    assert r.comm_s["FB-allreduce"] == pytest.approx(2 * 2 * 2 * (1 + 4 / 2 * 0.5))
+    assert r.memory_bytes == b_over_k.memory_bytes      # activations of b samples
+    assert r.compute_s > b_over_k.compute_s             # each round's forward recomputed

@@ -167,7 +167,7 @@ def test_invalid_option_values():
         make_options("gmp", ccr_threshold=-1)
     with pytest.raises(ValueError, match=r"mp=0"):
         make_options("gmp", mp=0)
-    with pytest.raises(ValueError, match=r"scheme='BK2'.*\('BK', 'B/K'\)"):
+    with pytest.raises(ValueError, match=r"scheme='BK2'.*\('BK', 'B', 'B/K'\)"):
         make_options("gmp", scheme="BK2")
     with pytest.raises(ValueError, match=r"scheme='B/K' does not apply to strategy 'df'.*'gmp'"):
         make_options("df", scheme="B/K")

@@ -271,6 +271,41 @@ def alltoall(x, splits, ranks, name):
     return out
 
 
+def zeros_reading(x):
+    """Zeros of ``x``'s shape computed from ``x`` (NaN stays NaN).
+
+    Not ``tf.zeros_like``: Grappler folds that into a constant when the shape
+    is known and prunes whatever produced ``x``, so a collective feeding only
+    this rank's zeros would not run here while the other ranks wait for it.
+    """
+    return tf.minimum(tf.abs(x), tf.zeros([], x.dtype))
+
+
+def reduce_to(x, root, ranks, name):
+    """Sum of ``x`` over ``ranks`` on global rank ``root``; zeros on the others.
+
+    One :func:`alltoall` in which every rank sends all of ``x`` to ``root``
+    (and nothing elsewhere) and ``root`` sums the blocks in group order: each
+    non-root rank sends ``x`` once, ``root`` receives ``k - 1`` copies (a
+    direct reduce; Horovod has no rooted reduce).
+    """
+    x = tf.convert_to_tensor(x)
+    ranks = tuple(ranks)
+    k, at = len(ranks), ranks.index(root)
+    n = x.shape[0] if x.shape[0] is not None else tf.shape(x, out_type=tf.int32)[0]
+    if isinstance(n, int):
+        splits = [n if i == at else 0 for i in range(k)]
+    else:
+        splits = tf.one_hot(at, k, on_value=n, off_value=0, dtype=tf.int32)
+    blocks = alltoall(x, splits, ranks, name)
+    if rank() != root:   # zeros that read the (empty) result: the send must run
+        return zeros_reading(x) + tf.cast(tf.reduce_sum(blocks), x.dtype)
+    shape = tf.concat([[k], tf.shape(x, out_type=tf.int32)], 0)
+    out = tf.reduce_sum(tf.reshape(blocks, shape), axis=0)
+    out.set_shape(x.shape)
+    return out
+
+
 def broadcast(x, root, ranks, name):
     return _watched("broadcast", name, ranks, lambda nm: _STATE["mpi_ops"].broadcast(
         x, root, name=nm, ignore_name_scope=True, process_set=process_set(ranks)), (x,))

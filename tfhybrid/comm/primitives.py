@@ -18,6 +18,11 @@ copy               R -> R: identity                       allreduce sum (grad is
 halo(a, lo, hi)    S(a) -> S(a) + neighbours' rows        halo grads sent back and added
 batch_gather       S(batch) -> R: allgather batch         reduce-scatter sum along batch
 batch_scatter      R -> S(batch): own rows                allgather along batch
+broadcast(r)       root r's x -> R: broadcast from r      sum to r (grad is P; zeros on
+                                                          the others), or root's own
+                                                          gradient (``partial_grad=False``)
+to_root(r)         R -> root r's copy: identity           broadcast from r (root's
+                                                          gradient becomes R)
 =================  =====================================  ==============================
 
 Every primitive takes ``group`` ("model", "data", "world" or a
@@ -314,3 +319,88 @@ def batch_scatter(x, group="model", name=None):
         >>> own = tfhybrid.comm.batch_scatter(logits, group="model")   # (K*B, C) -> (B, C)
     """
     return split(x, axis=0, group=group, name=name or "batch_scatter")
+
+
+def broadcast(x, root=0, group="model", name=None, partial_grad=True):
+    """Group rank ``root``'s ``x`` -> R: broadcast; backward sums the gradient to ``root``.
+
+    Forward: every rank of the group gets ``root``'s tensor (the others'
+    ``x`` only give the shape). Backward: with ``partial_grad=True`` (the
+    consumers are partitioned, so each rank's gradient is a partial term P)
+    the gradients are summed on ``root`` (a rooted reduce) and the other
+    ranks' ``x`` get zeros; with ``partial_grad=False`` (consumers
+    replicated: the gradient is R) ``root`` keeps its own gradient, no
+    communication. SplitBrain's "B" scheme: the model group's ranks take
+    turns broadcasting their rows.
+
+    Args:
+        x: This rank's tensor; the same shape on every rank of the group.
+        root: Index of the sending rank within the group (0..size-1).
+        group: Group name or Group.
+        name: Base of the collective names.
+        partial_grad: The layout of the output's gradient: P (True) or R.
+
+    Returns:
+        ``root``'s ``x`` on every rank of the group.
+
+    Example:
+        >>> rows = tfhybrid.comm.broadcast(features, root=1, group="model")
+    """
+    x = tf.convert_to_tensor(x)
+    g = resolve_group(group)
+    root = _check_root(root, g)
+    src = g.ranks[root]
+    nm = _name(name, f"broadcast{root}", g)
+
+    def backward(dy, name):
+        if partial_grad:
+            return backend.reduce_to(dy, src, g.ranks, name)
+        return dy if g.index == root else backend.zeros_reading(dy)
+
+    return _conjugate_pair(x, g, nm,
+                           lambda t, n: _same_shape(backend.broadcast(t, src, g.ranks, n), t),
+                           lambda dy, n: _same_shape(backward(dy, n), x))
+
+
+def to_root(x, root=0, group="model", name=None):
+    """R -> the copy group rank ``root`` uses: identity; backward broadcasts from ``root``.
+
+    The adjoint of a rooted reduce: a replicated tensor of which only
+    ``root`` consumes the value (e.g. the outputs computed for ``root``'s
+    rows in SplitBrain's "B" scheme). Its gradient is ``root``'s, broadcast
+    so that every rank back-propagates the same (R) gradient. The other
+    ranks' downstream gradient is ignored (it is zero where they do not
+    use the value).
+
+    Args:
+        x: Replicated tensor.
+        root: Index of the consuming rank within the group.
+        group: Group name or Group.
+        name: Base of the collective names.
+
+    Returns:
+        ``x`` unchanged.
+
+    Example:
+        >>> y = tfhybrid.comm.to_root(logits, root=1, group="model")
+    """
+    x = tf.convert_to_tensor(x)
+    g = resolve_group(group)
+    root = _check_root(root, g)
+    src = g.ranks[root]
+    return _conjugate_pair(x, g, _name(name, f"to_root{root}", g),
+                           lambda t, n: tf.identity(t),
+                           lambda dy, n: _same_shape(backend.broadcast(dy, src, g.ranks, n), x))
+
+
+def _check_root(root, g):
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < g.size:
+        raise ValueError(f"Received an invalid value for `root`: root={root!r}; expected the "
+                         f"index of a rank of the {g.name} group, an integer in "
+                         f"[0, {g.size}).")
+    return root
+
+
+def _same_shape(y, x):
+    y.set_shape(x.shape)
+    return y

@@ -7,6 +7,13 @@ FC layers joined by :class:`ShardLayer`) up to a
 
     conv (DP, own B rows) -> ModuloLayer -> FilterParallelDense ... -> ModuloInverseLayer -> loss
 
+The three schemes of SplitBrain §3.1 (after Krizhevsky's "one weird trick")
+move the group's K*B rows through the model-parallel region differently:
+"BK" all-gathers them (one pass on K*B rows), "B" lets the K ranks take
+turns broadcasting their B rows (K passes on B rows each) and "B/K" has every
+rank contribute B/K rows per micro-step (K passes on B rows each). All three
+compute the same function and the same gradients.
+
 Gradient scale (the rule this module implements). The objective is the mean
 loss over the global batch, ``J = 1/N sum_r L_r`` (N ranks, ``L_r`` the
 mean loss of rank r's rows). Between the two boundary layers every rank of a
@@ -48,6 +55,7 @@ import tensorflow as tf
 
 from tfhybrid import comm, errors
 from tfhybrid.comm import resolve_group
+from tfhybrid.comm.backend import zeros_reading
 from tfhybrid.layers.no_xla import NoXLA
 from tfhybrid.layers.partitioned import (IO_PARTIAL_GRAD, IO_REPLICATED, check_choice,
                                          collective_base, deserialize_group,
@@ -55,7 +63,8 @@ from tfhybrid.layers.partitioned import (IO_PARTIAL_GRAD, IO_REPLICATED, check_c
                                          serialize_group, split_partial_grad, with_channels)
 
 _PACKAGE = "tfhybrid"
-SCHEMES = ("BK", "B/K")
+SCHEMES = ("BK", "B", "B/K")
+_WITH_BODY = ("B", "B/K")   # schemes that run the region several times: body required
 
 
 def _times(n, k):
@@ -196,16 +205,29 @@ class ModuloLayer(_GroupLayer):
       ``body``'s weights are accumulated over the K micro-steps: exactly the
       synchronous gradient of the whole batch. The output is this rank's B
       rows (the inverse is built in).
+    * ``scheme="B"`` (``body`` required): K rounds; in round k, rank k of
+      the group broadcasts its B rows (:func:`tfhybrid.comm.broadcast`),
+      every rank runs ``body`` on them with its shard of the weights, and
+      rank k keeps the B output rows. Backward per round: the gradient of
+      the round's outputs is broadcast from rank k
+      (:func:`tfhybrid.comm.to_root`; none with
+      ``inverse_input_layout="replicated_partial_grad"``), ``body``
+      back-propagates, and the input gradient is summed to rank k (the
+      adjoint of the broadcast; rank k's own with
+      ``output_layout="replicated"``). Same rows, FLOPs and bytes received
+      as "BK" (K*B rows), with the region's activations of B rows at a
+      time when ``recompute`` (default), and no divisibility condition on
+      the local batch.
     * ``scheme="BK"`` with ``body``: gather, ``body``, own rows, in one step.
 
     The gradient that leaves the layer is multiplied by K (and the inverse's
     by 1/K); weights inside the region need no ``grad_scale`` (module doc).
 
     Args:
-        scheme: ``"BK"`` or ``"B/K"``.
+        scheme: ``"BK"``, ``"B"`` or ``"B/K"``.
         group: The model group (default "model").
         body: Keras layer/model of the model-parallel region (maps R rows to
-            R rows); required for ``"B/K"``.
+            R rows); required for ``"B"`` and ``"B/K"``.
         output_layout: Layout of the gradient expected at the gathered
             output: ``"replicated_partial_grad"`` (default; the consumer is a
             partitioned layer leaving its input gradient partial,
@@ -213,12 +235,13 @@ class ModuloLayer(_GroupLayer):
             gradient is R; this rank's rows are kept).
         inverse_input_layout: With ``body``: layout of the gradient at
             ``body``'s output (see :class:`ModuloInverseLayer`).
-        recompute: ``"B/K"`` only: recompute each micro-step in the backward
-            pass (default True; False keeps K*B rows of activations).
+        recompute: ``"B"`` and ``"B/K"``: recompute each round/micro-step in
+            the backward pass (default True; False keeps K*B rows of
+            activations).
         **kwargs: Base layer arguments.
 
     Raises:
-        ValueError: for an unknown scheme/layout, ``"B/K"`` without ``body``,
+        ValueError: for an unknown scheme/layout, ``"B"``/``"B/K"`` without ``body``,
             or (``"B/K"``) a local batch not divisible by K.
 
     Example:
@@ -229,6 +252,7 @@ class ModuloLayer(_GroupLayer):
         >>> mp = keras.Sequential([FilterParallelDense(64, activation="relu",
         ...      input_layout="replicated_partial_grad"), ChannelParallelDense(10)])
         >>> logits = ModuloLayer("B/K", body=mp)(features)   # memory of B rows
+        >>> logits = ModuloLayer("B", body=mp)(features)     # K broadcast rounds
     """
 
     def __init__(self, scheme="BK", group="model", body=None,
@@ -241,10 +265,10 @@ class ModuloLayer(_GroupLayer):
                      (IO_REPLICATED, IO_PARTIAL_GRAD))
         if isinstance(body, dict):
             body = keras.saving.deserialize_keras_object(body)
-        if scheme == "B/K" and body is None:
+        if scheme in _WITH_BODY and body is None:
             raise ValueError(
-                f"Layer '{self.name}': scheme='B/K' runs the model-parallel region in K "
-                "micro-steps, so it needs that region: pass body=<the layers between the "
+                f"Layer '{self.name}': scheme={scheme!r} runs the model-parallel region K "
+                "times, so it needs that region: pass body=<the layers between the "
                 "ModuloLayer and the loss> (a keras Layer or Model), or use scheme='BK'.")
         self.scheme = scheme
         self.body = body
@@ -269,6 +293,8 @@ class ModuloLayer(_GroupLayer):
             return _enter(inputs, g, self.output_layout, f"{self.name}.gather")
         if self.scheme == "BK":
             return self._step(inputs, training, 0)
+        if self.scheme == "B":
+            return self._rounds(inputs, training)
         return self._micro_steps(inputs, training)
 
     def _step(self, chunk, training, k):
@@ -298,6 +324,41 @@ class ModuloLayer(_GroupLayer):
             _attach_logits(out, tf.concat([p[1] for p in parts], axis=0))
         return out
 
+    def _round(self, x, training, root):
+        """Round ``root`` of scheme "B": rank ``root``'s rows through ``body`` (R)."""
+        g = self.comm_group
+        h = comm.broadcast(x, root, g, collective_base(f"{self.name}.bcast{root}"),
+                           partial_grad=self.output_layout == IO_PARTIAL_GRAD)
+        y = self.body(h, training=training)
+        if self.inverse_input_layout == IO_PARTIAL_GRAD:
+            return _stack_logits(y)      # P gradient: rank root's, zeros elsewhere
+        logits = getattr(y, "_keras_logits", None)
+        y = comm.to_root(y, root, g, collective_base(f"{self.name}.root{root}"))
+        if logits is not None:
+            _attach_logits(y, comm.to_root(logits, root, g,
+                                           collective_base(f"{self.name}.root{root}.logits")))
+        return _stack_logits(y)
+
+    def _rounds(self, inputs, training):
+        """Scheme "B": K broadcast rounds; this rank keeps the outputs of its own."""
+        g = self.comm_group
+        k = g.size
+        x = scale_grad(inputs, float(k))
+        rounds = []
+        for root in range(k):
+            step = lambda c, root=root: self._round(c, training, root)  # noqa: E731
+            if self.recompute and k > 1:
+                step = tf.recompute_grad(step)
+            # round k reads (a zero of) round k-1's output: the rounds run one after
+            # the other, forward and backward, in the same order on every rank
+            chained = x if not rounds else x + tf.reduce_sum(zeros_reading(rounds[-1]))
+            rounds.append(step(chained))
+        mine = scale_grad(_pick(rounds, g.index), 1.0 / k)
+        out = mine[0]
+        if mine.shape[0] == 2:   # the body's output carried Keras logits (see _leave)
+            _attach_logits(out, mine[1])
+        return out
+
     def compute_output_shape(self, input_shape):
         if self.body is None:
             k = self.comm_group.size
@@ -311,6 +372,28 @@ class ModuloLayer(_GroupLayer):
                 "output_layout": self.output_layout,
                 "inverse_input_layout": self.inverse_input_layout,
                 "recompute": self.recompute}
+
+
+def _pick(tensors, index):
+    """``tensors[index]``; the others get a zero gradient (not none), so the
+    backward of every round runs, and with it the round's collectives.
+
+    The same operations on every rank (only the constant ``index`` and the
+    masks differ): the gradient tape back-propagates the rounds in an order
+    that follows the graph's structure, and the collectives inside the
+    rounds (named in the order they are traced) must pair up across ranks.
+    """
+    if len(tensors) == 1:
+        return tf.identity(tensors[0])
+
+    @tf.custom_gradient
+    def _select(*ts):
+        def grad(dy):
+            zeros = zeros_reading(dy)      # not folded away: every round's backward runs
+            return [tf.where(tf.constant(i == index), dy, zeros) for i in range(len(ts))]
+        return tf.gather(tf.stack(ts), index), grad
+
+    return _select(*tensors)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)

@@ -27,6 +27,7 @@ from keras.src.utils import tracking
 
 from tfhybrid import runtime
 from tfhybrid.comm import backend
+from tfhybrid.optimizer.averaging import average_variables, averaging_bytes, schedules
 from tfhybrid.optimizer.compression import BUILT_IN, as_compressor
 from tfhybrid.optimizer.reduction import is_prereduced, plan_buckets, reduction_of
 from tfhybrid.optimizer.slots import link_slots, tracking_slots
@@ -196,6 +197,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                                       for v in var_list]
             self.inner_optimizer.build(var_list)
             super().build(var_list)
+            if schedules(var_list):   # gmp's periodic averaging: applied steps so far
+                self._applied_steps = self.add_variable(shape=(), dtype="int64",
+                                                        initializer="zeros",
+                                                        aggregation="none",
+                                                        name="applied_steps")
             if self.delay_fc_update:   # the last step's reduced gradient of each FC weight
                 self._delayed = {self._get_variable_index(v): self.add_variable_from_reference(
                     v, name="delayed_fc_grad") for v in var_list if is_delayed_fc(v)}
@@ -283,6 +289,44 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             reduced = [self._swap_delayed(local, g, v)
                        for local, g, v in zip(grads, reduced, variables)]
         self.inner_optimizer.apply(reduced, variables)
+        self._maybe_average(variables)
+
+    def _maybe_average(self, variables):
+        """gmp's periodic model averaging (:mod:`tfhybrid.optimizer.averaging`):
+        every ``every``-th applied step, group-local variables are averaged over
+        the model groups (all ranks take the same branch: the count is global)."""
+        plans = schedules(variables)
+        if not plans or runtime.current_grid().data_size == 1:
+            return
+        count = self._applied_steps.assign_add(1)
+        for number, (schedule, indices) in enumerate(sorted(
+                plans.items(), key=lambda kv: (kv[0].every, kv[0].method))):
+            chosen = [variables[i] for i in indices]
+
+            def average(chosen=chosen, schedule=schedule, number=number):
+                average_variables(chosen, schedule.method, runtime.current_grid(),
+                                  f"{self.name}.average{number}")
+                return tf.constant(True)
+
+            tf.cond(tf.equal(count % schedule.every, 0), average, lambda: tf.constant(False))
+
+    def averaging_plan(self, variables=None):
+        """What gmp's periodic averaging moves per averaging (analytic).
+
+        Returns:
+            ``[{"every", "method", "variables", "payload", "sent", "groups"}]``,
+            one entry per schedule (``sent``: bytes this rank sends per
+            averaging, see :func:`tfhybrid.optimizer.averaging.averaging_bytes`);
+            empty without group-local variables.
+        """
+        variables = list(variables if variables is not None else self._trainable_variables)
+        out = []
+        for schedule, indices in schedules(variables).items():
+            chosen = [variables[i] for i in indices]
+            out.append({"every": schedule.every, "method": schedule.method,
+                        "variables": len(chosen),
+                        **averaging_bytes(chosen, schedule.method, runtime.current_grid())})
+        return out
 
     def _swap_delayed(self, local, grad, variable):
         """Lee's delayed FC update: return the previous step's gradient, keep this one.

@@ -17,7 +17,9 @@ sharded        this rank's data group               1 / p_data
 then x ``grad_scale``; ``op="sum"`` multiplies by ``p_data`` (the number of
 model replicas). Variables whose gradient is already global (Lee et al.'s
 replicated FC gradients, marked by :func:`mark_prereduced`) are not
-communicated at all.
+communicated at all. Group-local variables (gmp's periodic model averaging,
+:mod:`tfhybrid.optimizer.averaging`) are reduced within their model group
+only (partial: summed; otherwise not at all), x ``grad_scale``.
 
 Buckets (Lee et al.'s gradient chunks, generalised): gradients are visited in
 reverse forward order (the order back-propagation produces them) and packed,
@@ -33,6 +35,7 @@ from typing import List, Sequence, Tuple
 
 from tfhybrid.process_grid import Group, ProcessGrid
 from tfhybrid.layout import layout_of
+from tfhybrid.optimizer.averaging import local_reduction, periodic_of
 
 _PREREDUCED = "_tfhybrid_prereduced"
 
@@ -77,6 +80,9 @@ def reduction_of(variable, grid: ProcessGrid, op: str = "average") -> Reduction:
     """
     layout = layout_of(variable)
     world = tuple(range(grid.size))
+    if periodic_of(variable) is not None:   # updated with its own group's gradient
+        ranks, factor = local_reduction(variable, grid, op)
+        return Reduction(ranks, factor)
     if is_prereduced(variable):
         ranks, factor = (), 1.0
     elif layout.kind == "replicated" and layout.group == "data":

@@ -272,6 +272,21 @@ class Machine:
         lat, a, b = self._tier(self._span(p, span))
         return lat + (p - 1) * (a + nbytes / p * b)
 
+    def t_broadcast(self, p: int, nbytes: float, span: int | None = None):
+        """Binomial-tree broadcast of ``nbytes`` from one rank: ceil(log2 p)(alpha + m beta)."""
+        if p <= 1 or nbytes <= 0:
+            return 0.0
+        lat, a, b = self._tier(self._span(p, span))
+        return lat + math.ceil(math.log2(p)) * (a + nbytes * b)
+
+    def t_reduce(self, p: int, nbytes: float, span: int | None = None):
+        """Direct rooted reduce of ``nbytes``: the root receives p-1 copies (tfhybrid's
+        ``comm.broadcast`` backward, one alltoall): (p-1)(alpha + m beta)."""
+        if p <= 1 or nbytes <= 0:
+            return 0.0
+        lat, a, b = self._tier(self._span(p, span))
+        return lat + (p - 1) * (a + nbytes * b)
+
     def t_alltoall(self, p: int, nbytes: float, span: int | None = None):
         """Pairwise all-to-all of ``nbytes`` per rank: (p-1)(alpha + m/p beta)."""
         return self.t_reducescatter(p, nbytes, span)

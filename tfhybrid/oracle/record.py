@@ -4,7 +4,8 @@ A prediction is for **one iteration** (one global batch of ``B`` samples on
 ``p`` ranks). Communication is split by phase:
 
 * ``FB-allgather``: allgathers of activations in forward/backward (and their
-  adjoint reduce-scatters, same ring cost),
+  adjoint reduce-scatters, same ring cost; the broadcasts and rooted reduces
+  of SplitBrain's "B" scheme),
 * ``FB-allreduce``: allreduces of activations or of their gradients,
 * ``halo``: spatial halo exchanges (peer to peer),
 * ``GE-allreduce``: the weight-gradient exchange,

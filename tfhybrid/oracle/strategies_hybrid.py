@@ -10,7 +10,13 @@ gradient is allreduced too), shards (allgathers) the outputs of unpaired
 ones, and returns each rank its own rows before the loss. Scheme ``"BK"`` (the default: what
 ``tfhybrid.transform`` builds) gathers all mp*b samples at once; ``"B/K"``
 (SplitBrain's) runs mp micro-steps of b/mp samples per rank (activation
-memory of b, mp times the latencies). Dense layers are partitioned when
+memory of b, mp times the latencies); ``"B"`` runs mp rounds in which one
+rank broadcasts its b samples (binomial tree) and the region runs on them;
+backward, the rows' gradient is summed to that rank (a direct reduce, the
+root receiving mp-1 copies) and the outputs' gradient broadcast from it
+(activation memory of b; each round's forward is recomputed in the
+backward pass, so its forward collectives and FLOPs are charged twice;
+"B/K"'s recomputation is not charged). Dense layers are partitioned when
 their CCR in FLOPs per byte moved
 (:func:`tfhybrid.oracle.formulas.splitbrain_ccr`, the function the transformer
 uses) is at least ``ccr_threshold`` (default
@@ -63,6 +69,8 @@ def _gmp_layers(ctx, mp, ccr_threshold):
 
 def _gmp_comm(ctx, p, mp, part, b, scheme):
     """Modulo gather, filter->channel pairs (allreduce) or shards (allgather), scatter."""
+    if scheme == "B":
+        return _gmp_comm_b(ctx, p, mp, part, b)
     m, d = ctx.m, ctx.delta
     steps = mp if scheme == "B/K" else 1
     piece = b / steps                      # samples each rank contributes per micro-step
@@ -86,13 +94,38 @@ def _gmp_comm(ctx, p, mp, part, b, scheme):
     return {"FB-allgather": ag, "FB-allreduce": ar, "GE-allreduce": ge}, pairs
 
 
+def _gmp_comm_b(ctx, p, mp, part, b):
+    """Scheme "B": mp rounds on one rank's b rows; forward collectives twice (recompute)."""
+    m, d = ctx.m, ctx.delta
+    ag = ar = 0.0
+    pairs = pairs_of(ctx, part, mp) if part else []
+    paired = {i for ab in pairs for i in ab}
+    if part:
+        x0 = b * ctx.rows[part[0]].x * d
+        ag += mp * (2 * m.t_broadcast(mp, x0) + m.t_reduce(mp, x0))
+        for a, bb in pairs:
+            ar += mp * 2 * m.t_allreduce(mp, b * ctx.rows[bb].y * d)
+            if a != part[0]:
+                ar += mp * m.t_allreduce(mp, b * ctx.rows[a].x * d)
+        for i in (i for i in part if i not in paired):
+            ag += mp * 2 * m.t_allgather(mp, b * ctx.rows[i].y / mp * d)
+        # the outputs' gradient is broadcast from the round's rank
+        ag += mp * m.t_broadcast(mp, b * ctx.rows[-1].y * d)
+    pset = set(part)
+    w_rep = sum(r.params for i, r in enumerate(ctx.rows) if i not in pset)
+    w_part = sum(ctx.rows[i].params for i in part) / mp
+    ge = m.t_allreduce(p, w_rep * d)
+    ge += m.t_allreduce(p // mp, w_part * d, span=p, phi=m.phi if mp > 1 else 1.0)
+    return {"FB-allgather": ag, "FB-allreduce": ar, "GE-allreduce": ge}, pairs
+
+
 def _gmp_one(ctx, p, mp, ccr_threshold, scheme):
     B = ctx.B
     b = B / p
     part, kept = _gmp_layers(ctx, mp, ccr_threshold) if mp > 1 else ([], [])
     pset, start = set(part), (part[0] if part else len(ctx.rows))
     comp = sum(ctx.wu[i] / (mp if i in pset else 1) for i in range(len(ctx.rows)))
-    terms, nb_group = [], (b if scheme == "B/K" else mp * b)
+    terms, nb_group = [], (mp * b if scheme == "BK" else b)
     for i, r in enumerate(ctx.rows):
         if i < start:
             comp += b * ctx.fb[i]
@@ -103,6 +136,10 @@ def _gmp_one(ctx, p, mp, ccr_threshold, scheme):
         else:
             comp += mp * b * ctx.fb[i]
             terms.append((r, nb_group, 1, 1))
+    if scheme == "B" and part:   # each round's forward runs again in the backward pass
+        fwd = 1.0 - ctx.backward_share()
+        comp += fwd * sum(mp * b * ctx.fb[i] / (mp if i in pset else 1)
+                          for i in range(start, len(ctx.rows)))
     reasons = _batch_reasons(B, p)
     if p % mp:
         reasons.append(f"mp={mp} does not divide the world size p={p}")
@@ -130,8 +167,8 @@ def _param_mem(ctx, part, mp):
 def group_model_parallel(ctx, p, mp=None, ccr_threshold=formulas.SPLITBRAIN_CCR_THRESHOLD,
                          scheme="BK", **_):
     """SplitBrain GMP with model groups of ``mp`` (searched over divisors of p)."""
-    if scheme not in ("B/K", "BK"):
-        raise ValueError(f"Received scheme={scheme!r} for gmp; expected 'B/K' or 'BK'.")
+    if scheme not in ("B/K", "B", "BK"):
+        raise ValueError(f"Received scheme={scheme!r} for gmp; expected 'BK', 'B' or 'B/K'.")
     if mp is not None and (not isinstance(mp, int) or mp < 1):
         raise ValueError(f"Received mp={mp!r} for gmp; expected a positive integer.")
     choices = [mp] if mp else divisors(p)

@@ -62,8 +62,10 @@ def transform(model, strategy="d", **options):
             the model groups of ``init(model_parallel=S)``, ``micro_batches=M``;
             data parallel across model groups), ``"ls"`` (Stanza's layer
             separation, ``fc_workers=``) or ``"auto"`` (the oracle's choice).
-        **options: ``mp``, ``ccr_threshold``, ``scheme`` (``"BK"`` or
-            ``"B/K"``: the ModuloLayer scheme) (gmp); ``spatial``,
+        **options: ``mp``, ``ccr_threshold``, ``scheme`` (``"BK"``, ``"B"``
+            or ``"B/K"``: the ModuloLayer scheme), ``average_every`` and
+            ``averaging`` (SplitBrain's periodic model averaging, approximate
+            for ``average_every`` > 1) (gmp); ``spatial``,
             ``spatial_layers`` (s/ds); ``layers`` (per-layer overrides
             ``{"fc1": "f", "fc2": "c", "conv1": "replicate"}``); ``fallback``
             (``"error"`` or ``"replicate"``); ``stages``, ``micro_batches``,
@@ -114,6 +116,10 @@ def transform(model, strategy="d", **options):
         new = rewrite(functional, plan, grid, opts.scheme)
     if plan.batch_split == "data" and grid.model_size > 1:
         _reduce_replicas_over_data(new)
+    if opts.strategy == "gmp" and opts.average_every > 1:   # SplitBrain §4 (approximate)
+        from tfhybrid.optimizer import averaging
+        averaging.mark_model(new, averaging.periodic_layers(plan, graph, opts.ccr_threshold),
+                             opts.average_every, opts.averaging)
     info = TransformInfo(plan, graph, source, grid, objects)
     info.auto = auto_choice
     object.__setattr__(new, INFO_ATTR, info)

@@ -45,13 +45,19 @@ class LayerRow:
 
 @dataclasses.dataclass(frozen=True)
 class Description:
-    """Result of :func:`describe`: rows, totals and the printed table."""
+    """Result of :func:`describe`: rows, totals and the printed table.
+
+    ``region_rows``: rows of activations a rank's model-parallel region
+    (gmp) holds at a time (K*B under scheme "BK", B under "B" and "B/K" with
+    recomputation; 0 without a region).
+    """
 
     strategy: str
     rows: Tuple[LayerRow, ...]
     param_bytes: int
     comm_bytes: int
     text: str
+    region_rows: int = 0
 
     def __str__(self):
         return self.text
@@ -94,11 +100,15 @@ def describe(model, batch_size=None, print_fn=print) -> Description:
                         "such as print, or None to print nothing.")
     plan, grid = info.plan, info.grid
     rows_per_rank = _rows(batch_size, plan, grid)
+    modulo = _modulo(model)
     out, graded = [], _tensors_with_gradient(info.graph)
     for np_ in plan.nodes:
         node = info.graph.node(np_.name)
         layer = find_layer(model, np_.name)
-        comms = _activation_comms(np_, node, rows_per_rank, plan.context)
+        comms = _activation_comms(np_, node, rows_per_rank, plan.context,
+                                  _boundary_comms(modulo))
+        if modulo is not None:
+            comms = _recomputed(comms, np_, modulo)
         if not any(t in graded for t in node.inputs):   # back-propagation stops here
             comms = [c for c in comms if c[0] != "bwd"]
         comms += _gradient_comms(layer, grid)
@@ -108,11 +118,73 @@ def describe(model, batch_size=None, print_fn=print) -> Description:
     total = sum(r.param_bytes for r in out)
     comm = sum(c[3] for r in out for c in r.collectives)
     text = _table(plan, grid, out, total, comm, batch_size)
+    region = 0
+    if modulo is not None:
+        region, note = _region_note(modulo, rows_per_rank, batch_size)
+        text += "\n" + note
     if getattr(info, "auto", None) is not None:   # strategy="auto": the choice and why
         text += "\n" + info.auto.summary()
     if print_fn is not None:
         print_fn(text)
-    return Description(plan.strategy, tuple(out), total, comm, text)
+    return Description(plan.strategy, tuple(out), total, comm, text, region)
+
+
+def _modulo(model):
+    """The ModuloLayer of a gmp model (None without a model-parallel region)."""
+    from tfhybrid.layers.splitbrain import ModuloLayer
+
+    for layer in model.layers:
+        if isinstance(layer, ModuloLayer) and layer.comm_group.size > 1:
+            return layer
+    return None
+
+
+def _boundary_comms(modulo):
+    """The boundary collectives for the ModuloLayer's scheme.
+
+    "B": the entry is K broadcasts of one rank's B rows forward and K rooted
+    reduces of their gradient backward (none when the consumer's gradient is
+    R), the exit K broadcasts of the outputs' gradient (none when it is P):
+    the bytes of BK's allgathers (K rounds of B rows).
+    """
+    if modulo is None or modulo.scheme != "B":
+        return _BOUNDARY_COMMS
+    from tfhybrid.layers.partitioned import IO_PARTIAL_GRAD
+
+    entry = (("fwd", "broadcast", "model"),)
+    if modulo.output_layout == IO_PARTIAL_GRAD:
+        entry += (("bwd", "reduce", "model"),)
+    leave = () if modulo.inverse_input_layout == IO_PARTIAL_GRAD else \
+        (("bwd", "broadcast", "model"),)
+    return {**_BOUNDARY_COMMS, "modulo": entry, "unmodulo": leave}
+
+
+def _recomputed(comms, np_, modulo):
+    """"B" and "B/K" with recomputation run each forward collective of the region
+    (and the entry's) again in the backward pass: phase "recompute"."""
+    if modulo.scheme == "BK" or not modulo.recompute:
+        return comms
+    inside = (bool(np_.inputs) and np_.inputs[0].grouped) or "modulo" in np_.conversions
+    out = []
+    for c in comms:
+        out.append(c)
+        if inside and c[0] == "fwd":
+            out.append(("recompute",) + tuple(c[1:]))
+    return out
+
+
+def _region_note(modulo, rows, batch_size):
+    """(rows the region holds at a time, the line describe prints about it)."""
+    k = modulo.comm_group.size
+    held = rows * k if modulo.scheme == "BK" or not modulo.recompute else rows
+    how = {"BK": f"one pass on the group's K*B = {k * rows} rows (all-gathered)",
+           "B": f"K = {k} rounds, rank k's B = {rows} rows broadcast in round k",
+           "B/K": f"K = {k} micro-steps of B/K = {rows / k:g} rows from each rank"}
+    unit = "" if batch_size else " (per row of the local batch B)"
+    return held, (f"model-parallel region: scheme {modulo.scheme!r}, {how[modulo.scheme]}; "
+                  f"activations held at a time: {held} rows{unit}"
+                  + (", each round/micro-step recomputed in the backward pass"
+                     if modulo.scheme != "BK" and modulo.recompute else ""))
 
 
 def _tensors_with_gradient(graph):
@@ -154,14 +226,15 @@ def _elems(shape):
     return int(np.prod([d for d in shape[1:] if d is not None]))
 
 
-def _activation_comms(np_, node, rows, ctx):
+def _activation_comms(np_, node, rows, ctx, boundary=None):
     k = ctx.model_size
     group_rows = rows * (k if (np_.inputs and np_.inputs[0].grouped) else 1)
     x = group_rows * _elems(node.in_shapes[0]) * _F32 if node.in_shapes else 0
     y = group_rows * _elems(node.out_shape) * _F32
-    out = [(*c, rows * _elems(node.in_shapes[i]) * _F32 * (k if c[1] == "allgather" else 1))
+    boundary = _BOUNDARY_COMMS if boundary is None else boundary
+    out = [(*c, rows * _elems(node.in_shapes[i]) * _F32 * (k if c[1] in _K_ROWS else 1))
            for i, conv in enumerate(np_.conversions) if conv
-           for c in _BOUNDARY_COMMS.get(conv, ())]
+           for c in boundary.get(conv, ())]
     if k == 1:
         return []
     entry = np_.conversions[:1] == ("modulo",)   # the ModuloLayer reduce-scatters instead
@@ -184,6 +257,7 @@ def _activation_comms(np_, node, rows, ctx):
     return out
 
 
+_K_ROWS = ("allgather", "broadcast", "reduce")   # boundary ops moving the group's K*B rows
 _BOUNDARY_COMMS = {
     "modulo": (("fwd", "allgather", "model"), ("bwd", "reducescatter", "model")),
     "unmodulo": (("bwd", "allgather", "model"),),

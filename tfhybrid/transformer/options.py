@@ -11,6 +11,7 @@ import dataclasses
 from typing import Dict, Optional, Tuple, Union
 
 from tfhybrid._compat import renamed_option
+from tfhybrid.optimizer.averaging import check_average_every, check_averaging
 from tfhybrid.oracle.formulas import SPLITBRAIN_CCR_THRESHOLD
 from tfhybrid.spatial_geometry import SPATIAL_AXES, default_spatial, spatial_grid  # noqa: F401
 from tfhybrid.strategy_names import BUILT, TRANSFORM_NAMES
@@ -27,6 +28,8 @@ _APPLIES = {
     "mp": ("gmp",),
     "ccr_threshold": ("gmp",),
     "scheme": ("gmp",),
+    "average_every": ("gmp",),
+    "averaging": ("gmp",),
     "spatial": ("s", "ds"),
     "spatial_layers": ("s", "ds"),
     "batch_size": ("auto", "ls"),
@@ -63,6 +66,20 @@ class TransformOptions:
             each recomputed in the backward pass: activation memory of B rows instead of K*B; needs
             a local batch divisible by ``mp`` and one model-parallel region
             that ends at the model's single output).
+        average_every: gmp: SplitBrain's model-averaging period N (§4). 1
+            (default): the model-parallel part's gradients are reduced across
+            the model groups every step, exact synchronous training. N > 1:
+            each model group updates its copy of the model-parallel part
+            (the layers from the ModuloLayer on; with ``mp=1`` from the first
+            Dense layer whose CCR reaches ``ccr_threshold``) with its own
+            rows' gradient, and the copies are averaged across groups every
+            N steps. **Approximate** (not single-process training); the
+            convolutions before it stay exactly data parallel every step.
+            See :mod:`tfhybrid.optimizer.averaging`.
+        averaging: gmp with ``average_every`` > 1: ``"p2p"`` (default:
+            allreduce-average over the model groups) or ``"ps"`` (parameter
+            server: model group 0's ranks receive every copy, average and
+            broadcast back).
         spatial: s/ds split: ``"height"``, ``"width"`` or ``(ph, pw)`` for
             image models; ``"depth"``, ``"height"``, ``"width"`` or
             ``(pd, ph, pw)`` for volume (Conv3D) models. Default: the first
@@ -101,6 +118,8 @@ class TransformOptions:
     mp: Optional[int] = None
     ccr_threshold: float = DEFAULT_CCR_THRESHOLD
     scheme: str = "BK"
+    average_every: int = 1
+    averaging: str = "p2p"
     spatial: Union[None, str, Tuple[int, ...]] = None
     spatial_layers: Optional[int] = None
     layers: Dict[str, str] = dataclasses.field(default_factory=dict)
@@ -164,6 +183,8 @@ def _validate(o: TransformOptions):
                          f"{o.batch_norm!r}; expected one of {BATCH_NORMS} ('sync': "
                          "synchronised statistics, equal to single-process training; "
                          "'local': per-rank statistics as in Horovod).")
+    check_average_every(o.average_every)
+    check_averaging(o.averaging)
     if o.fallback not in FALLBACKS:
         raise ValueError(f"Received an invalid value for `fallback`: fallback={o.fallback!r}; "
                          f"expected one of {FALLBACKS}.")

@@ -196,20 +196,21 @@ class _Rewriter:
         if any(self.plan.split_outputs):   # per-voxel outputs stay in spatial blocks
             from tfhybrid.layers.spatial.output import install_split_outputs
             install_split_outputs(new, self.plan.split_outputs, self.plan.context.spatial)
-        return _micro_steps(new, self.plan) if self.scheme == "B/K" else new
+        return new if self.scheme == "BK" else _micro_steps(new, self.plan, self.scheme)
 
 
-def _micro_steps(model, plan):
+def _micro_steps(model, plan, scheme="B/K"):
     """``model`` with ModuloLayer("BK") -> region -> ModuloInverseLayer replaced by
-    ModuloLayer("B/K", body=region): SplitBrain's K micro-steps of B rows."""
+    ModuloLayer(scheme, body=region): SplitBrain's K micro-steps of B/K rows per
+    rank ("B/K") or K broadcast rounds of one rank's B rows ("B")."""
     entries = [layer for layer in model.layers if isinstance(layer, P.ModuloLayer)]
     exits = [layer for layer in model.layers if isinstance(layer, P.ModuloInverseLayer)]
-    head = f"scheme='B/K' under strategy {plan.strategy!r} for model {model.name!r}"
+    head = f"scheme={scheme!r} under strategy {plan.strategy!r} for model {model.name!r}"
     if not entries:   # nothing model parallel (mp=1, or no FC layer above ccr_threshold)
         return model
     if len(entries) != 1 or len(exits) != 1 or len(model.outputs) != 1 or \
             exits[0].output is not model.outputs[0]:
-        raise ValueError(f"{head}: 'B/K' needs a single model-parallel region that ends at "
+        raise ValueError(f"{head}: {scheme!r} needs a single model-parallel region that ends at "
                          f"the model's single output; found {len(entries)} ModuloLayer(s) and "
                          f"{len(model.outputs)} output(s). Use scheme='BK'.")
     entry, leave = entries[0], exits[0]
@@ -218,7 +219,7 @@ def _micro_steps(model, plan):
     except ValueError as err:
         raise ValueError(f"{head}: the model-parallel region after {entry.name!r} reads "
                          f"tensors from before it ({err}). Use scheme='BK'.") from None
-    out = P.ModuloLayer("B/K", group=GROUP, body=body, output_layout=entry.output_layout,
+    out = P.ModuloLayer(scheme, group=GROUP, body=body, output_layout=entry.output_layout,
                         inverse_input_layout=leave.input_layout, name=entry.name)(entry.input)
     return keras.Model(model.inputs[0] if len(model.inputs) == 1 else model.inputs, out,
                        name=model.name)
@@ -250,7 +251,7 @@ def rewrite(model, plan, grid, scheme="BK"):
         model: A built Functional model (see ``graph.as_functional``).
         plan: Its :class:`~tfhybrid.transformer.planner.Plan`.
         grid: This rank's :class:`tfhybrid.process_grid.ProcessGrid`.
-        scheme: ``"BK"`` or ``"B/K"``: the scheme of gmp's ModuloLayer.
+        scheme: ``"BK"``, ``"B"`` or ``"B/K"``: the scheme of gmp's ModuloLayer.
 
     Returns:
         A new Functional model whose layers hold this rank's part of the

@@ -22,6 +22,7 @@ import pytest
 
 import tfhybrid
 from tfhybrid import cli, oracle, runtime
+from tfhybrid.comm import p2p
 from tfhybrid.process_grid import ProcessGrid
 from tfhybrid.oracle import paradl_io
 
@@ -375,6 +376,22 @@ API = [
     ("layer-modulo-b-without-body", lambda: L.ModuloLayer(scheme="B"), ValueError,
      r"scheme='B' runs the model-parallel region K times.*pass body="),
     ("layer-shard-axis", lambda: L.ShardLayer(axis="x"), ValueError, r"axis='x'"),
+    # -- point-to-point primitives (tfhybrid.comm.p2p; checked before any collective) ----
+    ("p2p-send-recv-dst", lambda: in_world_of(4, 1, lambda: p2p.send_recv(
+        np.zeros((2, 3), "float32"), 0, 4, group="world")), ValueError,
+     r"send_recv: Received an invalid value for `dst`: dst=4; expected the index of a rank "
+     r"of the world group, an integer in \[0, 4\)"),
+    ("p2p-gather-to-root", lambda: in_world_of(4, 2, lambda: p2p.gather_to(
+        np.zeros((2, 3), "float32"), root=2, group="model")), ValueError,
+     r"gather_to: Received an invalid value for `root`: root=2.*\[0, 2\)"),
+    ("p2p-scatter-sizes-length", lambda: in_world_of(4, 1, lambda: p2p.scatter_from(
+        np.zeros((2, 3), "float32"), 0, [1, 1], group="world")), ValueError,
+     r"sizes=\[1, 1\]; expected 4 non-negative integers"),
+    ("p2p-scatter-sizes-sum", lambda: in_world_of(4, 1, lambda: p2p.scatter_from(
+        np.zeros((3, 3), "float32"), 0, [1, 1, 0, 0], group="world")), ValueError,
+     r"sizes=\[1, 1, 0, 0\]; expected row counts adding up to the 3 rows of x"),
+    ("p2p-token-scalar", lambda: p2p.token(np.float32(0)), ValueError,
+     r"token: .*expected a tensor of rank >= 1"),
     # -- oracle and ParaDL files (API) ------------------------------------------------
     ("oracle-unknown-strategy",
      lambda: oracle.rank(oracle.profile(mlp()), 4, 64, MACHINE, strategies=("dp",)),

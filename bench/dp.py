@@ -22,7 +22,10 @@ written the way users write them instead (issue 20's comparison):
 - ``tfhybrid fit (README)``: ``transform(model, "d")`` and ``fit`` over the
   README's input path, ``tfhybrid.data.shard(rows, model=model,
   batch_size=global)`` of single rows (each rank keeps its block), with the
-  transformed model's guards and watchdog.
+  transformed model's guards and watchdog and ``callbacks=tfhybrid.callbacks.
+  standard()`` in every timed ``fit`` (each fit then broadcasts rank 0's state
+  and runs the start-of-fit guards: a fixed cost per ``fit`` call, which short
+  fits (``--steps``) weigh more).
 
 ``--single`` (run without horovodrun) compares plain Keras ``fit`` with
 ``transform(model, "d")`` + ``DistributedOptimizer`` ``fit`` at world size 1

@@ -84,8 +84,8 @@ def pairs_of(k):
             "self": (1, 1)}
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("which", ["first_last", "last_first", "inner", "self"])
+@pytest.mark.parametrize("which,mode", [(w, "function") for w in pairs_of(4)] + [
+    ("first_last", "static"), ("last_first", "eager")])   # every pair traced, two twins
 @pytest.mark.parametrize("group", ["model", "world"])
 def test_send_recv(grid, group, which, mode):
     g = grid.group(group)

@@ -259,16 +259,17 @@ def reducescatter(x, ranks, name):
     return out
 
 
-def alltoall(x, splits, ranks, name):
+def alltoall(x, splits, ranks, name, received=False):
     """Send rows ``splits[i]`` of ``x`` (consecutive blocks along axis 0) to group
     rank i; return the blocks received from every rank, concatenated along axis 0
-    in group-rank order. ``splits``: a list or an int32 tensor."""
+    in group-rank order. ``splits``: a list or an int32 tensor. With
+    ``received=True`` also the int32 row counts received from each rank."""
     m = _STATE["mpi_ops"]
     splits = splits if tf.is_tensor(splits) else tf.constant(splits, tf.int32)
-    out, _ = _watched("alltoall", name, ranks, lambda nm: m.alltoall(
+    out, counts = _watched("alltoall", name, ranks, lambda nm: m.alltoall(
         x, splits=splits, name=nm, ignore_name_scope=True, process_set=process_set(ranks)),
         (x,), splits)
-    return out
+    return (out, counts) if received else out
 
 
 def zeros_reading(x):

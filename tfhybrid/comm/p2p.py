@@ -205,15 +205,6 @@ def _zeros_reading(x, t):
     return tf.zeros_like(x) + tf.cast(token(t), x.dtype)
 
 
-def _alltoall(x, splits, ranks, name):
-    """:func:`backend.alltoall` that also returns the row counts received from each member."""
-    mpi_ops = backend._STATE["mpi_ops"]   # noqa: SLF001 (backend's own wrapper drops them)
-    return backend._watched(              # noqa: SLF001
-        "alltoall", name, ranks, lambda nm: mpi_ops.alltoall(
-            x, splits=splits, name=nm, ignore_name_scope=True,
-            process_set=backend.process_set(ranks)), (x,), splits)
-
-
 def _rows_of(y, like):
     """``y`` with ``like``'s trailing static shape and unknown rows."""
     y.set_shape(tf.TensorShape([None]).concatenate(like.shape[1:]))
@@ -339,14 +330,14 @@ def gather_to(x, root=0, group="model", name=None):
     k, nm = g.size, f"{name or 'gather_to'}{root}.{g.name}"
 
     def forward(t):
-        y, counts = _alltoall(t, _to(root, k, _rows(t)), g.ranks, nm)
+        y, counts = backend.alltoall(t, _to(root, k, _rows(t)), g.ranks, nm, received=True)
         return _rows_of(y, t), counts
 
     def backward(dy, y, counts):
         if g.index == root:     # each sender's block of the gradient back to it
-            back, _ = _alltoall(dy, counts, g.ranks, nm + ".bwd")
+            back = backend.alltoall(dy, counts, g.ranks, nm + ".bwd")
         else:
-            back, _ = _alltoall(_empty(y, dy), _nothing(k), g.ranks, nm + ".bwd")
+            back = backend.alltoall(_empty(y, dy), _nothing(k), g.ranks, nm + ".bwd")
         return _shaped(back, x)
     return _differentiable(x, forward, backward)
 

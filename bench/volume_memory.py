@@ -30,14 +30,16 @@ Measured on the 2-core box (U-Net 96^3 x 1, 8 filters, global batch 3, 2
 steps; one process grows by 1605 MB during ``fit``)::
 
     p  peak MB  fit +MB  oracle MB  ideal MB  ratio  fit ratio
-    1     2129     1605       7918      2130   1.00       1.00
-    2     1807     1278       3959      1065   1.70       1.59
-    4     1210      681       1980       533   2.27       1.70
+    1     2120     1596       7918      2120   1.00       1.00
+    2     1660     1131       3959      1060   1.57       1.42
+    4     1178      649       1980       530   2.22       1.63
 
-The spatial layers keep about twice the activation bytes of plain Keras on
-the same block (the halo-extended and border-padded copy each convolution
-keeps for its backward pass, beside the unpadded activation), hence ratios
-above 1; the oracle's ParaDL formula (gamma = 1) overestimates all three.
+(before SpatialConv kept only the halo/padding frame for its backward pass
+and SyncBatchNormalization stopped keeping its deviations: 1807/1278 MB at
+p = 2, ratio 1.70/1.59; 1210/681 MB at p = 4, ratio 2.27/1.70.) Each
+process also carries ~525 MB of runtime that does not divide by p (``ideal``
+divides it), and the halo exchanges' backward temporaries are per-block;
+the oracle's ParaDL formula (gamma = 1) overestimates all three.
 
 Usage (the whole run stays under ~5 GB on the box)::
 

@@ -55,6 +55,32 @@ def _allreduce_sum(x, group, name):
     return _sum(x)
 
 
+def _sum_of_squares(inputs, centre, axes):
+    """``reduce_sum(square(inputs - centre), axes)`` (``centre`` has no gradient)
+    without keeping the full-size deviations for the backward pass.
+
+    The backward recomputes ``inputs - centre`` once the incoming gradient
+    exists and applies TensorFlow's own gradients of Square and Sum to it:
+    the same values as differentiating the expression directly, but only
+    ``inputs`` (which the normalisation keeps anyway) stays alive between
+    the forward and the backward pass, not a second activation-sized tensor.
+    """
+    @tf.custom_gradient
+    def run(x):
+        out = tf.reduce_sum(tf.square(x - centre), axes)
+
+        def grad(dy):
+            with tf.control_dependencies([dy]):   # recompute late; no merging with the forward
+                again = tf.identity(x) - centre
+            with tf.GradientTape() as tape:
+                tape.watch(again)
+                y = tf.reduce_sum(tf.square(again), axes)
+            return tape.gradient(y, again, output_gradients=dy)
+        return out, grad
+
+    return run(inputs)
+
+
 def _input_shape(bn):
     """An input shape that builds a BatchNormalization like the built ``bn``."""
     shape = [None] * bn.input_spec.ndim
@@ -149,10 +175,13 @@ class SyncBatchNormalization(NoXLA, keras.layers.BatchNormalization):
             count = tf.reduce_sum(weights, axes)[0]
         total = self._sum(tf.concat([tf.reduce_sum(weighted, axes), count[None]], 0), "sum")
         mean = total[:-1] / total[-1]
-        dev = inputs - tf.reshape(tf.stop_gradient(mean), self._broadcast_shape(inputs))
-        if mask is not None:
-            dev = dev * weights
-        variance = self._sum(tf.reduce_sum(tf.square(dev), axes), "sumsq") / total[-1]
+        centre = tf.reshape(tf.stop_gradient(mean), self._broadcast_shape(inputs))
+        if mask is None:
+            sumsq = _sum_of_squares(inputs, centre, axes)
+        else:
+            dev = (inputs - centre) * weights
+            sumsq = tf.reduce_sum(tf.square(dev), axes)
+        variance = self._sum(sumsq, "sumsq") / total[-1]
         return mean, variance
 
     def _broadcast_shape(self, inputs):

@@ -56,15 +56,15 @@ class _SpatialConv(core.SpatialMixin):
     def call(self, inputs):
         plans = core.window_plans(self, inputs.shape, self._windows(), self.strides,
                                   self.padding)
-        kernel = self.kernel
 
-        def conv(x, _ranges):
+        def conv(x, _ranges, kernel):
             return ops.conv(x, kernel, strides=list(self.strides), padding="valid",
                             dilation_rate=self.dilation_rate, data_format="channels_last")
 
         overlap = self._overlap_now()
         outputs = core.windowed(inputs, plans, self._spatial_groups(), conv, 0.0,
-                                f"{self.name}.halo", overlap)
+                                f"{self.name}.halo", overlap,
+                                params=(ops.convert_to_tensor(self.kernel),))
         if self.use_bias:
             outputs = ops.add(outputs, ops.reshape(self.bias, (1,) * (self.rank + 1) + (-1,)))
         if self.activation is not None:

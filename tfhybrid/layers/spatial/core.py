@@ -113,11 +113,18 @@ def _window_slice(x, plans, ranges, offsets):
     return x
 
 
-def windowed(x, plans, groups, op, pad_value, name, overlap):
+def windowed(x, plans, groups, op, pad_value, name, overlap, params=None):
     """Run ``op(input, ranges)`` (valid padding) for this rank's output block.
 
     ``op`` receives the input rows of output ranges ``[(start, stop), ...]``
     (one per spatial axis, in local output rows) and returns those outputs.
+
+    With ``params`` (a tuple of tensors, e.g. ``(kernel,)``), ``op`` is called
+    as ``op(input, ranges, *params)`` and the halo-extended, border-padded
+    input is not kept for the backward pass: only the thin frame of halo and
+    padding rows around this rank's block is, and the backward rebuilds the
+    input from the block and the frame (see :func:`_frame_only`). Gradients
+    are the same ops on the same values as without it.
     """
     full = [(0, p.geometry.out_block) for p in plans]
     zero = [0] * len(plans)
@@ -125,7 +132,16 @@ def windowed(x, plans, groups, op, pad_value, name, overlap):
     needs_halo = any(any(p.halo) for p in plans)
     interior = [p.interior() for p in plans]
     if not (overlap and needs_halo and all(b > a for a, b in interior)):
-        return op(_window_slice(ext, plans, full, zero), full)
+        ext = _window_slice(ext, plans, full, zero)
+        if params is None:
+            return op(ext, full)
+        needs = [p.need for p in plans]
+        if KEEP_FRAME_ONLY and all(lo >= 0 and hi >= 0 for lo, hi in needs) and \
+                any(lo or hi for lo, hi in needs):
+            return _frame_only(lambda t, *w: op(t, full, *w), x, ext, needs, params)
+        return op(ext, full, *params)
+    if params is not None:
+        op = _bind(op, params)
     local = assemble(x, plans, groups, pad_value, name, with_halo=False)
     offsets = [p.local_offset() for p in plans]
 
@@ -144,6 +160,76 @@ def windowed(x, plans, groups, op, pad_value, name, overlap):
         return tf.concat([t for _, t in parts], d + 1) if len(parts) > 1 else parts[0][1]
 
     return compose(0, [])
+
+
+KEEP_FRAME_ONLY = True   # False: keep the whole extended input (bench/probe comparison only)
+
+
+def _bind(op, params):
+    return lambda t, ranges: op(t, ranges, *params)
+
+
+def _frame_slabs(ext, needs, sizes):
+    """The rows of ``ext`` around the block, as slabs: along axis ``d``, the
+    ``lo`` rows before and ``hi`` rows after the block, spanning the whole of
+    ``ext`` along the axes before ``d`` and the block's rows along those after."""
+    nd, slabs = len(needs), []
+    for d, (lo, hi) in enumerate(needs):
+        for start, length in ((0, lo), (lo + sizes[d], hi)):
+            if not length:
+                slabs.append(None)
+                continue
+            begin, size = [0] * (nd + 2), [-1] * (nd + 2)
+            begin[d + 1], size[d + 1] = start, length
+            for e in range(d + 1, nd):
+                begin[e + 1], size[e + 1] = needs[e][0], sizes[e]
+            slabs.append(tf.slice(ext, begin, size))
+    return slabs
+
+
+def _from_frame(x, slabs):
+    """``ext`` again: the block ``x`` with the slabs of :func:`_frame_slabs` around it."""
+    for d in range(len(slabs) // 2):
+        parts = [t for t in (slabs[2 * d], x, slabs[2 * d + 1]) if t is not None]
+        if len(parts) > 1:
+            x = tf.concat(parts, d + 1)
+    return x
+
+
+def _frame_only(op, x, ext, needs, params):
+    """``op(ext, *params)``, differentiable in ``ext`` and ``params``, keeping for
+    the backward pass only ``x`` (this rank's block, which ``ext`` contains at
+    offset ``needs[d][0]`` along each spatial axis) and the thin frame of halo
+    and border-padding rows around it, not the whole extended copy.
+
+    The backward rebuilds ``ext`` bit for bit (after the incoming gradient
+    exists, so the rebuilt copy lives only during this op's backward) and runs
+    the op's own registered gradient on it: the same values as differentiating
+    ``op(ext)`` directly. A convolution's gradient needs only its inputs, so in
+    a graph the recomputed forward is pruned; x's gradient arrives through
+    ``ext`` (the halo exchange's backward), hence None here.
+    """
+    sizes = [int(v) for v in x.shape[1:1 + len(needs)]]
+    params = [tf.convert_to_tensor(w) for w in params]
+
+    @tf.custom_gradient
+    def run(block, extended, *weights):
+        slabs = _frame_slabs(extended, needs, sizes)
+        out = op(extended, *weights)
+
+        def grad(dy):
+            with tf.control_dependencies([dy]):   # rebuild late; no merging with the forward
+                again = _from_frame(tf.identity(block), [
+                    None if t is None else tf.identity(t) for t in slabs])
+            with tf.GradientTape() as tape:
+                tape.watch(again)
+                tape.watch(list(weights))
+                y = op(again, *weights)
+            grads = tape.gradient(y, [again] + list(weights), output_gradients=dy)
+            return (None, *grads)
+        return out, grad
+
+    return run(x, ext, *params)
 
 
 # -- the shared layer machinery ---------------------------------------------------

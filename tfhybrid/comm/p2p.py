@@ -195,9 +195,12 @@ def _nothing(k):
 
 
 def _empty(like, reads):
-    """``like[:0]`` (no rows) reading ``reads``, distinct from every other call's."""
-    salt = tf.cast(next(_SALT), like.dtype)
-    return like[:0] + tf.cast(token(reads), like.dtype) + salt
+    """``like[:0]`` (no rows) reading ``reads``, distinct from every other call's.
+
+    The distinct constant is added in float32 (exact integers below 2**24)
+    before the cast, so nodes stay distinct whatever ``like``'s dtype."""
+    salt = float(next(_SALT) % (1 << 24))
+    return like[:0] + tf.cast(token(reads) + salt, like.dtype)
 
 
 def _zeros_reading(x, t):

@@ -22,8 +22,6 @@ from keras import ops
 from tfhybrid.layers.spatial import core
 from tfhybrid.layout import VariableLayout, set_layout
 
-_SPATIAL_KEYS = core.SPATIAL_KEYS
-
 
 class _SpatialConv(core.SpatialMixin):
     """Shared implementation of SpatialConv2D/3D (mixed into keras ConvND)."""
@@ -81,59 +79,11 @@ class _SpatialConv(core.SpatialMixin):
                        "overlap": self.overlap})
         return config
 
-    @classmethod
-    def from_layer(cls, layer, split=None, group="model", overlap=None):
-        """A spatial copy of a built Keras convolution (same config and weights).
-
-        Args:
-            layer: A built ``keras.layers.Conv2D`` (``Conv3D`` for SpatialConv3D).
-            split: Spatial axis name or block-grid tuple (default: the
-                class's default split).
-            group: Group the blocks are split over.
-            overlap: Overlap the halo exchange with the interior (None:
-                automatic, see the class docstring).
-
-        Returns:
-            The spatial layer, built, holding a copy of ``layer``'s weights.
-
-        Raises:
-            TypeError: if ``layer`` is not a Keras convolution of the right rank.
-            ValueError: if ``layer`` is not built or is channels_first.
-        """
-        base = cls._keras_class
-        if not isinstance(layer, base):
-            raise TypeError(f"{cls.__name__}.from_layer: Received layer={layer!r}; expected a "
-                            f"keras.layers.{base.__name__}.")
-        if not layer.built:
-            raise ValueError(f"{cls.__name__}.from_layer: layer '{layer.name}' is not built; "
-                             "call it on an input (or build it) first so its weights exist.")
-        config = {k: v for k, v in layer.get_config().items() if k not in _SPATIAL_KEYS}
-        config.update(split=cls._default_split if split is None else split, group=group,
-                      overlap=overlap)
-        spatial = cls.from_config(config)
-        spatial.build(_weights_input_shape(layer))
-        spatial.set_weights(layer.get_weights())
-        return spatial
-
-    def to_layer(self):
-        """A plain, built Keras convolution with this layer's config and weights.
-
-        Raises:
-            ValueError: if this layer is not built.
-        """
-        if not self.built:
-            raise ValueError(f"{self._label()}.to_layer: the layer is not built.")
-        config = {k: v for k, v in self.get_config().items() if k not in _SPATIAL_KEYS}
-        plain = self._keras_class.from_config(config)
-        plain.build(_weights_input_shape(self))
-        plain.set_weights(self.get_weights())
-        return plain
-
-
-def _weights_input_shape(conv):
-    """An input shape that builds ``conv``'s weights (spatial sizes unknown)."""
-    channels = conv._kernel.shape[-2] * conv.groups
-    return (None,) + (None,) * conv.rank + (channels,)
+    @staticmethod
+    def _weights_input_shape(conv):
+        """An input shape that builds ``conv``'s weights (spatial sizes unknown)."""
+        channels = conv._kernel.shape[-2] * conv.groups
+        return (None,) + (None,) * conv.rank + (channels,)
 
 
 @keras.saving.register_keras_serializable(package="tfhybrid")

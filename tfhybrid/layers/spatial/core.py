@@ -250,11 +250,15 @@ class SpatialMixin(NoXLA):
     _eager_overlap = False
     _keras_class = None          # the Keras layer a subclass parallelises
     _default_split = "height"
+    # Layers with weights define it (a staticmethod: Keras layer -> an input shape
+    # that builds its weights); from_layer/to_layer then copy the weights.
+    _weights_input_shape = None
 
     @classmethod
     def from_layer(cls, layer, split=None, group="model", **spatial_options):
-        """A spatial copy of the (weightless) Keras layer it parallelises: same
-        arguments and name. Layers with weights (convolutions) override it.
+        """A spatial copy of the Keras layer it parallelises: same arguments and
+        name, and, for layers with weights (convolutions: they define
+        ``_weights_input_shape``), a copy of its weights, built.
 
         Args:
             layer: An instance of the class's Keras counterpart (e.g.
@@ -265,6 +269,9 @@ class SpatialMixin(NoXLA):
 
         Raises:
             TypeError: if ``layer`` is not an instance of the Keras counterpart.
+            ValueError: if a layer with weights is not built (or its arguments are
+                ones the spatial layer refuses, e.g. a transposed convolution's
+                output_padding).
 
         Example:
             >>> SpatialMaxPooling2D.from_layer(keras.layers.MaxPooling2D(2), split="width")
@@ -274,15 +281,34 @@ class SpatialMixin(NoXLA):
             expected = f"keras.layers.{base.__name__}" if base else "its Keras counterpart"
             raise TypeError(f"{cls.__name__}.from_layer: Received layer={layer!r}; expected a "
                             f"{expected}.")
+        weighted = cls._weights_input_shape is not None
+        if weighted and not layer.built:
+            raise ValueError(f"{cls.__name__}.from_layer: layer '{layer.name}' is not built; "
+                             "call it on an input (or build it) first so its weights exist.")
         config = {k: v for k, v in layer.get_config().items() if k not in SPATIAL_KEYS}
         config.update(split=cls._default_split if split is None else split, group=group,
                       **spatial_options)
-        return cls.from_config(config)
+        spatial = cls.from_config(config)
+        if weighted:
+            spatial.build(cls._weights_input_shape(layer))
+            spatial.set_weights(layer.get_weights())
+        return spatial
 
     def to_layer(self):
-        """The plain Keras layer with this layer's arguments (and weights, if any)."""
+        """The plain Keras layer with this layer's arguments (and weights, if any).
+
+        Raises:
+            ValueError: if this layer has weights and is not built.
+        """
+        weighted = self._weights_input_shape is not None
+        if weighted and not self.built:
+            raise ValueError(f"{self._label()}.to_layer: the layer is not built.")
         config = {k: v for k, v in self.get_config().items() if k not in SPATIAL_KEYS}
-        return self._keras_class.from_config(config)
+        plain = self._keras_class.from_config(config)
+        if weighted:
+            plain.build(self._weights_input_shape(self))
+            plain.set_weights(self.get_weights())
+        return plain
 
     def _init_spatial(self, split, group, overlap=None):
         split = sp.normalize_split(split)

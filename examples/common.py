@@ -20,8 +20,11 @@ Flags common to all examples (absl, as TensorFlow's model scripts):
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import shutil
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -29,7 +32,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from absl import flags  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 import tfhybrid  # noqa: E402
 from tfhybrid.cli import plan_text  # noqa: E402
@@ -176,6 +179,65 @@ def train(pmodel, data, optimizer=None):
     history = pmodel.fit(data, epochs=1, steps_per_epoch=FLAGS.warmup_steps + FLAGS.steps,
                          callbacks=tfhybrid.callbacks.standard() + [timer], verbose=0,
                          shuffle=False)
+    return timer, history
+
+
+def define_volume_flags(divisible_by):
+    """The flags of the volume examples (cosmoflow.py, unet3d.py): volume edge,
+    samples written, strategy s/ds/d, model-group size and split axis."""
+    flags.DEFINE_integer("volume_size", 32, f"volume edge D = H = W (divisible by {divisible_by})")
+    flags.DEFINE_integer("samples", 0, "volumes written (default: 2 global batches)")
+    flags.DEFINE_enum("strategy", "s", ["s", "ds", "d"], "s (all ranks split each volume), ds "
+                      "(model groups of --model_parallel split it) or d (whole volumes per rank)")
+    flags.DEFINE_integer("model_parallel", 0, "ranks per model group (default: all for s, 2 "
+                         "for ds, 1 for d)")
+    flags.DEFINE_string("spatial", "depth", "split axis: depth, height or width")
+
+
+def volume_grid():
+    """``tfhybrid.init`` with the model groups ``--strategy``/``--model_parallel`` ask
+    for. Returns (world size, grid); a size that does not fit is a usage error."""
+    world = tfhybrid.init().size
+    mp = FLAGS.model_parallel or {"s": world, "ds": min(2, world), "d": 1}[FLAGS.strategy]
+    if world % mp or (FLAGS.strategy == "s" and mp != world):
+        raise app.UsageError(f"--model_parallel={mp} with --strategy={FLAGS.strategy} on "
+                             f"{world} ranks: s uses all ranks, ds a divisor of them.")
+    tfhybrid.shutdown()
+    return world, tfhybrid.init(model_parallel=mp)
+
+
+@contextlib.contextmanager
+def volume_files(write, n, prefix):
+    """The directory holding the ``n`` volumes ``write(directory, n)`` puts there.
+
+    With ``--data_dir`` rank 0 writes them once and every rank waits until they
+    exist (every rank must see that directory); without it each rank writes the
+    same seeded files to a temporary directory of its own, removed on exit.
+    """
+    if FLAGS.data_dir:
+        os.makedirs(FLAGS.data_dir, exist_ok=True)
+        if tfhybrid.is_root():
+            write(FLAGS.data_dir, n)
+        tfhybrid.comm.barrier()         # the files exist before any rank opens them
+        yield FLAGS.data_dir
+        return
+    directory = tempfile.mkdtemp(prefix=prefix)
+    try:
+        write(directory, n)
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def fit_volumes(pmodel, data, **compile_kwargs):
+    """Compile ``pmodel`` (Adam ``--lr``, ``compile_kwargs``: loss, metrics), fit
+    warmup + timed steps over ``data`` repeated. Returns (StepTimer, history)."""
+    pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.Adam(FLAGS.lr)),
+                   run_eagerly=FLAGS.run_eagerly, **compile_kwargs)
+    timer = StepTimer()
+    history = pmodel.fit(data.repeat(), epochs=1,
+                         steps_per_epoch=FLAGS.warmup_steps + FLAGS.steps, verbose=0,
+                         callbacks=tfhybrid.callbacks.standard() + [timer], shuffle=False)
     return timer, history
 
 

@@ -22,9 +22,7 @@ rank 0 writes them once). Without it, every rank writes the same seeded
 files to its own temporary directory (one host or many, nothing shared).
 """
 import os
-import shutil
 import sys
-import tempfile
 
 from absl import app, flags
 
@@ -36,16 +34,11 @@ import numpy as np  # noqa: E402
 
 import tfhybrid  # noqa: E402
 
-flags.DEFINE_integer("volume_size", 32, "volume edge D = H = W (divisible by 2**levels * ranks)")
+common.define_volume_flags("2**levels * ranks")
 flags.DEFINE_integer("channels", 4, "input channels (CosmoFlow: 4 redshifts)")
 flags.DEFINE_integer("filters", 8, "filters of the first convolution (doubled per level)")
 flags.DEFINE_integer("levels", 3, "Conv3D + MaxPooling3D levels")
-flags.DEFINE_integer("samples", 0, "volumes written (default: 2 global batches)")
-flags.DEFINE_enum("strategy", "s", ["s", "ds", "d"], "s (all ranks split each volume), ds "
-                  "(model groups of --model_parallel split it) or d (whole volumes per rank)")
-flags.DEFINE_integer("model_parallel", 0, "ranks per model group (default: all for s, 2 "
-                     "for ds, 1 for d)")
-flags.DEFINE_string("spatial", "depth", "split axis: depth, height or width")
+
 
 TARGETS = 4
 
@@ -82,51 +75,24 @@ def write_volumes(directory, n):
     np.save(os.path.join(directory, "y.npy"), y)
 
 
-def data_files(n):
-    """The ``.npy`` paths (written first) and the directory to remove afterwards (or None)."""
-    if FLAGS.data_dir:
-        os.makedirs(FLAGS.data_dir, exist_ok=True)
-        if tfhybrid.is_root():
-            write_volumes(FLAGS.data_dir, n)
-        tfhybrid.comm.barrier()         # the files exist before any rank opens them
-        directory, cleanup = FLAGS.data_dir, None
-    else:
-        directory = cleanup = tempfile.mkdtemp(prefix="cosmoflow_")
-        write_volumes(directory, n)
-    return os.path.join(directory, "x.npy"), os.path.join(directory, "y.npy"), cleanup
-
-
 def main(argv):
     del argv
-    world = tfhybrid.init().size
-    mp = FLAGS.model_parallel or {"s": world, "ds": min(2, world), "d": 1}[FLAGS.strategy]
-    if world % mp or (FLAGS.strategy == "s" and mp != world):
-        raise app.UsageError(f"--model_parallel={mp} with --strategy={FLAGS.strategy} on "
-                             f"{world} ranks: s uses all ranks, ds a divisor of them.")
-    tfhybrid.shutdown()
-    grid = tfhybrid.init(model_parallel=mp)
-    batch, steps = FLAGS.batch_size, FLAGS.warmup_steps + FLAGS.steps
+    world, grid = common.volume_grid()
+    batch = FLAGS.batch_size
     common.print_plan(make_model(), batch, f"CosmoFlow-like {FLAGS.volume_size}^3 x "
                       f"{FLAGS.channels}, {grid.data_size} data x {grid.model_size} model",
-                      model_parallel=mp)
+                      model_parallel=grid.model_size)
     options = {"spatial": FLAGS.spatial} if FLAGS.strategy != "d" else {}
     pmodel = tfhybrid.transform(make_model(), FLAGS.strategy, **options)
     say(f"\n-- {FLAGS.strategy} --")
     desc = tfhybrid.describe(pmodel, batch_size=batch,
                              print_fn=print if tfhybrid.is_root() else None)
-    x_path, y_path, cleanup = data_files(FLAGS.samples or 2 * batch)
-    try:
-        data = tfhybrid.data.volumes(x_path, y_path, batch_size=batch, model=pmodel,
-                                     shuffle=True, seed=FLAGS.seed)
+    with common.volume_files(write_volumes, FLAGS.samples or 2 * batch, "cosmoflow_") as d:
+        data = tfhybrid.data.volumes(os.path.join(d, "x.npy"), os.path.join(d, "y.npy"),
+                                     batch_size=batch, model=pmodel, shuffle=True,
+                                     seed=FLAGS.seed)
         block = tuple(data.element_spec[0].shape)
-        pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.Adam(FLAGS.lr)),
-                       loss="mse", run_eagerly=FLAGS.run_eagerly)
-        timer = common.StepTimer()
-        history = pmodel.fit(data.repeat(), epochs=1, steps_per_epoch=steps, verbose=0,
-                             callbacks=tfhybrid.callbacks.standard() + [timer], shuffle=False)
-    finally:
-        if cleanup:
-            shutil.rmtree(cleanup, ignore_errors=True)
+        timer, history = common.fit_volumes(pmodel, data, loss="mse")
     rows = [{"strategy": FLAGS.strategy, "block/rank": "x".join(map(str, block)),
              "volumes/s": f"{timer.images_per_second(FLAGS.warmup_steps):.2f}",
              "param KB/rank": f"{desc.param_bytes / 1024:.0f}",

@@ -23,9 +23,7 @@ them once). Without it, each rank writes the same seeded files to its own
 temporary directory.
 """
 import os
-import shutil
 import sys
-import tempfile
 
 from absl import app, flags
 
@@ -37,17 +35,10 @@ import numpy as np  # noqa: E402
 
 import tfhybrid  # noqa: E402
 
-flags.DEFINE_integer("volume_size", 32, "volume edge D = H = W (divisible by 2**depth * ranks)")
+common.define_volume_flags("2**depth * ranks")
 flags.DEFINE_integer("filters", 4, "filters of the first level (doubled per level)")
 flags.DEFINE_integer("depth", 2, "pooling levels of the U-Net")
 flags.DEFINE_integer("classes", 3, "segmentation classes (0: background)")
-flags.DEFINE_integer("samples", 0, "volumes written (default: 2 global batches)")
-flags.DEFINE_enum("strategy", "s", ["s", "ds", "d"], "s (all ranks split each volume), ds "
-                  "(model groups of --model_parallel split it) or d (whole volumes per rank)")
-flags.DEFINE_integer("model_parallel", 0, "ranks per model group (default: all for s, 2 "
-                     "for ds, 1 for d)")
-flags.DEFINE_string("spatial", "depth", "split axis: depth, height or width")
-
 
 def make_model():
     """A 3-D U-Net: (Conv3D-BN-ReLU) x 2 per level, MaxPooling3D down,
@@ -95,51 +86,25 @@ def write_volumes(directory, n):
         np.save(os.path.join(directory, "y", f"{i:04d}.npy"), label)
 
 
-def data_dirs(n):
-    """The per-sample directories (written first) and the directory to remove (or None)."""
-    if FLAGS.data_dir:
-        os.makedirs(FLAGS.data_dir, exist_ok=True)
-        if tfhybrid.is_root():
-            write_volumes(FLAGS.data_dir, n)
-        tfhybrid.comm.barrier()         # the files exist before any rank opens them
-        directory, cleanup = FLAGS.data_dir, None
-    else:
-        directory = cleanup = tempfile.mkdtemp(prefix="unet3d_")
-        write_volumes(directory, n)
-    return os.path.join(directory, "x"), os.path.join(directory, "y"), cleanup
-
-
 def main(argv):
     del argv
-    world = tfhybrid.init().size
-    mp = FLAGS.model_parallel or {"s": world, "ds": min(2, world), "d": 1}[FLAGS.strategy]
-    if world % mp or (FLAGS.strategy == "s" and mp != world):
-        raise app.UsageError(f"--model_parallel={mp} with --strategy={FLAGS.strategy} on "
-                             f"{world} ranks: s uses all ranks, ds a divisor of them.")
-    tfhybrid.shutdown()
-    grid = tfhybrid.init(model_parallel=mp)
-    batch, steps = FLAGS.batch_size, FLAGS.warmup_steps + FLAGS.steps
+    world, grid = common.volume_grid()
+    batch = FLAGS.batch_size
     common.print_plan(make_model(), batch, f"3-D U-Net {FLAGS.volume_size}^3, "
-                      f"{grid.data_size} data x {grid.model_size} model", model_parallel=mp)
+                      f"{grid.data_size} data x {grid.model_size} model",
+                      model_parallel=grid.model_size)
     options = {"spatial": FLAGS.spatial} if FLAGS.strategy != "d" else {}
     pmodel = tfhybrid.transform(make_model(), FLAGS.strategy, **options)
     say(f"\n-- {FLAGS.strategy} --")
     desc = tfhybrid.describe(pmodel, batch_size=batch,
                              print_fn=print if tfhybrid.is_root() else None)
-    x_dir, y_dir, cleanup = data_dirs(FLAGS.samples or 2 * batch)
-    try:
-        data = tfhybrid.data.volumes(x_dir, y_dir, batch_size=batch, model=pmodel,
-                                     shuffle=True, seed=FLAGS.seed)
+    with common.volume_files(write_volumes, FLAGS.samples or 2 * batch, "unet3d_") as d:
+        data = tfhybrid.data.volumes(os.path.join(d, "x"), os.path.join(d, "y"),
+                                     batch_size=batch, model=pmodel, shuffle=True,
+                                     seed=FLAGS.seed)
         blocks = [tuple(s.shape) for s in data.element_spec]
-        pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.Adam(FLAGS.lr)),
-                       loss="sparse_categorical_crossentropy", metrics=["accuracy"],
-                       run_eagerly=FLAGS.run_eagerly)
-        timer = common.StepTimer()
-        history = pmodel.fit(data.repeat(), epochs=1, steps_per_epoch=steps, verbose=0,
-                             callbacks=tfhybrid.callbacks.standard() + [timer], shuffle=False)
-    finally:
-        if cleanup:
-            shutil.rmtree(cleanup, ignore_errors=True)
+        timer, history = common.fit_volumes(pmodel, data, loss="sparse_categorical_crossentropy",
+                                            metrics=["accuracy"])
     rows = [{"strategy": FLAGS.strategy, "input block/rank": "x".join(map(str, blocks[0])),
              "label block/rank": "x".join(map(str, blocks[1])),
              "volumes/s": f"{timer.images_per_second(FLAGS.warmup_steps):.2f}",

@@ -5,16 +5,14 @@ gathered weights equal single-process training on the same global batches
 -np 2: (n_c, n_f) = (1, 1); -np 4: (3, 1) and (2, 2). Models: a CNN with a big
 FC head (SplitBrain VGG in miniature) and a small residual CNN.
 """
-import os
-
 import keras
 import numpy as np
 import pytest
 
 import tfhybrid
 from conftest import world_size
-
-B, STEPS, IMG, CLASSES = 12, 3, (8, 8, 2), 5
+from stage_testing import (B, CLASSES, IMG, check_evaluate, check_gathered, check_save,
+                           compile_sgd, data, model_and_reference)
 
 
 def vgg_fc_head():
@@ -39,24 +37,6 @@ def residual_cnn():
     return keras.Model(x, keras.layers.Dense(CLASSES, name="logits")(h), name="res_ls")
 
 
-def _data():
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((B * STEPS,) + IMG).astype("float32")
-    y = rng.integers(0, CLASSES, B * STEPS)
-    return x, y
-
-
-def _compile(model, distributed):
-    opt = keras.optimizers.SGD(0.1, momentum=0.5)
-    model.compile(tfhybrid.DistributedOptimizer(opt) if distributed else opt,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-
-
-def _rel(a, b):
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
-
-
 def _fc_worker_values():
     return [1] if world_size() == 2 else [1, 2]
 
@@ -64,41 +44,23 @@ def _fc_worker_values():
 @pytest.mark.parametrize("make", [vgg_fc_head, residual_cnn])
 def test_ls_fit_evaluate_predict_equal_single_process(make):
     tfhybrid.init()
-    x, y = _data()
+    x, y = data()
     for n_f in _fc_worker_values():
-        keras.utils.set_random_seed(3)
-        model = make()
-        reference = keras.models.clone_model(model)
-        reference.set_weights(model.get_weights())
-        _compile(reference, False)
-        reference.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+        model, reference = model_and_reference(make, x, y)
 
         pmodel = tfhybrid.transform(model, "ls", fc_workers=n_f)
         assert (pmodel.n_c, pmodel.n_f) == (world_size() - n_f, n_f)
         text = tfhybrid.describe(pmodel, batch_size=B, print_fn=None).text
         assert f"{world_size() - n_f} CONV workers" in text and "bytes sent per step" in text
-        _compile(pmodel, True)
+        compile_sgd(pmodel, True)
         lb = tfhybrid.data.local_batch_size(B, pmodel)
         xl, yl = tfhybrid.data.shard((x, y), model=pmodel, batch_size=B)
         pmodel.fit(xl, yl, batch_size=lb, epochs=1, shuffle=False, verbose=0)
-        full = tfhybrid.gather(pmodel)
-        for got, want, w in zip(full.get_weights(), reference.get_weights(), reference.weights):
-            assert _rel(got, want) < 1e-4, (n_f, w.path, _rel(got, want))
-
-        want = reference.evaluate(x, y, batch_size=B, verbose=0, return_dict=True)
-        got = pmodel.evaluate(xl, yl, batch_size=lb, verbose=0, return_dict=True)
-        assert abs(got["loss"] - want["loss"]) <= 1e-4 * abs(want["loss"]), (got, want)
-        assert abs(got["accuracy"] - want["accuracy"]) < 1e-6, (got, want)
+        check_gathered(pmodel, reference, n_f)
+        check_evaluate(pmodel, reference, x, y, xl, yl, lb)
 
         if n_f == 1:       # tfhybrid.save: FC part copied to every CONV worker (Stanza §5.3)
-            path = f"/tmp/tfh_ls_{os.environ.get('HOROVOD_GLOO_RENDEZVOUS_PORT', 'x')}.keras"
-            tfhybrid.save(pmodel, path, epoch=1)
-            saved = keras.saving.load_model(path, compile=False)
-            for got, want in zip(saved.get_weights(), reference.get_weights()):
-                assert _rel(got, want) < 1e-4
-            side = np.load(path + ".state.npz", allow_pickle=True)
-            momenta = [k for k in side.files if "momentum" in k]
-            assert len(momenta) == len(reference.trainable_weights), side.files
+            check_save(pmodel, reference, "tfh_ls")
 
         pred = pmodel.predict(xl, batch_size=lb, verbose=0)
         if pmodel.role == "CONV":

@@ -8,16 +8,14 @@ stages, and 2 stages x 2 data groups (p x d). Models: a CNN with an FC head
 BatchNormalization inside the block (the stage joins its micro-batches and
 syncs the moments over its data group).
 """
-import os
-
 import keras
 import numpy as np
 import pytest
 
 import tfhybrid
 from conftest import world_size
-
-B, STEPS, IMG, CLASSES = 12, 3, (8, 8, 2), 5
+from stage_testing import (B, CLASSES, IMG, check_evaluate, check_gathered, check_save,
+                           compile_sgd, data, model_and_reference, rel)
 
 
 def cnn_fc_head():
@@ -46,24 +44,6 @@ def residual_cnn():
     return keras.Model(x, keras.layers.Dense(CLASSES, name="logits")(h), name="res_p")
 
 
-def _data():
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((B * STEPS,) + IMG).astype("float32")
-    y = rng.integers(0, CLASSES, B * STEPS)
-    return x, y
-
-
-def _compile(model, distributed):
-    opt = keras.optimizers.SGD(0.1, momentum=0.5)
-    model.compile(tfhybrid.DistributedOptimizer(opt) if distributed else opt,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-
-
-def _rel(a, b):
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
-
-
 def _configs(make):
     """(model_parallel, stages, micro_batches) to test at this world size."""
     if world_size() == 2:
@@ -73,15 +53,10 @@ def _configs(make):
 
 @pytest.mark.parametrize("make", [cnn_fc_head, residual_cnn])
 def test_p_fit_evaluate_predict_equal_single_process(make, grid_of):
-    x, y = _data()
+    x, y = data()
     for mp, stages, m in _configs(make):
         grid_of(mp)
-        keras.utils.set_random_seed(3)
-        model = make()
-        reference = keras.models.clone_model(model)
-        reference.set_weights(model.get_weights())
-        _compile(reference, False)
-        reference.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+        model, reference = model_and_reference(make, x, y)
 
         pmodel = tfhybrid.transform(model, "p", stages=stages, micro_batches=m)
         assert (pmodel.stages, pmodel.micro_batches) == (stages, m)
@@ -90,37 +65,24 @@ def test_p_fit_evaluate_predict_equal_single_process(make, grid_of):
         assert "bytes sent per step" in text
         mine = {w.path for w in pmodel.trainable_weights}
         assert len(pmodel.trainable_weights) < len(model.trainable_weights), mine
-        _compile(pmodel, True)
+        compile_sgd(pmodel, True)
         lb = tfhybrid.data.local_batch_size(B, pmodel)
         xl, yl = tfhybrid.data.shard((x, y), model=pmodel, batch_size=B)
         history = pmodel.fit(xl, yl, batch_size=lb, epochs=1, shuffle=False, verbose=0)
         assert np.isfinite(history.history["loss"][-1])
-        full = tfhybrid.gather(pmodel)
-        for got, want, w in zip(full.get_weights(), reference.get_weights(), reference.weights):
-            assert _rel(got, want) < 1e-4, (mp, stages, m, w.path, _rel(got, want))
-
-        want = reference.evaluate(x, y, batch_size=B, verbose=0, return_dict=True)
-        got = pmodel.evaluate(xl, yl, batch_size=lb, verbose=0, return_dict=True)
-        assert abs(got["loss"] - want["loss"]) <= 1e-4 * abs(want["loss"]), (got, want)
-        assert abs(got["accuracy"] - want["accuracy"]) < 1e-6, (got, want)
+        check_gathered(pmodel, reference, (mp, stages, m))
+        check_evaluate(pmodel, reference, x, y, xl, yl, lb)
 
         pred = pmodel.predict(xl, batch_size=lb, verbose=0)
         np.testing.assert_allclose(pred, reference.predict(xl, batch_size=lb, verbose=0),
                                    rtol=1e-4, atol=1e-5)
 
         if m == 2 and make is cnn_fc_head and world_size() == 2:   # tfhybrid.save
-            path = f"/tmp/tfh_p_{os.environ.get('HOROVOD_GLOO_RENDEZVOUS_PORT', 'x')}.keras"
-            tfhybrid.save(pmodel, path, epoch=1)
-            saved = keras.saving.load_model(path, compile=False)
-            for got, want in zip(saved.get_weights(), reference.get_weights()):
-                assert _rel(got, want) < 1e-4
-            side = np.load(path + ".state.npz", allow_pickle=True)
-            momenta = [k for k in side.files if "momentum" in k]
-            assert len(momenta) == len(reference.trainable_weights), side.files
+            side = check_save(pmodel, reference, "tfh_p")
             ref_m = [v.numpy() for v in reference.optimizer.variables if "momentum" in v.path]
             got_m = [side[f"slot/momentum/{i}"] for i in range(len(ref_m))]
             for got, want in zip(got_m, ref_m):
-                assert _rel(got, want) < 1e-4
+                assert rel(got, want) < 1e-4
 
 
 def test_p_bad_input(grid_of):
@@ -131,8 +93,8 @@ def test_p_bad_input(grid_of):
     with pytest.raises(ValueError, match="stages=2 .* cut at only 0 places"):
         tfhybrid.transform(tiny, "p", stages=2)
     pmodel = tfhybrid.transform(cnn_fc_head(), "p", stages=2, micro_batches=4)
-    _compile(pmodel, True)
-    x, y = _data()
+    compile_sgd(pmodel, True)
+    x, y = data()
     with pytest.raises(ValueError, match="micro_batches=4, which does not divide the local "
                                          "batch of 6"):
         pmodel.fit(x[:6], y[:6], batch_size=6, epochs=1, verbose=0)

@@ -3,7 +3,10 @@ tests/parallel/test_layers_splitbrain*.py.
 
 conv (data parallel over all ranks) -> Flatten -> ModuloLayer -> f(16) -> c(12)
 -> plain Dense(8) -> f(8) [-> ShardLayer] -> f(8) [-> ShardLayer] -> inverse.
-``reduce_by_layout`` writes out the DistributedOptimizer's reduction rule.
+``reduce_by_layout`` writes out the DistributedOptimizer's reduction rule;
+``check_sgd_steps`` trains both with it and compares. ``small_cnn`` and
+``small_data`` are the plain Keras model and data that the gmp ``transform``
+tests (B scheme, periodic averaging) rewrite.
 """
 import keras
 import numpy as np
@@ -15,7 +18,7 @@ from tfhybrid.layers import (ChannelParallelDense, FilterParallelDense, ModuloIn
 from tfhybrid.layout import layout_of
 
 from conftest import randn, rng
-from layers_testing import GRAD, expected
+from layers_testing import FWD, GRAD, expected
 
 PG, R = "replicated_partial_grad", "replicated"
 B, IMG, CLASSES, LR = 4, (6, 6, 2), 8, 0.1
@@ -130,3 +133,44 @@ def world_mean(value, grid):
 def check_grads(variables, grads, ref_grads, g):
     for v, gr, full in zip(variables, grads, ref_grads):
         np.testing.assert_allclose(gr, expected(v, full, g), err_msg=v.path, **GRAD)
+
+
+def check_sgd_steps(grid, ref, par, mode, steps=2):
+    """``steps`` SGD steps of ``ref`` on the global batch and of ``par`` on this
+    rank's rows (gradients reduced by layout) give the same loss, reduced
+    gradients and weights."""
+    g, own = grid.group("model"), slice(grid.rank * B, (grid.rank + 1) * B)
+    assert all(layout_of(v).grad_scale == 1.0 for v in par.trainable_weights)
+    ref_step, par_step = grad_step(ref, "eager"), grad_step(par, mode)
+    for step in range(steps):
+        x, y = global_batch(grid, step)
+        ref_loss, ref_grads = ref_step(x, y)
+        loss, grads = par_step(x[own], y[own])
+        np.testing.assert_allclose(world_mean(loss, grid), ref_loss, **FWD)
+        reduced = reduce_by_layout(par.trainable_weights, grads, grid)
+        check_grads(par.trainable_weights, reduced, ref_grads, g)
+        for v, gr in zip(ref.trainable_weights, ref_grads):
+            v.assign_sub(LR * gr)
+        for v, gr in zip(par.trainable_weights, reduced):
+            v.assign_sub(LR * gr)
+    for v, w in zip(par.trainable_weights, ref.trainable_weights):
+        np.testing.assert_allclose(v.numpy(), expected(v, w.numpy(), g), err_msg=v.path, **GRAD)
+
+
+def small_cnn(seed=0):
+    """Conv -> Flatten -> Dense(16) -> Dense(8) -> Dense(4) softmax, on 6x6x2."""
+    keras.utils.set_random_seed(seed)
+    i = keras.Input((6, 6, 2))
+    x = keras.layers.Conv2D(4, 3, activation="relu", name="conv")(i)
+    x = keras.layers.Flatten(name="flat")(x)
+    x = keras.layers.Dense(16, activation="relu", name="fc1")(x)
+    x = keras.layers.Dense(8, activation="tanh", name="fc2")(x)
+    x = keras.layers.Dense(4, activation="softmax", name="out")(x)
+    return keras.Model(i, x, name="cnn")
+
+
+def small_data(n, key):
+    """``n`` seeded inputs for ``small_cnn`` and labels in 0..3."""
+    x = randn((n, 6, 6, 2), key, "x")
+    y = rng(key, "y").integers(0, 4, size=n).astype(np.int32)
+    return x, y

@@ -23,8 +23,9 @@ from tfhybrid.optimizer.averaging import periodic_of
 from tfhybrid.transformer import transform
 from tfhybrid.transformer.rewrite import find_layer
 
-from conftest import randn, rng, world_size
+from conftest import world_size
 from layers_testing import expected
+from splitbrain_net import small_cnn as cnn, small_data
 
 N = world_size()
 STEPS, BATCH, EVERY, LR = 5, 8, 4, 0.2
@@ -32,21 +33,8 @@ LOSS = "sparse_categorical_crossentropy"
 REGION = ("fc1", "fc2", "out")
 
 
-def cnn(seed=0):
-    keras.utils.set_random_seed(seed)
-    i = keras.Input((6, 6, 2))
-    x = keras.layers.Conv2D(4, 3, activation="relu", name="conv")(i)
-    x = keras.layers.Flatten(name="flat")(x)
-    x = keras.layers.Dense(16, activation="relu", name="fc1")(x)
-    x = keras.layers.Dense(8, activation="tanh", name="fc2")(x)
-    x = keras.layers.Dense(4, activation="softmax", name="out")(x)
-    return keras.Model(i, x, name="cnn")
-
-
 def data():
-    x = randn((STEPS * BATCH, 6, 6, 2), "gmp-avg", "x")
-    y = rng("gmp-avg", "y").integers(0, 4, size=STEPS * BATCH).astype(np.int32)
-    return x, y
+    return small_data(STEPS * BATCH, "gmp-avg")
 
 
 def schedule(grid, x, y):

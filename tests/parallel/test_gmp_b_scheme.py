@@ -22,13 +22,12 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid import comm
 from tfhybrid.layers import ModuloLayer
-from tfhybrid.layout import layout_of
 from tfhybrid.transformer import describe, gather, transform
 
-from conftest import model_parallel_values, randn, rng, world_size
-from layers_testing import FWD, GRAD, expected, value_and_grads
-from splitbrain_net import (B, LR, PG, R, check_grads, global_batch, grad_step,
-                            reduce_by_layout, reference_model, splitbrain_model, world_mean)
+from conftest import model_parallel_values, randn, world_size
+from layers_testing import FWD, GRAD, value_and_grads
+from splitbrain_net import (B, LR, PG, R, check_sgd_steps, global_batch, reference_model,
+                            small_cnn as cnn, small_data, splitbrain_model)
 
 MPS = model_parallel_values()
 N = world_size()
@@ -91,22 +90,7 @@ def test_b_scheme_training_equals_single_process(grid, entry, exit_, mode):
     model's on the global batch (every gradient layout at both boundaries)."""
     ref, par = reference_model(), splitbrain_model("B", entry, exit_)
     assert [m.scheme for m in par.layers if isinstance(m, ModuloLayer)] == ["B"]
-    g, own = grid.group("model"), slice(grid.rank * B, (grid.rank + 1) * B)
-    assert all(layout_of(v).grad_scale == 1.0 for v in par.trainable_weights)
-    ref_step, par_step = grad_step(ref, "eager"), grad_step(par, mode)
-    for step in range(2):
-        x, y = global_batch(grid, step)
-        ref_loss, ref_grads = ref_step(x, y)
-        loss, grads = par_step(x[own], y[own])
-        np.testing.assert_allclose(world_mean(loss, grid), ref_loss, **FWD)
-        reduced = reduce_by_layout(par.trainable_weights, grads, grid)
-        check_grads(par.trainable_weights, reduced, ref_grads, g)
-        for v, gr in zip(ref.trainable_weights, ref_grads):
-            v.assign_sub(LR * gr)
-        for v, gr in zip(par.trainable_weights, reduced):
-            v.assign_sub(LR * gr)
-    for v, w in zip(par.trainable_weights, ref.trainable_weights):
-        np.testing.assert_allclose(v.numpy(), expected(v, w.numpy(), g), err_msg=v.path, **GRAD)
+    check_sgd_steps(grid, ref, par, mode)
 
 
 def test_b_scheme_traces_one_broadcast_per_round(grid_of):
@@ -137,21 +121,8 @@ STEPS, BATCH = 3, 8
 LOSS = "sparse_categorical_crossentropy"
 
 
-def cnn(seed=0):
-    keras.utils.set_random_seed(seed)
-    i = keras.Input((6, 6, 2))
-    x = keras.layers.Conv2D(4, 3, activation="relu", name="conv")(i)
-    x = keras.layers.Flatten(name="flat")(x)
-    x = keras.layers.Dense(16, activation="relu", name="fc1")(x)
-    x = keras.layers.Dense(8, activation="tanh", name="fc2")(x)
-    x = keras.layers.Dense(4, activation="softmax", name="out")(x)
-    return keras.Model(i, x, name="cnn")
-
-
 def data():
-    x = randn((STEPS * BATCH, 6, 6, 2), "gmp-b", "x")
-    y = rng("gmp-b", "y").integers(0, 4, size=STEPS * BATCH).astype(np.int32)
-    return x, y
+    return small_data(STEPS * BATCH, "gmp-b")
 
 
 def dataset(x, y):

@@ -13,12 +13,10 @@ import keras
 import numpy as np
 import pytest
 
-from tfhybrid.layout import layout_of
-
 from conftest import model_parallel_values
-from layers_testing import FWD, GRAD, expected
-from splitbrain_net import (B, LOSS, LR, PG, R, check_grads, global_batch, grad_step,
-                            reduce_by_layout, reference_model, splitbrain_model, world_mean)
+from layers_testing import GRAD, expected
+from splitbrain_net import (B, LOSS, LR, PG, R, check_sgd_steps, global_batch, grad_step,
+                            reference_model, splitbrain_model)
 
 MPS = model_parallel_values()
 
@@ -34,23 +32,7 @@ CASES = [("BK", PG, "gather", "function"), ("BK", R, "shard", "eager"),
 
 @pytest.mark.parametrize("scheme,entry,exit_,mode", CASES)
 def test_splitbrain_training_equals_single_process(grid, scheme, entry, exit_, mode):
-    ref, par = reference_model(), splitbrain_model(scheme, entry, exit_)
-    g, own = grid.group("model"), slice(grid.rank * B, (grid.rank + 1) * B)
-    assert all(layout_of(v).grad_scale == 1.0 for v in par.trainable_weights)
-    ref_step, par_step = grad_step(ref, "eager"), grad_step(par, mode)
-    for step in range(2):
-        x, y = global_batch(grid, step)
-        ref_loss, ref_grads = ref_step(x, y)
-        loss, grads = par_step(x[own], y[own])
-        np.testing.assert_allclose(world_mean(loss, grid), ref_loss, **FWD)
-        reduced = reduce_by_layout(par.trainable_weights, grads, grid)
-        check_grads(par.trainable_weights, reduced, ref_grads, g)
-        for v, gr in zip(ref.trainable_weights, ref_grads):
-            v.assign_sub(LR * gr)
-        for v, gr in zip(par.trainable_weights, reduced):
-            v.assign_sub(LR * gr)
-    for v, w in zip(par.trainable_weights, ref.trainable_weights):
-        np.testing.assert_allclose(v.numpy(), expected(v, w.numpy(), g), err_msg=v.path, **GRAD)
+    check_sgd_steps(grid, reference_model(), splitbrain_model(scheme, entry, exit_), mode)
 
 
 def test_splitbrain_with_distributed_optimizer(grid):

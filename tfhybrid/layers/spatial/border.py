@@ -98,11 +98,6 @@ class BorderReblocking(core.SpatialMixin):
         return (input_shape[0],) + tuple(p.geometry.out_block for p in plans) + \
             input_shape[1 + self._ndim:]
 
-    def get_config(self):
-        config = super().get_config()
-        config.update({"split": self.split, "group": core.serialize_group(self.group)})
-        return config
-
 
 def _rows(pairs):
     return tuple((int(lo), int(hi)) for lo, hi in pairs)

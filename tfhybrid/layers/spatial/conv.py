@@ -26,6 +26,7 @@ from tfhybrid.layout import VariableLayout, set_layout
 class _SpatialConv(core.SpatialMixin):
     """Shared implementation of SpatialConv2D/3D (mixed into keras ConvND)."""
 
+    _takes_overlap = True
     _keras_class = None
     _default_split = "height"
 
@@ -72,12 +73,6 @@ class _SpatialConv(core.SpatialMixin):
     def compute_output_shape(self, input_shape):
         return core.output_block_shape(self, input_shape, self._windows(), self.strides,
                                        self.padding, self.filters)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update({"split": self.split, "group": core.serialize_group(self.group),
-                       "overlap": self.overlap})
-        return config
 
     @staticmethod
     def _weights_input_shape(conv):

@@ -253,6 +253,7 @@ class SpatialMixin(NoXLA):
     # Layers with weights define it (a staticmethod: Keras layer -> an input shape
     # that builds its weights); from_layer/to_layer then copy the weights.
     _weights_input_shape = None
+    _takes_overlap = False       # sliding-window layers (convolution, pooling) also save `overlap`
 
     @classmethod
     def from_layer(cls, layer, split=None, group="model", **spatial_options):
@@ -309,6 +310,13 @@ class SpatialMixin(NoXLA):
             plain.build(self._weights_input_shape(self))
             plain.set_weights(self.get_weights())
         return plain
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"split": self.split, "group": serialize_group(self.group)})
+        if self._takes_overlap:
+            config["overlap"] = self.overlap
+        return config
 
     def _init_spatial(self, split, group, overlap=None):
         split = sp.normalize_split(split)

@@ -42,11 +42,6 @@ class _SpatialIO(core.SpatialMixin, keras.layers.Layer):
         """(axis, sub-group) for every split spatial axis."""
         return [(d + 1, g) for d, g in enumerate(self._spatial_groups()) if g.size > 1]
 
-    def get_config(self):
-        config = super().get_config()
-        config.update({"split": self.split, "group": core.serialize_group(self.group)})
-        return config
-
 
 @keras.saving.register_keras_serializable(package="tfhybrid")
 class SpatialScatter(_SpatialIO):

@@ -21,6 +21,7 @@ from tfhybrid.spatial_geometry import window_output
 class _SpatialPool(core.SpatialMixin):
     """Shared implementation of the spatial pooling layers."""
 
+    _takes_overlap = True
     _default_split = "height"
     _mode = "max"
 
@@ -58,12 +59,6 @@ class _SpatialPool(core.SpatialMixin):
     def compute_output_shape(self, input_shape):
         return core.output_block_shape(self, input_shape, self.pool_size, self.strides,
                                        self.padding, input_shape[-1])
-
-    def get_config(self):
-        config = super().get_config()
-        config.update({"split": self.split, "group": core.serialize_group(self.group),
-                       "overlap": self.overlap})
-        return config
 
 
 def _window_scale(plans, ranges, pool_size):

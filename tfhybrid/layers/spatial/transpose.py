@@ -30,6 +30,7 @@ from tfhybrid.layout import VariableLayout, set_layout
 class _SpatialConvTranspose(core.SpatialMixin):
     """Shared implementation of SpatialConv2DTranspose/3DTranspose."""
 
+    _takes_overlap = True
     _keras_class = None
 
     def __init__(self, filters, kernel_size, strides=1, padding="valid", output_padding=None,
@@ -102,12 +103,6 @@ class _SpatialConvTranspose(core.SpatialMixin):
             return (input_shape[0],) + (None,) * self._ndim + (self.filters,)
         plans = self._transpose_plans(input_shape)
         return (input_shape[0],) + tuple(p.geometry.out_block for p in plans) + (self.filters,)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update({"split": self.split, "group": core.serialize_group(self.group),
-                       "overlap": self.overlap})
-        return config
 
     @staticmethod
     def _weights_input_shape(conv):

@@ -229,6 +229,30 @@ def volume_files(write, n, prefix):
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def transform_volume_model(make_model, batch, title):
+    """Print ``tfhybrid plan`` for ``make_model()`` at ``batch`` under ``title``,
+    transform a fresh copy with ``--strategy``/``--spatial`` and print its
+    ``describe`` on rank 0. Returns (transformed model, description)."""
+    grid = tfhybrid.grid()
+    common_title = f"{title}, {grid.data_size} data x {grid.model_size} model"
+    print_plan(make_model(), batch, common_title, model_parallel=grid.model_size)
+    options = {"spatial": FLAGS.spatial} if FLAGS.strategy != "d" else {}
+    pmodel = tfhybrid.transform(make_model(), FLAGS.strategy, **options)
+    say(f"\n-- {FLAGS.strategy} --")
+    desc = tfhybrid.describe(pmodel, batch_size=batch,
+                             print_fn=print if tfhybrid.is_root() else None)
+    return pmodel, desc
+
+
+def report_volumes(what, rows):
+    """Print the result table ``rows`` of a volume example under a heading
+    naming ``what`` was trained, the grid, batch and timed steps."""
+    grid = tfhybrid.grid()
+    say(f"\n{what} on {grid.size} ranks ({grid.data_size} data x {grid.model_size} "
+        f"model), global batch {FLAGS.batch_size}, {FLAGS.steps} timed steps:")
+    say(table(rows, list(rows[0])))
+
+
 def fit_volumes(pmodel, data, **compile_kwargs):
     """Compile ``pmodel`` (Adam ``--lr``, ``compile_kwargs``: loss, metrics), fit
     warmup + timed steps over ``data`` repeated. Returns (StepTimer, history)."""

@@ -27,7 +27,7 @@ import sys
 from absl import app, flags
 
 import common
-from common import FLAGS, say
+from common import FLAGS
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -77,16 +77,10 @@ def write_volumes(directory, n):
 
 def main(argv):
     del argv
-    world, grid = common.volume_grid()
+    common.volume_grid()
     batch = FLAGS.batch_size
-    common.print_plan(make_model(), batch, f"CosmoFlow-like {FLAGS.volume_size}^3 x "
-                      f"{FLAGS.channels}, {grid.data_size} data x {grid.model_size} model",
-                      model_parallel=grid.model_size)
-    options = {"spatial": FLAGS.spatial} if FLAGS.strategy != "d" else {}
-    pmodel = tfhybrid.transform(make_model(), FLAGS.strategy, **options)
-    say(f"\n-- {FLAGS.strategy} --")
-    desc = tfhybrid.describe(pmodel, batch_size=batch,
-                             print_fn=print if tfhybrid.is_root() else None)
+    pmodel, desc = common.transform_volume_model(
+        make_model, batch, f"CosmoFlow-like {FLAGS.volume_size}^3 x {FLAGS.channels}")
     with common.volume_files(write_volumes, FLAGS.samples or 2 * batch, "cosmoflow_") as d:
         data = tfhybrid.data.volumes(os.path.join(d, "x.npy"), os.path.join(d, "y.npy"),
                                      batch_size=batch, model=pmodel, shuffle=True,
@@ -98,9 +92,7 @@ def main(argv):
              "param KB/rank": f"{desc.param_bytes / 1024:.0f}",
              "comm KB/step": f"{desc.comm_bytes / 1024:.0f}",
              "loss": f"{history.history['loss'][-1]:.4f}"}]
-    say(f"\nCosmoFlow-like regression on {world} ranks ({grid.data_size} data x "
-        f"{grid.model_size} model), global batch {batch}, {FLAGS.steps} timed steps:")
-    say(common.table(rows, list(rows[0])))
+    common.report_volumes("CosmoFlow-like regression", rows)
     return 0
 
 

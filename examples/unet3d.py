@@ -28,7 +28,7 @@ import sys
 from absl import app, flags
 
 import common
-from common import FLAGS, say
+from common import FLAGS
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -88,16 +88,10 @@ def write_volumes(directory, n):
 
 def main(argv):
     del argv
-    world, grid = common.volume_grid()
+    common.volume_grid()
     batch = FLAGS.batch_size
-    common.print_plan(make_model(), batch, f"3-D U-Net {FLAGS.volume_size}^3, "
-                      f"{grid.data_size} data x {grid.model_size} model",
-                      model_parallel=grid.model_size)
-    options = {"spatial": FLAGS.spatial} if FLAGS.strategy != "d" else {}
-    pmodel = tfhybrid.transform(make_model(), FLAGS.strategy, **options)
-    say(f"\n-- {FLAGS.strategy} --")
-    desc = tfhybrid.describe(pmodel, batch_size=batch,
-                             print_fn=print if tfhybrid.is_root() else None)
+    pmodel, desc = common.transform_volume_model(make_model, batch,
+                                                 f"3-D U-Net {FLAGS.volume_size}^3")
     with common.volume_files(write_volumes, FLAGS.samples or 2 * batch, "unet3d_") as d:
         data = tfhybrid.data.volumes(os.path.join(d, "x"), os.path.join(d, "y"),
                                      batch_size=batch, model=pmodel, shuffle=True,
@@ -110,9 +104,7 @@ def main(argv):
              "volumes/s": f"{timer.images_per_second(FLAGS.warmup_steps):.2f}",
              "param KB/rank": f"{desc.param_bytes / 1024:.0f}",
              "loss": f"{history.history['loss'][-1]:.4f}"}]
-    say(f"\n3-D U-Net segmentation on {world} ranks ({grid.data_size} data x "
-        f"{grid.model_size} model), global batch {batch}, {FLAGS.steps} timed steps:")
-    say(common.table(rows, list(rows[0])))
+    common.report_volumes("3-D U-Net segmentation", rows)
     return 0
 
 

@@ -242,6 +242,8 @@ def _predict(machine_path, name, np_, batch, mp):
         opts["scheme"] = "BK"          # the ModuloLayer scheme tfhybrid.transform builds
     if name == "s":
         opts = {"spatial": (np_, 1)}
+    if "fallback" in STRATEGIES[name][1]:   # price what transform builds (replicated layers)
+        opts["fallback"] = STRATEGIES[name][1]["fallback"]
     return predict(model, name, np_, batch, machine_path, **opts)
 
 

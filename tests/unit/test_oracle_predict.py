@@ -85,8 +85,9 @@ def test_gmp_hand():
     assert r.options["pairs"] == [("fc1", "fc2")]
     assert r.compute_s == pytest.approx(24.0)
     # B/K: 2 micro-steps of 1 sample per rank: modulo (x=2) and its adjoint, the pair's
-    # allreduce of y_fc2 for 2 samples; leaving the region is a slice (no collective)
-    assert r.comm_s["FB-allgather"] == pytest.approx(4 * (1 + 1))
+    # allreduce of y_fc2 for 2 samples; leaving the region is a slice forward and,
+    # after the pair's channel layer, an allgather of y_fc2's gradient (1 sample, y=2)
+    assert r.comm_s["FB-allgather"] == pytest.approx(4 * (1 + 1) + 2 * (1 + 2 * 0.5))
     assert r.comm_s["FB-allreduce"] == pytest.approx(2 * 2 * (1 + 4 / 2 * 0.5))
     assert r.comm_s["GE-allreduce"] == 0.0
     assert r.options["param_memory_bytes"] == pytest.approx(22 / 2)
@@ -95,9 +96,35 @@ def test_gmp_hand():
 def test_gmp_bk_scheme_default():
     r = predict(PROF, "gmp", 2, 4, M, mp=2, ccr_threshold=0)
     assert r.options["scheme"] == "BK"
-    # one step of 2 samples per rank: modulo (x=2) + adjoint, pair allreduce of y_fc2 for 4
-    assert r.comm_s["FB-allgather"] == pytest.approx(2 * (1 + 2 * 2 * 0.5))
+    # one step of 2 samples per rank: modulo (x=2) + adjoint, pair allreduce of y_fc2 for 4,
+    # the exit's backward allgather of y_fc2's gradient (2 samples, y=2)
+    assert r.comm_s["FB-allgather"] == pytest.approx(2 * (1 + 2 * 2 * 0.5) + (1 + 2 * 2 * 0.5))
     assert r.comm_s["FB-allreduce"] == pytest.approx(2 * (1 + 8 / 2 * 0.5))
+
+
+def test_gmp_exit_after_a_shard_moves_nothing():
+    # fc1 alone partitioned (fc2's CCR below the threshold): fc2 replicated, so the
+    # exit all-gathers its gradient; fc2 partitioned and unpaired (a shard): nothing
+    shard = ModelProfile("fc_shard", (FC1, dataclasses.replace(FC2, channels=3)), 2)
+    r = predict(shard, "gmp", 2, 4, M, mp=2, ccr_threshold=0)
+    assert r.options["pairs"] == []
+    # modulo (x=2) + adjoint, shards of y_fc1 (2 samples, y=4) and y_fc2 (y=2), no exit
+    assert r.comm_s["FB-allgather"] == pytest.approx(
+        2 * (1 + 2 * 2 * 0.5) + (1 + 2 * 4 * 0.5) + (1 + 2 * 2 * 0.5))
+
+
+def test_filter_fallback_replicates_what_the_group_cannot_split():
+    # fc2 has 2 filters: a group of 4 cannot split it; transform(fallback="replicate")
+    # replicates it, so fc1 is an unpaired filter layer: allgather y, allreduce x
+    strict = predict(PROF, "f", 4, 4, M)
+    assert not strict.feasible
+    r = predict(PROF, "f", 4, 4, M, fallback="replicate")
+    assert r.feasible and r.options["replicated_layers"] == ["fc2"]
+    assert r.options["pairs"] == [] and r.options["partitioned_layers"] == ["fc1"]
+    assert r.comm_s["FB-allgather"] == pytest.approx(3 * (1 + 4 * 4 / 4 * 0.5))
+    assert r.comm_s["FB-allreduce"] == 0.0      # fc1 is the first layer: no dL/dx
+    with pytest.raises(ValueError, match="fallback='maybe'"):
+        predict(PROF, "f", 4, 4, M, fallback="maybe")
 
 
 def test_gmp_ccr_threshold_keeps_layers_replicated():

@@ -23,7 +23,8 @@ from tfhybrid.strategy_names import PREDICTED
 STRATEGY_NAMES = PREDICTED   # the one table: tfhybrid.strategy_names
 _OPTIONS = {"d": {"replicated_fc"}, "s": {"spatial", "grid"}, "ds": {"spatial", "grid"},
             "p": {"segments"},
-            "f": {"pairing"}, "c": set(), "df": {"grid", "model_parallel", "pairing"},
+            "f": {"pairing", "fallback"}, "c": {"fallback"},
+            "df": {"grid", "model_parallel", "pairing", "fallback"},
             "serial": set(),
             "gmp": {"mp", "ccr_threshold", "scheme"}, "ls": {"n_f"}}
 
@@ -63,8 +64,11 @@ def predict(model_or_profile, strategy: str, p: int, batch_size: int, machine,
         **strategy_options: ``d``: replicated_fc; ``s``/``ds``: spatial (the
             block grid ``(ph, pw)`` or an axis name, as ``tfhybrid.transform``'s
             ``spatial=``; ``grid=`` is deprecated);
-            ``f``: pairing; ``df``: grid=(p_data, p_model) or model_parallel,
-            pairing; ``p``: segments;
+            ``f``: pairing, fallback; ``c``: fallback; ``df``: grid=(p_data,
+            p_model) or model_parallel, pairing, fallback (``"replicate"``:
+            layers the model group cannot split are replicated, as
+            ``transform(..., fallback="replicate")`` builds them; default
+            ``"error"``: such a prediction is infeasible); ``p``: segments;
             ``gmp``: mp, ccr_threshold, scheme; ``ls``: n_f. Options not given
             are chosen by the oracle and reported in ``Prediction.options``.
 

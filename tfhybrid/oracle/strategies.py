@@ -339,12 +339,24 @@ def _collectives(ctx, idx, nb, p2, kind, pairing):
     return ag, ar, inner, pairs
 
 
-def _model_parallel(ctx, p, p1, p2, kind, pairing=True):
-    """Filter ('f') or channel ('c') split over groups of p2, data over p1."""
+def _model_parallel(ctx, p, p1, p2, kind, pairing=True, fallback="error"):
+    """Filter ('f') or channel ('c') split over groups of p2, data over p1.
+
+    ``fallback="replicate"`` prices what ``tfhybrid.transform(...,
+    fallback="replicate")`` builds: a layer whose filters (f) or channels (c)
+    the group size does not divide is replicated (full compute, no
+    collective of its own, never paired) instead of making the prediction
+    infeasible.
+    """
     m, d, B = ctx.m, ctx.delta, ctx.B
     idx = ctx.weighted()
     if kind == "c" and ctx.split is None:
         idx = idx[1:]
+    attr, label = ("filters", "filters") if kind == "f" else ("channels", "channels")
+    replicated = []
+    if _check_fallback(fallback) == "replicate" and p2 > 1:
+        replicated = [ctx.rows[i].name for i in idx if getattr(ctx.rows[i], attr) % p2]
+        idx = [i for i in idx if getattr(ctx.rows[i], attr) % p2 == 0]
     part, nb = set(idx), B / p1
     ag, ar, inner, pairs = _collectives(ctx, idx, nb, p2, kind, pairing)
     split = part | inner
@@ -353,18 +365,27 @@ def _model_parallel(ctx, p, p1, p2, kind, pairing=True):
     w_data = sum(r.params / (p2 if i in part else 1) for i, r in enumerate(ctx.rows))
     ge = m.t_allreduce(p1, w_data * d, span=p, phi=m.phi if p2 > 1 else 1.0)
     terms = [(r, nb, 1, p2 if i in part else 1) for i, r in enumerate(ctx.rows)]
-    attr, label = ("filters", "filters") if kind == "f" else ("channels", "channels")
     reasons = _model_reasons(ctx, idx, p2, attr, label)
     reasons += _batch_reasons(B, p1, "p_data") if p1 > 1 else []
     opts = {"grid": {"data": p1, "model": p2},
             "partitioned_layers": [ctx.rows[i].name for i in idx],
-            "pairs": [(ctx.rows[a].name, ctx.rows[b].name) for a, b in pairs]}
+            "pairs": [(ctx.rows[a].name, ctx.rows[b].name) for a, b in pairs],
+            "replicated_layers": replicated}
     comm = _phases(FB_ag=ag, FB_ar=ar, GE_ar=ge)
     return comp * m.oversubscription(p), comm, ctx.mem(terms), opts, reasons
 
 
+def _check_fallback(fallback):
+    if fallback not in ("error", "replicate"):
+        raise ValueError(f"Received fallback={fallback!r}; expected 'error' (a layer the "
+                         "model group cannot split makes the prediction infeasible) or "
+                         "'replicate' (it is replicated, as transform(..., "
+                         "fallback='replicate') builds it).")
+    return fallback
+
+
 @strategy("f")
-def filter_parallel(ctx, p, pairing=True, **_):
+def filter_parallel(ctx, p, pairing=True, fallback="error", **_):
     """Table 3 row Filter (Eq. 15-16): allgather y forward, allreduce dL/dx backward.
 
     With ``pairing`` (tfhybrid's transformer, default) a filter layer feeding
@@ -372,21 +393,23 @@ def filter_parallel(ctx, p, pairing=True, **_):
     with it (that layer channel-parallel): one allreduce of its output
     forward and one of the pair's input gradient backward, no allgather.
     ``pairing=False`` is ParaDL's scheme (three collectives per layer, the
-    last layer's allgather omitted).
+    last layer's allgather omitted). ``fallback="replicate"``: layers whose
+    filters p does not divide are replicated (as transform builds them).
     """
-    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, 1, p, "f", pairing)
+    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, 1, p, "f", pairing, fallback)
     return _result(ctx, "f", p, comp, comm, mem, opts, reasons)
 
 
 @strategy("c")
-def channel_parallel(ctx, p, **_):
-    """Table 3 row Channel (Eq. 17-19), from the second weighted layer as ParaDL."""
-    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, 1, p, "c")
+def channel_parallel(ctx, p, fallback="error", **_):
+    """Table 3 row Channel (Eq. 17-19), from the second weighted layer as ParaDL
+    (``fallback="replicate"``: layers whose channels p does not divide are replicated)."""
+    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, 1, p, "c", fallback=fallback)
     return _result(ctx, "c", p, comp, comm, mem, opts, reasons)
 
 
 @strategy("df")
-def data_filter(ctx, p, grid=None, model_parallel=None, pairing=True, **_):
+def data_filter(ctx, p, grid=None, model_parallel=None, pairing=True, fallback="error", **_):
     """Table 3 row Data+Filter (Eq. 20-22); grid (p_data, p_model) searched if not given.
 
     ``options['gholami_eq5_comm_s']`` gives Gholami's 1.5D estimate (Eq. 5,
@@ -398,11 +421,11 @@ def data_filter(ctx, p, grid=None, model_parallel=None, pairing=True, **_):
         (p // g, g) for g in divisors(p) if 1 < g < p]
     if not grids:
         return _no_grid(ctx, "df", p)
-    return _best(_df_one(ctx, p, p1, p2, pairing) for p1, p2 in grids)
+    return _best(_df_one(ctx, p, p1, p2, pairing, fallback) for p1, p2 in grids)
 
 
-def _df_one(ctx, p, p1, p2, pairing):
-    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, p1, p2, "f", pairing)
+def _df_one(ctx, p, p1, p2, pairing, fallback="error"):
+    comp, comm, mem, opts, reasons = _model_parallel(ctx, p, p1, p2, "f", pairing, fallback)
     if p1 * p2 != p:
         reasons.append(f"grid ({p1}, {p2}) does not multiply to p={p}")
     idx = ctx.weighted()

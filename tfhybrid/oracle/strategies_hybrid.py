@@ -7,7 +7,9 @@ gathers its batches (ModuloLayer), runs partitioned Dense layers with 1/mp of
 the units each, pairs adjacent ones filter -> channel as tfhybrid's
 transformer does (one allreduce of the pair's output; the next pair's input
 gradient is allreduced too), shards (allgathers) the outputs of unpaired
-ones, and returns each rank its own rows before the loss. Scheme ``"BK"`` (the default: what
+ones, and returns each rank its own rows before the loss (backward: an
+allgather of the output gradient, unless the last layer is an unpaired
+shard). Scheme ``"BK"`` (the default: what
 ``tfhybrid.transform`` builds) gathers all mp*b samples at once; ``"B/K"``
 (SplitBrain's) runs mp micro-steps of b/mp samples per rank (activation
 memory of b, mp times the latencies); ``"B"`` runs mp rounds in which one
@@ -85,13 +87,24 @@ def _gmp_comm(ctx, p, mp, part, b, scheme):
                 ar += steps * m.t_allreduce(mp, mp * piece * ctx.rows[a].x * d)
         for i in (i for i in part if i not in paired):   # shards: the adjoint is a slice
             ag += steps * m.t_allgather(mp, piece * ctx.rows[i].y * d)
-        # leaving the region each rank keeps its own rows: a slice both ways
+        # leaving the region each rank keeps its own rows (a slice); backward, the
+        # gradient of the group's rows is all-gathered, unless the last layer is a
+        # shard (its adjoint slice leaves the gradient partial: nothing to move)
+        if not _ends_in_shard(ctx, part, paired):
+            ag += steps * m.t_allgather(mp, piece * ctx.rows[-1].y * d)
     pset = set(part)
     w_rep = sum(r.params for i, r in enumerate(ctx.rows) if i not in pset)
     w_part = sum(ctx.rows[i].params for i in part) / mp
     ge = m.t_allreduce(p, w_rep * d)
     ge += m.t_allreduce(p // mp, w_part * d, span=p, phi=m.phi if mp > 1 else 1.0)
     return {"FB-allgather": ag, "FB-allreduce": ar, "GE-allreduce": ge}, pairs
+
+
+def _ends_in_shard(ctx, part, paired):
+    """True when the model's last Dense row is partitioned and unpaired: the
+    ModuloInverseLayer then follows a ShardLayer, whose gradient stays partial."""
+    dense = [i for i, r in enumerate(ctx.rows) if r.kind == "dense"]
+    return bool(dense) and dense[-1] in set(part) and dense[-1] not in paired
 
 
 def _gmp_comm_b(ctx, p, mp, part, b):

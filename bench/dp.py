@@ -79,8 +79,9 @@ def configure_threads():
 
 def make_strategy():
     """MWMS must exist before TensorFlow initialises its runtime."""
-    if SIZE < 2 or os.environ.get("DP_BENCH_SKIP_MWMS"):
-        return None, "skipped (one process or DP_BENCH_SKIP_MWMS set)"
+    if SIZE < 2 or os.environ.get("DP_BENCH_SKIP_MWMS") or {"--pair", "--single"} & set(sys.argv):
+        # --pair/--single do not run it: no idle gRPC server beside the timed pair
+        return None, "skipped (one process, --pair/--single or DP_BENCH_SKIP_MWMS set)"
     base = int(os.environ.get("DP_BENCH_PORT", 29811))
     os.environ["TF_CONFIG"] = json.dumps({
         "cluster": {"worker": [f"localhost:{base + r}" for r in range(SIZE)]},

@@ -160,6 +160,43 @@ def test_broadcast_starts_every_rank_from_root(grid_of):
     np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
 
 
+@pytest.mark.parametrize("mp", all_model_parallel_values(), ids=lambda m: f"mp{m}")
+def test_broadcast_sends_only_groups_that_differ(grid_of, mp):
+    """Replicas equal bit for bit: only the digest allgather, no broadcast. One
+    float32 ulp off on the last rank (a replicated and a sharded variable):
+    broadcast, and every rank (data group) ends with its root's bytes."""
+    from tfhybrid.comm import backend
+
+    grid = grid_of(mp)
+    variables = tagged_variables()[:2] + [keras.Variable(np.arange(3, dtype=np.int32))]
+    for i, v in enumerate(variables[:2]):      # the same block on the ranks of a data group
+        v.assign(randn(v.shape, "bcast", i, grid.model_rank if i == 1 else 0))
+    model = type("Holder", (), {"variables": variables, "optimizer": None})()
+    before = [v.numpy().copy() for v in variables]
+    with backend.recording_collectives() as calls:
+        tfhybrid.callbacks.broadcast_model(model)
+    assert sorted({op for op, *_ in calls}) == (["allgather"] if grid.size > 1 else [])
+    for v, b in zip(variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    if grid.size == 1:
+        return
+    last = grid.rank == grid.size - 1
+    for v in variables[:2]:
+        if last:
+            v.assign(np.nextafter(v.numpy(), np.float32(np.inf)))
+    with backend.recording_collectives() as calls:
+        tfhybrid.callbacks.broadcast_model(model)
+    assert sorted({op for op, *_ in calls}) == ["allgather", "broadcast"]
+    # float32 groups: the world's, and the blocks' data groups (the same group at
+    # mp1; none when a block has no replica); never the equal int32 group
+    groups = {"world"} | ({"data"} if 1 < grid.data_size < grid.size else set())
+    assert len([op for op, *_ in calls if op == "broadcast"]) == len(groups)
+    for i, (v, b) in enumerate(zip(variables, before)):
+        if i == 1 and grid.data_size == 1 and last:    # this rank's own block: kept
+            b = np.nextafter(b, np.float32(np.inf))
+        np.testing.assert_array_equal(v.numpy(), b)
+
+
 def test_learning_rate_warmup(grid_of):
     grid = grid_of(1)
     x, y = make_data(steps=4)

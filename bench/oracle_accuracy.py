@@ -39,6 +39,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -184,14 +185,20 @@ def worker(args):
     say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     from tfhybrid.oracle.calibration import run as calibrate_run  # noqa: WPS433
     # calibrate in the same job, right before measuring: same load on this shared box
+    t0 = time.time()
     calibrate_run.run(args.machine_out, max_bytes=2 << 20, n_sizes=5, reps=8,
                       model=MODEL_PATH, batch=args.batch // n, log=say)
     _sync()
+    say(f"calibrated in {time.time() - t0:.0f} s (load average {os.getloadavg()[0]:.1f})")
+    t0 = time.time()
     names = [s for s in STRATEGIES if not args.only or s in args.only or s == "d"]
     steps = _build_steps(names, n, args.batch)
-    say(f"built and traced {len(steps)} steps; timing {args.rounds} interleaved rounds "
-        f"of {args.steps} steps each")
+    say(f"built and traced {len(steps)} steps in {time.time() - t0:.0f} s; timing "
+        f"{args.rounds} interleaved rounds of {args.steps} steps each")
+    t0 = time.time()
     times = _interleaved(steps, args.rounds, args.steps, say)
+    say(f"timed in {time.time() - t0:.0f} s; measuring phases")
+    t0 = time.time()
     out = {name: dict(info, seconds=min(times[name]), rounds=times[name])
            for name, (_, info) in steps.items() if times[name]}
     from tfhybrid.profiling import measure_phases  # noqa: WPS433
@@ -203,27 +210,36 @@ def worker(args):
         phases = measure_phases(step.model, step.local_batch)
         if name in out:
             out[name]["phases"] = phases
+    say(f"phases measured in {time.time() - t0:.0f} s")
     if rank == 0:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=1)
 
 
 def _run(cmd, log, timeout):
-    """Run one horovodrun job in its own session; (ok, message)."""
+    """Run one horovodrun job in its own session, printing rank 0's lines as they
+    come (calibration, rounds); (ok, message)."""
     print("$", " ".join(cmd[4:]), flush=True)
     env = dict(os.environ, TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
-               TF_CPP_MIN_LOG_LEVEL="2")
+               TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=ROOT, start_new_session=True)
+    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    text, t0 = [], time.time()
     try:
-        text, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        for line in proc.stdout:
+            text.append(line.rstrip("\n"))
+            if "[0]<stdout>" in line:
+                msg = line.split(">:", 1)[-1].rstrip()
+                log.append(msg)
+                print(f"  [{time.time() - t0:5.0f} s]{msg}", flush=True)
+        proc.wait()
+    finally:
+        timer.cancel()
+    if proc.returncode == -signal.SIGKILL or (proc.returncode and time.time() - t0 >= timeout):
         return False, f"timed out after {timeout} s (killed)"
-    lines = [ln for ln in text.splitlines() if "[0]<stdout>" in ln]
-    log.extend(lines)
-    errors = [ln.split(">:", 1)[-1] for ln in text.splitlines()
+    errors = [ln.split(">:", 1)[-1] for ln in text
               if "Error" in ln and "<stderr>" in ln and "Traceback" not in ln]
     if proc.returncode:
         return False, (errors[-1] if errors else f"exit code {proc.returncode}").strip()[:200]
@@ -351,9 +367,29 @@ def _report(rows, log, args):
                 for k, (m, p, a) in r["phase_accuracy"].items()))
     md += [""] + [f"- {ln}" for ln in doc["skipped"]]
     md += ["", f"Load average at the end of the run: {os.getloadavg()} (2 cores, shared)."]
+    md += ["", _summary(per, mean, rows, args)]
+    doc["summary"] = md[-1]
+    with open(os.path.join(HERE, "results", "oracle_accuracy.json"), "w") as fh:
+        json.dump(doc, fh, indent=1)
     with open(os.path.join(HERE, "results", "oracle_accuracy.md"), "w") as fh:
         fh.write("\n".join(md) + "\n")
     print("\n".join(md))
+
+
+def _summary(per, mean, rows, args):
+    """The one line to read: mean accuracy, worst strategy, worst single case."""
+    if not per:
+        return "SUMMARY: no strategy measured (see the SKIP lines above)"
+    worst = min(per, key=per.get)
+    case = min(rows, key=lambda r: r["accuracy"])
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    verdict = "meets" if mean >= 0.95 and per[worst] >= 0.85 else "misses"
+    return (f"SUMMARY: mean accuracy {mean:.3f} over {len(per)} strategies at np "
+            f"{'+'.join(map(str, args.nps))} (target >= 0.95); worst strategy {worst} "
+            f"{per[worst]:.3f} (target >= 0.85); worst case {case['strategy']} np="
+            f"{case['np']} {case['accuracy']:.3f} (measured {case['measured_s'] * 1e3:.2f} ms, "
+            f"predicted {case['predicted_s'] * 1e3:.2f} ms); {verdict} the target; "
+            f"load average {load}")
 
 
 def main(argv=None):

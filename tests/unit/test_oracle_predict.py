@@ -144,13 +144,17 @@ def test_layer_separation_hand():
 def test_spatial_hand():
     r = predict(CPROF, "s", 2, 4, M, spatial=(2, 1))
     assert r.compute_s == pytest.approx(4 * 24 * 0.5)
-    # the first layer (the model input's) exchanges forward only: 2 (alpha + h_x beta)
-    assert r.comm_s["halo"] == pytest.approx(2 * (1 + 4 * 0.5 * 8))
+    # the first layer (the model input's) exchanges forward only: one alltoall over 2
+    # ranks, each sending h_x to its one neighbour: (p-1) alpha + h_x beta
+    assert r.comm_s["halo"] == pytest.approx(1 + 4 * 0.5 * 8)
     two = ModelProfile("conv2", (CONV, dataclasses.replace(CONV, name="c2")), 64)
     r2 = predict(two, "s", 2, 4, M.replace(latency=0.25), spatial=(2, 1))
     # + the second layer's forward and backward (h_dy = 16), 0.25 latency per exchange
     assert r2.comm_s["halo"] == pytest.approx(
-        3 * 0.25 + 2 * (1 + 4 * 0.5 * 8) * 2 + 2 * (1 + 4 * 0.5 * 16))
+        3 * 0.25 + (1 + 4 * 0.5 * 8) * 2 + (1 + 4 * 0.5 * 16))
+    # 4 blocks along H: the inner ranks send a face to both neighbours, 3 alphas
+    r4 = predict(CPROF, "s", 4, 4, M, spatial=(4, 1))
+    assert r4.comm_s["halo"] == pytest.approx(3 * 1 + 4 * 0.5 * 2 * 8)
     assert r.comm_s["GE-allreduce"] == pytest.approx(2 * (1 + 10 * 0.5))
     assert r.options["grid"] == {"data": 1, "spatial": [2, 1]}
 
@@ -158,7 +162,7 @@ def test_spatial_hand():
 def test_data_spatial_grid():
     r = predict(CPROF, "ds", 4, 4, M, spatial=(2, 1))
     assert r.compute_s == pytest.approx(2 * 24 * 0.5)
-    assert r.comm_s["halo"] == pytest.approx(2 * (1 + 2 * 0.5 * 8))
+    assert r.comm_s["halo"] == pytest.approx(1 + 2 * 0.5 * 8)
 
 
 def test_spatial_gradients_world_for_spatial_layers_data_groups_for_the_rest():

@@ -9,6 +9,8 @@ Hockney alpha-beta cost of the collectives that ParaDL (Section 4.3) uses:
 * ``T_ag(p, m) = (p - 1) (alpha + m beta)``        (ring allgather, m bytes per rank)
 * ``T_rs(p, m) = (p - 1) (alpha + m / p beta)``    (ring reduce-scatter of m bytes)
 * ``T_a2a(p, m) = (p - 1) (alpha + m / p beta)``   (pairwise all-to-all of m bytes)
+* ``T_halo(p, m) = (p - 1) alpha + m beta``          (an all-to-all sending m bytes
+  to neighbours only: tfhybrid's halo exchange)
 
 Each collective (and each peer-to-peer exchange) also pays ``latency``
 (lambda) once: the runtime's fixed cost per collective, whatever its size or
@@ -286,6 +288,21 @@ class Machine:
             return 0.0
         lat, a, b = self._tier(self._span(p, span))
         return lat + (p - 1) * (a + nbytes * b)
+
+    def t_neighbours(self, p: int, nbytes_sent: float, span: int | None = None):
+        """One alltoall over ``p`` ranks in which the busiest rank sends
+        ``nbytes_sent`` in all, to its neighbours only (tfhybrid's halo
+        exchange): lambda + (p-1) alpha + m beta. Gloo's alltoall visits every
+        peer in turn, empty splits included, so each costs alpha.
+
+        Example:
+            >>> Machine(alpha=1.0, beta=0.5, latency=0.25, flop_rate=1.0).t_neighbours(4, 8)
+            7.25
+        """
+        if p <= 1:
+            return 0.0
+        lat, a, b = self._tier(self._span(p, span))
+        return lat + (p - 1) * a + nbytes_sent * b
 
     def t_alltoall(self, p: int, nbytes: float, span: int | None = None):
         """Pairwise all-to-all of ``nbytes`` per rank: (p-1)(alpha + m/p beta)."""

@@ -56,6 +56,7 @@ from typing import Dict, List, Optional, Tuple
 
 from tfhybrid.oracle.machine import as_machine
 from tfhybrid.oracle.record import Context, divisors  # noqa: F401 (Context: tests, callers)
+from tfhybrid.oracle.strategies import halo_sent
 
 CHOICES = ("s", "f", "c", "replicate")
 
@@ -181,13 +182,12 @@ class _Costs:
             return math.inf
         frac = math.ceil(e / self.k) / e
         halo = 0.0
-        if r.kernel:
-            hx, hdy = r.halo_for((self.k,) + (1,) * (len(r.kernel) - 1))
-            lat, (al, be) = m.latency_of(self.k), m.alpha_beta(self.k)
+        if r.kernel:   # comm.halo's neighbour-only alltoall (strategies.halo_sent)
+            hx, hdy = halo_sent(r, (self.k,) + (1,) * (len(r.kernel) - 1))
             if hx:
-                halo += lat + 2 * (al + self.nb * self.d * be * hx)
+                halo += m.t_neighbours(self.k, self.nb * self.d * hx, self.k)
             if hdy and i != self.first:
-                halo += lat + 2 * (al + self.nb * self.d * be * hdy)
+                halo += m.t_neighbours(self.k, self.nb * self.d * hdy, self.k)
         grad = m.t_allreduce(self.p, r.params * self.d) if r.params else 0.0
         return self.comp(i, frac) + halo + grad
 

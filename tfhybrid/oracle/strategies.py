@@ -26,6 +26,10 @@ Where this module departs from the paper's closed forms (and why):
   papers' models have no such term (found by ``tfhybrid.callbacks.Profile``).
 * Pipeline weight update is per iteration (Eq. 12 multiplies it by D).
 * Uneven spatial splits are charged ceil(H/ph) rows (load imbalance).
+* A halo exchange is one alltoall over the spatial group sending only to the
+  neighbours (``comm.halo``'s default), priced per layer and direction as
+  lambda + (p_sp - 1) alpha + (bytes the busiest rank sends) beta
+  (:func:`halo_sent`), not ParaDL's 2(alpha + |h| beta) per split axis.
 
 Approximations: of the overlap of communication with computation only the
 gradient allreduce's with back-propagation is credited, by the machine's
@@ -48,6 +52,7 @@ import math
 
 from tfhybrid._compat import renamed_option
 from tfhybrid.oracle import formulas
+from tfhybrid.oracle.profile import _halo_rows
 from tfhybrid.oracle.record import Prediction, divisors
 from tfhybrid.spatial_geometry import SPATIAL_AXES, spatial_grid
 
@@ -165,6 +170,36 @@ def _spatial_limits(ctx, idx, grid):
     return reasons, sorted(set(uneven))
 
 
+def halo_sent(row, grid):
+    """(forward, backward) items per sample the busiest rank of a block grid sends
+    in one halo exchange: a face to each neighbour along every split axis (two
+    inside the grid, one at an edge: ``min(parts - 1, 2)``) and, for each pair
+    of split axes, the corner blocks to the diagonal neighbours (what
+    ``comm.halo``'s neighbour-only exchange moves). ParaDL charges
+    2(alpha + |h| beta) per axis instead, as if every rank had two neighbours.
+
+    Example:
+        >>> from tfhybrid.oracle.profile import LayerRow
+        >>> r = LayerRow("c", "conv", 0, 0, 0, 0, 0, 64, 64, 1, 1, (8, 8), (8, 8), (3, 3), (1, 1))
+        >>> halo_sent(r, (2, 1)), halo_sent(r, (4, 1)), halo_sent(r, (2, 2))
+        ((8, 8), (16, 16), (17.0, 17.0))
+    """
+    axes = [(a, parts) for a, parts in enumerate(grid) if parts > 1 and a < len(row.kernel)]
+    faces, sx, sy = {}, 0, 0
+    for a, parts in axes:
+        hx, hdy = row.halo_for(tuple(parts if b == a else 1 for b in range(len(grid))))
+        n = min(parts - 1, 2)
+        faces[a] = (n, hx, hdy)
+        sx, sy = sx + n * hx, sy + n * hdy
+    for k, (a, _) in enumerate(axes):
+        for b, _ in axes[k + 1:]:
+            (na, hxa, hya), nb = faces[a], faces[b][0]
+            rows = _halo_rows(row.kernel[b], row.strides[b])
+            sx += na * nb * hxa * rows / max(row.spatial_in[b], 1)
+            sy += na * nb * hya * math.ceil(rows / row.strides[b]) / max(row.spatial_out[b], 1)
+    return sx, sy
+
+
 def _spatial_fraction(row, grid):
     frac = 1.0
     for axis, parts in enumerate(grid):
@@ -187,14 +222,11 @@ def _spatial_part(ctx, p_sp, grid, nb, span):
     for i in idx:
         r = ctx.rows[i]
         comp += nb * ctx.fb[i] * _spatial_fraction(r, grid)
-        for axis, parts in enumerate(grid):
-            if parts > 1 and axis < len(r.kernel):
-                hx, hdy = r.halo_for(tuple(parts if a == axis else 1 for a in range(len(grid))))
-                if hx or hdy:   # ParaDL: 2(alpha + |h_x| beta) fwd, 2(alpha + |h_dy| beta) bwd
-                    lat, (a, b) = m.latency_of(span), m.alpha_beta(span)
-                    halo += lat + 2 * (a + nb * d * b * hx)
-                    if i > 0:   # the model input's gradient is never computed: no bwd halo
-                        halo += lat + 2 * (a + nb * d * b * hdy)
+        sx, sy = halo_sent(r, grid)
+        if sx or sy:   # one neighbour-only alltoall forward, one backward (comm.halo)
+            halo += m.t_neighbours(p_sp, nb * d * sx, span)
+            if i > 0:   # the model input's gradient is never computed: no bwd halo
+                halo += m.t_neighbours(p_sp, nb * d * sy, span)
     rest = [i for i in range(len(ctx.rows)) if i not in set(idx)]
     comp += sum(nb * ctx.fb[i] for i in rest) + sum(ctx.wu)
     gather = 0.0

@@ -29,6 +29,13 @@ class Config:
         gloo_timeout_seconds: How long a Gloo collective may wait for a peer
             (HOROVOD_GLOO_TIMEOUT_SECONDS; Horovod's default of 30 s is shorter
             than one slow rank's eager step on a loaded machine).
+        elastic_gloo_timeout_seconds: The Gloo timeout in elastic runs
+            (``horovodrun --min-np``, which exports HOROVOD_ELASTIC=1) instead
+            of ``gloo_timeout_seconds``: it bounds how long a survivor takes
+            to notice a lost worker. Gloo 0.28.1's receive into an unbound
+            buffer ignores a peer's closed connection, so a survivor whose
+            ring neighbour is a survivor that already stopped its Horovod
+            loop waits this long before failing and recovering.
         pin_gpu: Pin one GPU per process by its node-local rank
             (:func:`tfhybrid.local_rank`: horovodrun, MPI or Slurm variables)
             and enable memory growth (ignored without GPUs).
@@ -61,6 +68,7 @@ class Config:
     stall_check_seconds: int = 60
     stall_shutdown_seconds: int = 300
     gloo_timeout_seconds: int = 600
+    elastic_gloo_timeout_seconds: int = 60
     pin_gpu: bool = True
     watchdog: bool = True
     watchdog_seconds: float | None = None
@@ -74,7 +82,8 @@ class Config:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
                 raise ValueError(f"Received an invalid value for `{field}`: {field}={v!r}; "
                                  "expected a non-negative number or None.")
-        for field in ("stall_check_seconds", "stall_shutdown_seconds", "gloo_timeout_seconds"):
+        for field in ("stall_check_seconds", "stall_shutdown_seconds", "gloo_timeout_seconds",
+                      "elastic_gloo_timeout_seconds"):
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Received an invalid value for `{field}`: {field}={v!r}; "
@@ -108,7 +117,9 @@ class Config:
         env = {
             "HOROVOD_STALL_CHECK_TIME_SECONDS": str(self.stall_check_seconds),
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(self.stall_shutdown_seconds),
-            "HOROVOD_GLOO_TIMEOUT_SECONDS": str(self.gloo_timeout_seconds),
+            "HOROVOD_GLOO_TIMEOUT_SECONDS": str(
+                self.elastic_gloo_timeout_seconds if os.environ.get("HOROVOD_ELASTIC") == "1"
+                else self.gloo_timeout_seconds),
         }
         if self.fusion_threshold_bytes is not None:
             env["HOROVOD_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_bytes))
@@ -149,7 +160,8 @@ def _check_horovod_rules(config):
         raise ValueError(f"Received an invalid value for `fusion_threshold_bytes`: "
                          f"fusion_threshold_bytes={v!r}; expected a whole number of bytes "
                          "below 2**63 (Horovod reads an integer), e.g. 64 * 2**20.")
-    for field in ("stall_check_seconds", "stall_shutdown_seconds", "gloo_timeout_seconds"):
+    for field in ("stall_check_seconds", "stall_shutdown_seconds", "gloo_timeout_seconds",
+                  "elastic_gloo_timeout_seconds"):
         v = getattr(config, field)
         if v > _INT_MAX:
             raise ValueError(f"Received an invalid value for `{field}`: {field}={v!r}; "
@@ -170,9 +182,10 @@ def _check_horovod_rules(config):
             f"{min(config.stall_check_seconds, config.stall_shutdown_seconds)}, "
             f"stall_shutdown_seconds={config.stall_shutdown_seconds}) or stall_shutdown_seconds="
             f"{config.stall_check_seconds}), or 0 for no shutdown.")
-    if config.gloo_timeout_seconds == 0:
-        raise ValueError(
-            "Received an invalid value for `gloo_timeout_seconds`: gloo_timeout_seconds=0; "
-            "expected a positive number of seconds: with 0 every Gloo rendezvous and "
-            "collective wait times out at once. Use e.g. gloo_timeout_seconds=600 (the "
-            "default).")
+    for field, default in (("gloo_timeout_seconds", 600), ("elastic_gloo_timeout_seconds", 60)):
+        if getattr(config, field) == 0:
+            raise ValueError(
+                f"Received an invalid value for `{field}`: {field}=0; "
+                "expected a positive number of seconds: with 0 every Gloo rendezvous and "
+                f"collective wait times out at once. Use e.g. {field}={default} (the "
+                "default).")

@@ -9,11 +9,15 @@ survivors re-initialise Horovod, re-form the process grid for the new world
 size, rebuild and re-transform the model from the committed state and
 continue from the committed batch.
 
-Works with ``d`` and with f/c/s over the whole world (``model_parallel`` =
-world size, re-formed to the new world size). Strategies with model groups
-smaller than the world (df, ds, gmp) register Horovod process sets, and
-Horovod 0.28.1 aborts the survivors of a lost worker while process sets
-exist; :class:`State` warns.
+Every strategy whose collectives run on the grid's model and data groups
+works (d, f, c, s, df, ds, gmp; not ``p`` and ``ls``): in an elastic run
+(``HOROVOD_ELASTIC=1``) :mod:`tfhybrid.comm` registers no Horovod process
+sets and runs a group's collective as a world alltoall (Horovod 0.28.1
+aborts the survivors of a lost worker while process sets exist; see
+``tfhybrid/comm/backend.py``). The grid on the new world size keeps
+``model_parallel`` when it divides the new size, else takes its largest
+divisor below it (``df`` 2x2 on 4 workers -> 1x2 on 2, -> 3x1 on 3, i.e.
+data parallel).
 
 Example (``horovodrun -np 3 --min-np 2 --host-discovery-script discover.sh
 python train.py``)::
@@ -67,14 +71,14 @@ class State:
         self.model = None
         self.resets = 0
         self._inner = backend.elastic_object_state(snapshot=None, epoch=0, batch=0)
-        if 1 < model_parallel < backend.size():
+        if 1 < model_parallel < backend.size() and not backend.groups_over_world():
             import warnings
             warnings.warn(
                 f"tfhybrid.elastic: model_parallel={model_parallel} on {backend.size()} workers "
-                "registers Horovod process sets, and Horovod 0.28.1 aborts the survivors when a "
-                "worker is lost while process sets exist (a Gloo IoException in a process set's "
-                "thread). Elastic runs recover with strategy 'd', or f/c/s over the whole world "
-                "(model_parallel = world size).", stacklevel=2)
+                "outside an elastic run (HOROVOD_ELASTIC unset) registers Horovod process sets, "
+                "and Horovod 0.28.1 aborts the survivors when a worker is lost while process "
+                "sets exist. Launch with horovodrun --min-np/--max-np (or set "
+                "TFHYBRID_GROUPS_OVER_WORLD=1 before tfhybrid.init).", stacklevel=2)
 
     # -- what Horovod's elastic loop calls ----------------------------------
     @property

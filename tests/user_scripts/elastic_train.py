@@ -1,5 +1,7 @@
-"""User script for elastic runs: the worker on host 127.0.0.1 dies at a given
-step of the first attempt; the survivors restore the last commit and finish.
+"""User script for elastic runs: the first worker on host 127.0.0.1 dies at a
+given step of the first attempt; the survivors restore the last commit and
+finish (a second worker on that host leaves with it: Horovod blacklists the
+host).
 
     horovodrun -np 3 --min-np 2 --max-np 3 --host-discovery-script discover.sh \
         python elastic_train.py --die-at 3 --steps 6
@@ -21,7 +23,7 @@ import tensorflow as tf  # noqa: E402
 import tfhybrid  # noqa: E402
 import tfhybrid.elastic  # noqa: E402
 
-B = 12      # divisible by 3 and 2 workers
+B = 12      # divisible by 4, 3 and 2 workers
 
 
 def make_model():
@@ -55,7 +57,8 @@ def main():
     state = tfhybrid.elastic.State(make_model, compile_model, strategy=args.strategy,
                                    model_parallel=args.model_parallel,
                                    **({"fallback": "replicate"} if args.strategy != "d" else {}))
-    doomed = os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1"
+    doomed = (os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1"
+              and os.environ.get("HOROVOD_LOCAL_RANK") == "0")
 
     class Die(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):

@@ -24,6 +24,22 @@ tail-loss probe, with all ranks idle and no stall warning: 40 MB allreduce
 0.8 s -> 38 s after one 16-float reducescatter (plain Horovod, -np 4).
 :func:`reducescatter` uses an alltoall (Gloo's unbound buffers never touch
 ``SO_SNDBUF``) and a local sum.
+
+Elastic runs (``horovodrun --min-np/--max-np``, which exports
+``HOROVOD_ELASTIC=1``) register no process sets: a collective over a group
+smaller than the world runs as one *world* alltoall in which every rank
+sends only to the members of its own group (:func:`groups_over_world`).
+Horovod 0.28.1 cannot survive a lost worker while process sets exist: its
+background thread, on the way down, negotiates the removal of each set over
+the broken global Gloo context, and the ``gloo::IoException`` that throws
+there is uncaught (``terminate called``), so the survivors abort instead of
+recovering. Over the world alone, a lost worker fails the pending operations
+with Horovod's shutdown error, which the elastic loop handles. The groups of
+one collective must partition the world, every group issuing it under the
+same name (the grid's model and data groups do: every strategy run by
+``tfhybrid.transform`` except ``p`` and ``ls``, whose transfers run on pairs).
+Allgather, allreduce and broadcast then send a copy of their input to each
+member (k times the bytes of a ring for a group of k), exact all the same.
 """
 from __future__ import annotations
 
@@ -39,7 +55,7 @@ from tfhybrid import errors
 from tfhybrid import watchdog
 
 _LOCK = threading.Lock()
-_STATE = {"hvd": None, "mpi_ops": None, "initialized": False, "sets": {}}
+_STATE = {"hvd": None, "mpi_ops": None, "initialized": False, "sets": {}, "over_world": False}
 
 _LAUNCH_ENV_SIZE = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -81,8 +97,19 @@ def init():
             hvd, mpi_ops = _import_horovod()
             if hvd is not None:
                 hvd.init(process_sets="dynamic")
-            _STATE.update(hvd=hvd, mpi_ops=mpi_ops, initialized=True)
+            _STATE.update(hvd=hvd, mpi_ops=mpi_ops, initialized=True,
+                          over_world=hvd is not None and _groups_over_world_env())
     return size(), rank(), local_rank()
+
+
+def _groups_over_world_env() -> bool:
+    """Elastic runs (``HOROVOD_ELASTIC=1``, set by ``horovodrun --min-np``), or
+    ``TFHYBRID_GROUPS_OVER_WORLD=1`` (0 turns it off; tests use it to check the
+    world-alltoall collectives in ordinary runs)."""
+    forced = os.environ.get("TFHYBRID_GROUPS_OVER_WORLD")
+    if forced not in (None, ""):
+        return forced == "1"
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
 def is_initialized() -> bool:
@@ -128,7 +155,31 @@ def register_groups(groups):
         ranks = tuple(int(r) for r in ranks)
         if len(ranks) <= 1 or ranks == world or ranks in _STATE["sets"]:
             continue
+        if _STATE["over_world"]:     # elastic: no process sets (see the module docstring)
+            if list(ranks) != sorted(set(ranks)):
+                raise ValueError(
+                    f"Received the group {list(ranks)} in an elastic run; expected distinct "
+                    "ranks in increasing order (its collectives run over the world).")
+            _STATE["sets"][ranks] = None
+            continue
         _STATE["sets"][ranks] = hvd.add_process_set(list(ranks))
+
+
+def groups_over_world() -> bool:
+    """True when collectives on groups smaller than the world run as world
+    alltoalls without Horovod process sets (elastic runs: ``HOROVOD_ELASTIC=1``)."""
+    return _STATE["over_world"]
+
+
+def _over_world(ranks) -> bool:
+    """Whether a collective on ``ranks`` runs as a world alltoall (elastic mode)."""
+    if not _STATE["over_world"]:
+        return False
+    ranks = tuple(ranks)
+    if len(ranks) <= 1 or ranks == tuple(range(size())):
+        return False
+    process_set(ranks)    # the usual error when the group was never registered
+    return True
 
 
 def process_set(ranks):
@@ -209,12 +260,81 @@ def _watched(op, name, ranks, run, inputs=(), splits=None):
     return run(name)
 
 
+# -- group collectives as world alltoalls (elastic runs, no process sets) ------
+
+def _world_alltoall(x, splits, ranks, name):
+    """Alltoall of ``x`` within the group ``ranks`` issued as a world alltoall:
+    rows ``splits[i]`` go to member i, nothing to other ranks (whose own
+    groups, issuing the same name, send nothing here). Returns the blocks
+    received from the members in group order and their row counts."""
+    m = _STATE["mpi_ops"]
+    ranks = tuple(ranks)
+    splits = tf.cast(splits if tf.is_tensor(splits) else tf.constant(splits, tf.int32), tf.int32)
+    world_splits = tf.scatter_nd(tf.constant([[r] for r in ranks]), splits, [size()])
+    out, counts = _watched("alltoall", name, ranks, lambda nm: m.alltoall(
+        x, splits=world_splits, name=nm, ignore_name_scope=True,
+        process_set=_STATE["hvd"].global_process_set), (x,), splits)
+    return out, tf.gather(counts, list(ranks))
+
+
+def _copies_to_members(x, ranks, name, send=True):
+    """Every member receives ``x`` flattened from each sender (``send`` False:
+    this rank sends nothing); returns the received copies, one row per sender
+    in group order (rows of ``tf.size(x)`` elements)."""
+    k = len(ranks)
+    flat = tf.reshape(x, [-1])
+    n = tf.size(flat, out_type=tf.int32)
+    if send:
+        payload, splits = tf.tile(flat, [k]), tf.fill([k], n)
+    else:
+        payload, splits = flat[:0], tf.zeros([k], tf.int32)
+    out, _ = _world_alltoall(payload, splits, ranks, name)
+    return tf.reshape(out, [-1, n])
+
+
+def _world_allreduce(x, ranks, name, average, prescale, postscale):
+    x = tf.convert_to_tensor(x)
+    if prescale != 1.0:
+        x = x * tf.cast(prescale, x.dtype)
+    total = tf.reduce_sum(_copies_to_members(x, ranks, name), axis=0)   # group order
+    scale = postscale / len(ranks) if average else postscale
+    if scale != 1.0:
+        total = total * tf.cast(scale, total.dtype)
+    out = tf.reshape(total, tf.shape(x))
+    out.set_shape(x.shape)
+    return out
+
+
+def _world_grouped_allreduce(tensors, ranks, name, average, prescale, postscale):
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if len({t.dtype for t in tensors}) > 1:
+        return [_world_allreduce(t, ranks, f"{name}.{i}", average, prescale, postscale)
+                for i, t in enumerate(tensors)]
+    sizes = [tf.size(t, out_type=tf.int32) for t in tensors]
+    flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
+    total = _world_allreduce(flat, ranks, name, average, prescale, postscale)
+    out = [tf.reshape(part, tf.shape(t))
+           for part, t in zip(tf.split(total, tf.stack(sizes), num=len(tensors)), tensors)]
+    for o, t in zip(out, tensors):
+        o.set_shape(t.shape)
+    return out
+
+
 def allgather(x, ranks, name):
+    if _over_world(ranks):
+        x = tf.convert_to_tensor(x)
+        k = len(tuple(ranks))
+        n = tf.shape(x, out_type=tf.int32)[0]
+        out, _ = _world_alltoall(tf.concat([x] * k, 0), tf.fill([k], n), ranks, name)
+        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        return out
     return _watched("allgather", name, ranks, lambda nm: _STATE["mpi_ops"].allgather(
         x, name=nm, ignore_name_scope=True, process_set=process_set(ranks)), (x,))
 
 
 def allreduce(x, ranks, name, average=False, prescale=1.0, postscale=1.0):
+    if _over_world(ranks):
+        return _world_allreduce(x, tuple(ranks), name, average, prescale, postscale)
     m = _STATE["mpi_ops"]
     return _watched("allreduce", name, ranks, lambda nm: m._allreduce(
         x, name=nm, op=m.Average if average else m.Sum, prescale_factor=prescale,
@@ -223,6 +343,9 @@ def allreduce(x, ranks, name, average=False, prescale=1.0, postscale=1.0):
 
 
 def grouped_allreduce(tensors, ranks, name, average=False, prescale=1.0, postscale=1.0):
+    if _over_world(ranks):
+        return _world_grouped_allreduce(tensors, tuple(ranks), name, average, prescale,
+                                        postscale)
     m = _STATE["mpi_ops"]
     return _watched("grouped_allreduce", name, ranks, lambda nm: m._grouped_allreduce(
         list(tensors), name=nm, op=m.Average if average else m.Sum, prescale_factor=prescale,
@@ -264,6 +387,9 @@ def alltoall(x, splits, ranks, name, received=False):
     rank i; return the blocks received from every rank, concatenated along axis 0
     in group-rank order. ``splits``: a list or an int32 tensor. With
     ``received=True`` also the int32 row counts received from each rank."""
+    if _over_world(ranks):
+        out, counts = _world_alltoall(x, splits, ranks, name)
+        return (out, counts) if received else out
     m = _STATE["mpi_ops"]
     splits = splits if tf.is_tensor(splits) else tf.constant(splits, tf.int32)
     out, counts = _watched("alltoall", name, ranks, lambda nm: m.alltoall(
@@ -308,6 +434,12 @@ def reduce_to(x, root, ranks, name):
 
 
 def broadcast(x, root, ranks, name):
+    if _over_world(ranks):
+        x = tf.convert_to_tensor(x)
+        copies = _copies_to_members(x, tuple(ranks), name, send=rank() == root)
+        out = tf.reshape(copies, tf.shape(x))   # the one row, from root
+        out.set_shape(x.shape)
+        return out
     return _watched("broadcast", name, ranks, lambda nm: _STATE["mpi_ops"].broadcast(
         x, root, name=nm, ignore_name_scope=True, process_set=process_set(ranks)), (x,))
 

@@ -22,3 +22,14 @@ def test_new_world_keeps_model_parallel_when_it_divides_else_largest_divisor_bel
     assert _model_parallel_for(2, 3) == 2      # f over 3 -> f over 2
     assert _model_parallel_for(6, 4) == 3
     assert _model_parallel_for(5, 1) == 1
+
+
+def test_pairs_halo_is_refused_in_elastic_runs(monkeypatch):
+    import pytest
+
+    from tfhybrid.comm import backend, halo
+    monkeypatch.setenv("TFHYBRID_HALO", "pairs")
+    assert halo.halo_method() == "pairs"
+    monkeypatch.setitem(backend._STATE, "over_world", True)
+    with pytest.raises(ValueError, match="'pairs' in an elastic run.*'neighbour'"):
+        halo.halo_method()

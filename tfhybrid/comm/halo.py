@@ -118,16 +118,7 @@ def halo_exchange(x, axis, lo, hi, group="model", name=None):
         # i+1's first hi rows: send those gradients back and add them there.
         g_prev, g_next = _exchange(tf.concat([d_lo, d_hi], axis), axis, lo, hi, hi, lo, g,
                                    nm + ".bwd")
-        if axis == 0:
-            zeros = lambda k: tf.zeros(tf.concat([[k], tf.shape(dy)[1:]], 0), dy.dtype)  # noqa
-            return d_mid + tf.concat([g_prev, zeros(n - hi)], 0) + \
-                tf.concat([zeros(n - lo), g_next], 0)
-        out = d_mid     # returned rows added in place (no block-sized temporaries)
-        for rows, start in ((g_prev, 0), (g_next, n - lo)):
-            begins = [0] * (dy.shape.rank - 1)
-            begins[axis - 1] = start
-            out = _add_at(out, rows, begins)
-        return out
+        return d_mid + _pad(g_prev, axis, 0, n - hi) + _pad(g_next, axis, n - lo, 0)
 
     @tf.custom_gradient
     def _halo(t):
@@ -139,28 +130,11 @@ def halo_exchange(x, axis, lo, hi, group="model", name=None):
     return _halo(x)
 
 
-def _add_at(t, piece, begins):
-    """``t`` with ``piece`` added at offset ``begins`` (one per axis after the
-    first; the piece spans axis 0 whole).
-
-    A ``tensor_scatter_nd_add`` over the rows the piece covers (indexed up to
-    the last axis it does not span), which updates ``t``'s buffer in place
-    when nothing else holds it: unlike ``t + tf.pad(piece)`` it makes no
-    temporaries of ``t``'s size. Each element gets one addition, as there.
-    """
-    rank = t.shape.rank
-    spans = [d for d in range(1, rank)
-             if not isinstance(begins[d - 1], int) or begins[d - 1] != 0
-             or piece.shape[d] is None or piece.shape[d] != t.shape[d]]
-    if not spans:
-        return t + piece
-    last = spans[-1]
-    ranges = [tf.range(tf.shape(piece)[0])] + [
-        begins[d - 1] + tf.range(tf.shape(piece)[d]) for d in range(1, last + 1)]
-    grids = tf.meshgrid(*ranges, indexing="ij")
-    indices = tf.reshape(tf.stack(grids, -1), [-1, last + 1])
-    updates = tf.reshape(piece, tf.concat([[-1], tf.shape(piece)[last + 1:]], 0))
-    return tf.tensor_scatter_nd_add(t, indices, updates)
+def _pad(t, axis, before, after):
+    """Zero-pad ``t`` along ``axis`` (amounts may be tensors)."""
+    row = tf.stack([before, after])
+    pads = tf.tensor_scatter_nd_update(tf.zeros([t.shape.rank, 2], tf.int32), [[axis]], [row])
+    return tf.pad(t, pads)
 
 
 # -- neighbour-only exchange over a whole block grid (corners included) --------------
@@ -413,9 +387,12 @@ def block_halo_exchange(x, group, shape, widths, name=None, method=None, all_gro
         recvs = [(o, j, _piece_dims(o, widths, sizes, True)) for o, j in send_to]
         back, anchors = _swap(sends, recvs, group, method, nm + ".bwd", dy)
         grad = _piece(dy, (0,) * nd, widths, sizes, False)
-        for o, _ in send_to:     # added in place at their rows: no block-sized temporaries
-            begins = [{1: n - lo, -1: 0, 0: 0}[v] for v, (lo, hi), n in zip(o, widths, sizes)]
-            grad = _add_at(grad, back[o], begins + [0])
+        for o, _ in send_to:
+            pads = [[0, 0]]
+            for v, (lo, hi), n in zip(o, widths, sizes):
+                pads.append({1: [n - lo, 0], -1: [0, n - hi], 0: [0, 0]}[v])
+            pads.append([0, 0])
+            grad = grad + tf.pad(back[o], pads)
         return _anchored(grad, anchors)
 
     @tf.custom_gradient

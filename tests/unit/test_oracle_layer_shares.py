@@ -36,6 +36,14 @@ def test_layer_times_sum_to_the_fitted_slope():
     assert set(fwd_bwd_s) == {2, 32} and all(t > 0 for t in fwd_bwd_s.values())
 
 
+def test_only_layers_behind_trainable_weights_time_their_input_gradient():
+    # training never computes the model input's gradient: the first conv's backward
+    # is its weight gradient alone; everything after it back-propagates its input
+    needs = calibrate_run._inputs_needing_grad(cnn())
+    assert {k: needs[k] for k in ("conv", "pool", "flat", "fc")} == {
+        "conv": False, "pool": True, "flat": True, "fc": True}
+
+
 def test_a_layer_without_a_single_input_falls_back_to_none():
     model = cnn()
     assert calibrate_run.layer_shares(model, ["no_such_layer"], batch=4, reps=1) is None

@@ -42,7 +42,7 @@ def broadcastable(variable) -> bool:
     return not getattr(variable, "name", "").startswith("seed_generator_state")
 
 
-def _broadcast_variables(variables, root_rank, name):
+def _broadcast_variables(variables, root_rank, name, check=None):
     """Assign rank ``root_rank``'s value of each variable on every rank (eager).
 
     The variables of one process set, root and dtype travel in one broadcast
@@ -52,6 +52,11 @@ def _broadcast_variables(variables, root_rank, name):
     bytes on every rank with its root's: groups every rank already holds
     bit for bit (every ``fit`` after the first, a freshly transformed model)
     are not sent again (3.2 MB CNN, 2 ranks: ~20 ms of CPU per ``fit`` -> ~3).
+
+    ``check``: the guards' start-of-fit structure check, whose
+    ``check.riders`` (floats) travel in the same allgather;
+    ``check.verify(gathered)`` (shape (world, len(riders))) runs before any
+    broadcast and raises when the ranks disagree.
     """
     grid = runtime.current_grid()
     if grid.size == 1:
@@ -70,7 +75,8 @@ def _broadcast_variables(variables, root_rank, name):
             groups.setdefault((tuple(ranks), root, tf.as_dtype(var.dtype).name), []).append(var)
     # the same keys in the same order on every rank (built from the same variables)
     keys = list(groups)
-    differ = _groups_differ(keys, [_digest(groups[k]) for k in keys], root_rank, grid, name)
+    differ = _groups_differ(keys, [_digest(groups[k]) for k in keys], root_rank, grid, name,
+                            check)
     for i, ((ranks, root, _), group) in enumerate(groups.items()):
         if not differ[i]:
             continue
@@ -95,15 +101,28 @@ def _digest(variables):
     return [float(d >> 32), float(d & 0xFFFFFFFF)]
 
 
-def _groups_differ(keys, digests, root_rank, grid, name):
+def _groups_differ(keys, digests, root_rank, grid, name, check=None):
     """Per broadcast group: does any rank's digest differ from its root's?
     (One world allgather; every rank takes the same decisions, so the
-    broadcasts that follow are issued alike on every rank.)"""
-    if not keys:
+    broadcasts that follow are issued alike on every rank.) Runs ``check``
+    (see :func:`_broadcast_variables`) on its gathered riders."""
+    if not keys and check is None:
         return []
     world = tuple(range(grid.size))
-    row = tf.constant(np.asarray(digests, np.float64).reshape(1, -1))
-    table = backend.allgather(row, world, f"{name}.digest").numpy().reshape(grid.size, -1, 2)
+    riders = [float(x) for x in check.riders] if check is not None else []
+    # one 1-D part per rank, [length, riders..., digests...]: ranks whose models
+    # differ (other group counts) still gather, and the riders' check reports it
+    part = [1 + len(riders) + 2 * len(digests)] + riders + [x for d in digests for x in d]
+    flat = backend.allgather(tf.constant(part, tf.float64), world, f"{name}.digest").numpy()
+    rows, start = [], 0
+    for _ in world:
+        rows.append(flat[start:start + int(flat[start])])
+        start += int(flat[start])
+    if check is not None:
+        check.verify(np.stack([r[1:1 + len(riders)] for r in rows]))
+    if len({len(r) for r in rows}) > 1:    # other variables on some rank: send everything
+        return [True] * len(keys)
+    table = np.stack([r[1 + len(riders):] for r in rows]).reshape(grid.size, -1, 2)
     ms = grid.model_size
     differ = []
     for i, (ranks, _, _) in enumerate(keys):
@@ -127,6 +146,11 @@ def broadcast_model(model, root_rank: int = 0):
     Example:
         >>> tfhybrid.callbacks.broadcast_model(model)   # custom loops
     """
+    _broadcast_state(model, root_rank)
+
+
+def _broadcast_state(model, root_rank, check=None):
+    """:func:`broadcast_model` with the guards' ``check`` in its allgather."""
     grid = runtime.current_grid()
     if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not (
             0 <= root_rank < grid.size):
@@ -140,7 +164,7 @@ def broadcast_model(model, root_rank: int = 0):
                 optimizer.build(model.trainable_variables)
         link_slots(optimizer.variables, model.trainable_variables)
         variables += list(optimizer.variables)
-    _broadcast_variables(variables, root_rank, "broadcast.state")
+    _broadcast_variables(variables, root_rank, "broadcast.state", check)
 
 
 def _check_root_rank(root_rank):
@@ -183,7 +207,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         attach = getattr(self.model.optimizer, "attach", None)
         if attach is not None:
             attach(self.model)
-        broadcast_model(self.model, self.root_rank)
+        # a transformed model's start-of-fit structure check rides in the same
+        # allgather (one collective less per fit): see tfhybrid.guards
+        check = getattr(self.model, "_tfhybrid_start_check", None)
+        if check is not None:
+            object.__setattr__(self.model, "_tfhybrid_start_check", None)
+        _broadcast_state(self.model, self.root_rank, check)
         self._done = True
         # the guards' start-of-fit weight check has nothing to find (same values by
         # construction): tfhybrid.guards skips it in this fit

@@ -177,7 +177,28 @@ def check_structure(model, steps=-1):
     grid = runtime.current_grid()
     if grid.size == 1:
         return
-    gathered = _world_gather([structure_digest(model), steps], "guard.structure")
+    check = StartCheck(model, steps)
+    check.verify(_world_gather(check.riders, "guard.structure"))
+
+
+class StartCheck:
+    """The start-of-fit structure and step-count check, to gather with another
+    collective: ``riders`` (this rank's values) travel in the
+    :class:`tfhybrid.callbacks.BroadcastGlobalVariablesCallback`'s digest
+    allgather, which calls ``verify(gathered)`` before its first broadcast; the
+    :class:`GuardCallback` runs it alone when no broadcast callback took it."""
+
+    def __init__(self, model, steps):
+        self.model = model
+        self.riders = [structure_digest(model), float(steps)]
+
+    def verify(self, gathered):
+        """Raise :class:`ConsistencyError` when ``gathered`` (world x 2) disagree."""
+        _verify_structure(self.model, np.asarray(gathered, np.float64))
+
+
+def _verify_structure(model, gathered):
+    grid = runtime.current_grid()
     digests = gathered[:, 0]
     bad = [r for r in range(grid.size) if digests[r] != digests[0]]
     if bad:
@@ -330,6 +351,10 @@ class GuardCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._step = 0
         self._due_value = None
+        check = getattr(self.model, "_tfhybrid_start_check", None)
+        if check is not None:      # no broadcast callback of this fit carried it
+            object.__setattr__(self.model, "_tfhybrid_start_check", None)
+            check.verify(_world_gather(check.riders, "guard.structure"))
         self._set_due(True)
         # A broadcast callback of this fit (listed before this one) has just made
         # every replica rank 0's: nothing to compare (one allgather less per fit).
@@ -351,6 +376,17 @@ class GuardCallback(keras.callbacks.Callback):
 
 
 # -- the hook on transformed models ----------------------------------------
+
+def _broadcasts(callbacks) -> bool:
+    """Whether ``callbacks`` (fit's argument) hold a broadcast callback that will
+    broadcast at the start of this fit."""
+    from tfhybrid.callbacks import BroadcastGlobalVariablesCallback
+
+    if not isinstance(callbacks, (list, tuple)):
+        return False
+    return any(isinstance(c, BroadcastGlobalVariablesCallback) and not c._done
+               for c in tf.nest.flatten(callbacks))
+
 
 def _callbacks_arg(method, model, args, kwargs):
     """(bound arguments, their callbacks list) of a fit/evaluate/predict call."""
@@ -528,9 +564,16 @@ def install(model):
         object.__setattr__(self, "_tfhybrid_broadcast_in_fit", False)   # set by the callback
         extra = _watchdog_callbacks()
         config = _config()
+        object.__setattr__(self, "_tfhybrid_start_check", None)
         if config.guards and runtime.current_grid().size > 1:   # one process: nothing to compare
             bound = inspect.signature(cls.fit).bind(self, *args, **kwargs)
-            check_structure(self, planned_steps(bound.arguments, "steps_per_epoch"))
+            check = StartCheck(self, planned_steps(bound.arguments, "steps_per_epoch"))
+            if _broadcasts(bound.arguments.get("callbacks")):
+                # rides in the broadcast callback's allgather, before its broadcasts
+                # (the GuardCallback runs it if that callback does not)
+                object.__setattr__(self, "_tfhybrid_start_check", check)
+            else:       # before the first collective of the fit
+                check.verify(_world_gather(check.riders, "guard.structure"))
             extra.append(GuardCallback(checksum, config.guard_every_steps, due))
         return _call_with_callbacks(cls.fit, self, args, kwargs, extra)
 

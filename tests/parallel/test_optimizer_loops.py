@@ -197,6 +197,41 @@ def test_broadcast_sends_only_groups_that_differ(grid_of, mp):
         np.testing.assert_array_equal(v.numpy(), b)
 
 
+def test_start_of_fit_check_rides_in_the_broadcast_allgather(grid_of):
+    """A transformed model's fit with standard(): the structure/steps check is
+    the broadcast's digest allgather (no allgather of its own), and still refuses
+    ranks that plan other step counts or hold other layers, before any broadcast."""
+    from tfhybrid.comm import backend
+    from tfhybrid.guards import ConsistencyError
+
+    grid = grid_of(1)
+    if grid.size == 1:
+        pytest.skip("a single process issues no collectives")
+
+    def build(name="fc"):
+        keras.utils.set_random_seed(0)
+        model = tfhybrid.transform(keras.Sequential([keras.Input((3,)),
+                                                     keras.layers.Dense(2, name=name)]), "d")
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                      loss="mse")
+        return model
+
+    x, y = np.ones((16, 3), np.float32), np.ones((16, 2), np.float32)
+    model = build()
+    with backend.recording_collectives() as calls:
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=tfhybrid.callbacks.standard())
+    eager = [(op, name) for op, name, *_ in calls if op != "grouped_allreduce"]
+    assert eager[0] == ("allgather", "tfh.broadcast.state.digest"), eager
+    assert not [n for o, n in eager if "structure" in n or o == "broadcast"], eager
+    n = 16 + 8 * (grid.rank % 2)                        # rank 1: one step more
+    with pytest.raises(ConsistencyError, match=r"different numbers of steps.*rank 0: 2, rank 1: 3"):
+        model.fit(np.ones((n, 3), np.float32), np.ones((n, 2), np.float32), batch_size=8,
+                  verbose=0, callbacks=tfhybrid.callbacks.standard())
+    drifted = build("fc" if grid.rank == 0 else "fc_1")
+    with pytest.raises(ConsistencyError, match="other layer names"):
+        drifted.fit(x, y, batch_size=8, verbose=0, callbacks=tfhybrid.callbacks.standard())
+
+
 def test_learning_rate_warmup(grid_of):
     grid = grid_of(1)
     x, y = make_data(steps=4)

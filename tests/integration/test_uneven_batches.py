@@ -5,22 +5,33 @@ tests/user_scripts/uneven_batches.py: every rank must run the same number of
 steps (no hang), rank 0 alone warns about the rows dropped or the batch
 skipped, and the weights after ``fit`` and the metrics of ``evaluate`` equal
 single-process Keras on the rows kept.
+
+The three cases run one after another in one launch (module fixture; each on
+its own grid): one horovodrun start-up instead of three.
 """
 import pytest
 
 from userscripts import launch, results
 
-
-@pytest.mark.parametrize("n, strategy, said", [
+CASES = [
     (21, "d", "dropped 1 of the 5 rows"),                  # batches 8, 8, 5 over 2 ranks
     (17, "d", "skipped a global batch of 1 rows"),         # batches 8, 8, 1
     (21, "gmp", "dropped 1 of the 5 rows"),                # world split with model groups
-])
-def test_uneven_last_batch_at_2_ranks(n, strategy, said):
-    run = launch("uneven_batches.py", np=2, args=[n, strategy], timeout=240)
+]
+
+
+@pytest.fixture(scope="module")
+def run():
+    return launch("uneven_batches.py", np=2, args=[f"{n}:{s}" for n, s, _ in CASES],
+                  timeout=240)
+
+
+@pytest.mark.parametrize("n, strategy, said", CASES)
+def test_uneven_last_batch_at_2_ranks(run, n, strategy, said):
     assert run.rc == 0, run
     assert "Traceback" not in run.out, run
-    found = sorted(results(run), key=lambda r: r["rank"])
+    found = sorted((r for r in results(run) if (r["n"], r["strategy"]) == (n, strategy)),
+                   key=lambda r: r["rank"])
     assert [r["rank"] for r in found] == [0, 1], run
     for r in found:
         assert r["steps"] == r["expected_steps"], r

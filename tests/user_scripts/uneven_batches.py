@@ -1,6 +1,10 @@
 """Issue 18, item 5: a data set whose length is not a multiple of the global batch.
 
     horovodrun -np 2 --gloo python uneven_batches.py N [strategy]
+    horovodrun -np 2 --gloo python uneven_batches.py N:strategy [N:strategy ...]
+
+(the second form runs the cases one after another in the same processes, each
+on its own grid, as a script that trains several models would).
 
 The script writes what a user writes: ``Dataset.from_tensor_slices((x, y))
 .batch(8)`` (no ``drop_remainder``) over N samples, ``data.shard``, ``fit``
@@ -79,7 +83,16 @@ def main(n, strategy):
         "loss": scores["loss"], "ref_loss": ref_scores["loss"],
         "mae": scores["mae"], "ref_mae": ref_scores["mae"],
         "warnings": said[:2], "n_warnings": len(said)}), flush=True)
+    tfhybrid.shutdown()
+
+
+def cases(argv):
+    """[(N, strategy)] from ``N [strategy]`` or ``N:strategy ...``."""
+    if len(argv) <= 2 and not any(":" in a for a in argv):
+        return [(int(argv[0]), argv[1] if len(argv) > 1 else "d")]
+    return [(int(n), strategy) for n, strategy in (a.split(":") for a in argv)]
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "d")
+    for n, strategy in cases(sys.argv[1:]):
+        main(n, strategy)

@@ -132,7 +132,7 @@ def _tfhybrid_step(name, mp, opts, batch):
     return step
 
 
-def _build_steps(names, n, batch):
+def _build_steps(names, n, batch, machine=None):
     """{strategy: (step callable, info)}; rank 0 also gets ``serial``.
 
     Every model is built and traced (3 warm-up steps) under its own grid
@@ -150,6 +150,8 @@ def _build_steps(names, n, batch):
         mp = n if mp == "world" else mp
         if name == "ls":
             opts = {"fc_workers": n // 2}
+        if name == "p" and machine:   # stages cut by the calibrated layer times, as
+            opts = dict(opts, machine=machine)   # the oracle balances them
         step = _tfhybrid_step(name, mp, opts, batch)
         for _ in range(3):   # trace now, under this model's grid
             step()
@@ -192,7 +194,7 @@ def worker(args):
     say(f"calibrated in {time.time() - t0:.0f} s (load average {os.getloadavg()[0]:.1f})")
     t0 = time.time()
     names = [s for s in STRATEGIES if not args.only or s in args.only or s == "d"]
-    steps = _build_steps(names, n, args.batch)
+    steps = _build_steps(names, n, args.batch, args.machine or args.machine_out)
     say(f"built and traced {len(steps)} steps in {time.time() - t0:.0f} s; timing "
         f"{args.rounds} interleaved rounds of {args.steps} steps each")
     t0 = time.time()

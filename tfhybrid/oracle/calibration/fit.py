@@ -202,6 +202,27 @@ def _best_time(fn, reps):
     return min(times)
 
 
+def best_times_interleaved(fns, reps):
+    """Minimum seconds of each of ``fns`` over ``reps`` rounds in which every
+    function runs once in turn (after one warm-up call each): outside load
+    that comes and goes hits every function alike, so their ratios and
+    differences hold even when the absolute times drift.
+
+    Example:
+        >>> [t >= 0 for t in best_times_interleaved([lambda: None, lambda: 1], 2)]
+        [True, True]
+    """
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
 def _collective(kind, x, ranks, backend, n):
     """One collective of the ``n`` items of ``x`` whose output has ``n`` items
     again (allgather: the first block of the result)."""
@@ -258,15 +279,23 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4) -> list:
     samples = []
     for g in group_sizes:
         ranks = next((b for b in blocks.get(g, ()) if me in b), None)
+        cases, calls = [], []
         for kind in COLLECTIVE_KINDS:
             for nbytes in sizes:
                 n = max(g, int(nbytes) // 4 // g * g)
                 if ranks is not None:
                     x = tf.ones([n], tf.float32)
                     run = collective_chain(kind, ranks, backend, chain, n)
-                    sec = _best_time(lambda: run(x).numpy(), reps) / chain
-                    samples.append((kind, g, 4 * n, sec))
-                sync(backend)
-            if backend.rank() == 0:
-                log(f"  group {g}: {kind} timed at {len(sizes)} sizes")
+                    cases.append((kind, 4 * n))
+                    calls.append(lambda run=run, x=x: run(x).numpy())
+        # every kind and size in turn, round after round (the same order on every
+        # rank): outside load that comes and goes hits all of them alike instead
+        # of one size's whole series (a 9 ms minimum at 4 KB among 1-2 ms was seen
+        # with one series after the other at load 17)
+        sync(backend)
+        best = best_times_interleaved(calls, reps)
+        samples += [(kind, g, nbytes, sec / chain) for (kind, nbytes), sec in zip(cases, best)]
+        sync(backend)
+        if backend.rank() == 0:
+            log(f"  group {g}: {', '.join(COLLECTIVE_KINDS)} timed at {len(sizes)} sizes")
     return samples

@@ -94,3 +94,34 @@ def test_evaluate_alone_is_plain_keras():
     want = ref.evaluate(x, np.zeros((6, 2), np.float32), batch_size=4, verbose=0,
                         return_dict=True)
     assert got == pytest.approx(want)
+
+
+def test_transformed_fit_runs_the_lean_train_function_bit_identically():
+    """One tf.function per batch (no Optional round trip): the same weights and
+    losses as plain Keras' fit, also on data of unknown length; Keras' own
+    function with steps_per_execution > 1."""
+    tfhybrid.init()
+    x = np.random.default_rng(0).standard_normal((40, 3)).astype(np.float32)
+    y = np.random.default_rng(1).standard_normal((40, 2)).astype(np.float32)
+    unknown = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(8)
+
+    def trained(transform, data, **fit):
+        keras.utils.set_random_seed(0)
+        model = tfhybrid.transform(_model(), "d") if transform else _model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        history = model.fit(data, epochs=2, verbose=0, shuffle=False, **fit)
+        return model, history.history["loss"]
+
+    for data, fit in (((x, y), {"batch_size": 8}), (unknown, {})):
+        data, extra = ((data, fit) if isinstance(data, tf.data.Dataset)
+                       else (data[0], {"y": data[1], **fit}))
+        ours, loss = trained(True, data, **extra)
+        plain, plain_loss = trained(False, data, **extra)
+        assert ours.train_function.__qualname__.startswith("lean_train_function")
+        assert loss == plain_loss
+        for a, b in zip(ours.get_weights(), plain.get_weights()):
+            np.testing.assert_array_equal(a, b)
+    model = tfhybrid.transform(_model(), "d")
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert not model.train_function.__qualname__.startswith("lean_train_function")

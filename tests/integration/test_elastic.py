@@ -11,7 +11,8 @@ gathered weights must match plain Keras on all 6 batches (1e-5 relative):
 - ``d`` on 3 workers (``localhost:2``, ``127.0.0.1:1``) -> 2;
 - ``f`` over the whole world, 3 -> 2;
 - ``df`` 2x2 on 4 workers (``localhost:2``, ``127.0.0.1:2``; the second
-  worker on the blacklisted host leaves with the first) -> ``df`` 1x2 on 2.
+  worker on the blacklisted host leaves with the first) -> ``df`` 1x2 on 2;
+  ``gmp`` likewise.
   Its model and data groups run without Horovod process sets (elastic runs
   issue group collectives as world alltoalls, see tfhybrid/comm/backend.py):
   with process sets, Horovod 0.28.1 aborted the survivors
@@ -58,6 +59,7 @@ _OPT_IN = pytest.mark.skipif(os.environ.get("TFHYBRID_TEST_ELASTIC") != "1",
     pytest.param("d", 1, 3, "discover_two_hosts.sh", 1, marks=_OPT_IN),
     pytest.param("f", 3, 3, "discover_two_hosts.sh", 2, marks=_OPT_IN),
     pytest.param("df", 2, 4, "discover_two_by_two.sh", 2, marks=_OPT_IN),
+    pytest.param("gmp", 2, 4, "discover_two_by_two.sh", 2, marks=_OPT_IN),
 ])
 def test_lost_worker_survivors_finish_exactly(strategy, mp, np, discovery, mp_after):
     run = _launch_elastic(np, discovery, ["--steps", 6, "--die-at", 3, "--strategy", strategy,

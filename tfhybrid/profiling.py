@@ -83,9 +83,11 @@ def _synthetic_batch(model, local_batch):
     return out[0] if len(out) == 1 else out
 
 
-def _best(fn, reps):
+def _best(fn, reps, sync=None):
     times = []
     for _ in range(reps):
+        if sync is not None:
+            sync()
         start = time.perf_counter()
         for t in tf.nest.flatten(fn()):
             if hasattr(t, "numpy"):
@@ -125,8 +127,18 @@ def replay_collectives(calls, reps: int = 3) -> dict:
             continue
         fn = _replay_fn(op, ranks, inputs, splits)
         fn()
-        out[phase_of(op, name)] += _best(fn, reps)
+        # the group's ranks start each replay together: without it a rank's time
+        # held its partners' late arrival (a 2-rank allreduce replayed at ~9 ms
+        # beside ~2 ms in calibration's chains, at 4 ranks on 2 cores), and the
+        # compute left over (forward+backward less the replays) came out 0
+        sync = _group_sync(ranks)
+        out[phase_of(op, name)] += _best(fn, reps, sync)
     return out
+
+
+def _group_sync(ranks):
+    one = tf.zeros([1])
+    return lambda: backend.allreduce(one, ranks, "profile.sync").numpy()
 
 
 def measure_phases(model, local_batch: int, reps: int = 3) -> dict:

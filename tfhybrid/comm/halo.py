@@ -137,6 +137,30 @@ def _pad(t, axis, before, after):
     return tf.pad(t, pads)
 
 
+def _add_at(t, piece, begins):
+    """``t`` with ``piece`` added at offset ``begins`` (one per axis after the
+    first; the piece spans axis 0 whole).
+
+    A ``tensor_scatter_nd_add`` over the rows the piece covers (indexed up to
+    the last axis it does not span), which updates ``t``'s buffer in place
+    when nothing else holds it: unlike ``t + tf.pad(piece)`` it makes no
+    temporaries of ``t``'s size. Each element gets one addition, as there.
+    """
+    rank = t.shape.rank
+    spans = [d for d in range(1, rank)
+             if not isinstance(begins[d - 1], int) or begins[d - 1] != 0
+             or piece.shape[d] is None or piece.shape[d] != t.shape[d]]
+    if not spans:
+        return t + piece
+    last = spans[-1]
+    ranges = [tf.range(tf.shape(piece)[0])] + [
+        begins[d - 1] + tf.range(tf.shape(piece)[d]) for d in range(1, last + 1)]
+    grids = tf.meshgrid(*ranges, indexing="ij")
+    indices = tf.reshape(tf.stack(grids, -1), [-1, last + 1])
+    updates = tf.reshape(piece, tf.concat([[-1], tf.shape(piece)[last + 1:]], 0))
+    return tf.tensor_scatter_nd_add(t, indices, updates)
+
+
 # -- neighbour-only exchange over a whole block grid (corners included) --------------
 
 HALO_METHODS = ("neighbour", "pairs", "axis")
@@ -387,12 +411,9 @@ def block_halo_exchange(x, group, shape, widths, name=None, method=None, all_gro
         recvs = [(o, j, _piece_dims(o, widths, sizes, True)) for o, j in send_to]
         back, anchors = _swap(sends, recvs, group, method, nm + ".bwd", dy)
         grad = _piece(dy, (0,) * nd, widths, sizes, False)
-        for o, _ in send_to:
-            pads = [[0, 0]]
-            for v, (lo, hi), n in zip(o, widths, sizes):
-                pads.append({1: [n - lo, 0], -1: [0, n - hi], 0: [0, 0]}[v])
-            pads.append([0, 0])
-            grad = grad + tf.pad(back[o], pads)
+        for o, _ in send_to:     # added in place at their rows: no block-sized temporaries
+            begins = [{1: n - lo, -1: 0, 0: 0}[v] for v, (lo, hi), n in zip(o, widths, sizes)]
+            grad = _add_at(grad, back[o], begins + [0])
         return _anchored(grad, anchors)
 
     @tf.custom_gradient

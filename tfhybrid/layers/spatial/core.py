@@ -222,11 +222,17 @@ def _frame_only(op, x, ext, needs, params):
                 again = _from_frame(tf.identity(block), [
                     None if t is None else tf.identity(t) for t in slabs])
             with tf.GradientTape() as tape:
-                tape.watch(again)
                 tape.watch(list(weights))
                 y = op(again, *weights)
-            grads = tape.gradient(y, [again] + list(weights), output_gradients=dy)
-            return (None, *grads)
+            dws = tape.gradient(y, list(weights), output_gradients=dy)
+            # the input's gradient only after the weights': the rebuilt input (read
+            # by the weights' gradient only) is freed before that gradient exists
+            with tf.control_dependencies([g for g in dws if g is not None]):
+                with tf.GradientTape() as tape:
+                    tape.watch(again)
+                    y = op(again, *weights)
+                d_ext = tape.gradient(y, again, output_gradients=dy)
+            return (None, d_ext, *dws)
         return out, grad
 
     return run(x, ext, *params)

@@ -33,3 +33,17 @@ def test_pairs_halo_is_refused_in_elastic_runs(monkeypatch):
     monkeypatch.setitem(backend._STATE, "over_world", True)
     with pytest.raises(ValueError, match="'pairs' in an elastic run.*'neighbour'"):
         halo.halo_method()
+
+
+def test_pipeline_and_layer_separation_are_refused_in_elastic_runs(monkeypatch):
+    import keras
+    import pytest
+
+    from tfhybrid.comm import backend
+    tfhybrid.init()
+    monkeypatch.setitem(backend._STATE, "over_world", True)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    for strategy in ("p", "ls"):
+        with pytest.raises(ValueError, match=f"strategy='{strategy}' in an elastic run.*df"):
+            tfhybrid.transform(model, strategy)
+    tfhybrid.shutdown()

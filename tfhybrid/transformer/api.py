@@ -40,6 +40,19 @@ class TransformInfo:
         self.auto = None   # the AutoChoice record of strategy="auto" (tfhybrid.transformer.auto)
 
 
+def _refuse_pairs_in_elastic_runs(strategy):
+    """``p`` and ``ls`` transfer between pairs of ranks, which elastic runs
+    cannot issue (there every group collective runs over the whole world and
+    the groups of one collective must partition it: tfhybrid/comm/backend.py)."""
+    from tfhybrid.comm import backend
+    if backend.groups_over_world():
+        raise ValueError(
+            f"Received strategy={strategy!r} in an elastic run (horovodrun --min-np, or "
+            "TFHYBRID_GROUPS_OVER_WORLD=1); its transfers between pairs of ranks cannot run "
+            "without Horovod process sets. Use d, f, c, s, df, ds or gmp for elastic runs, "
+            "or launch without --min-np/--max-np.")
+
+
 def transform(model, strategy="d", **options):
     """The hybrid-parallel counterpart of an unmodified Keras model.
 
@@ -95,6 +108,8 @@ def transform(model, strategy="d", **options):
     _refuse_transformed(model)
     opts = make_options(strategy, **options)
     grid = runtime.current_grid()
+    if opts.strategy in ("ls", "p"):
+        _refuse_pairs_in_elastic_runs(opts.strategy)
     if opts.strategy == "ls":     # ranks run different layers: tfhybrid/transformer/layer_separation.py
         from tfhybrid.transformer import layer_separation
         return layer_separation.build(model, grid, opts.fc_workers, opts.machine,

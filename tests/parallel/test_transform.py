@@ -143,6 +143,13 @@ RESIDUAL_CASES = [c for c in CASES if (c[0], c[1]) in {("d", 2), ("s", "N"), ("d
                          + [f"resnet-{s}-mp{m}" for s, m, _ in RESIDUAL_CASES])
 def test_fit_equals_single_process(grid_of, name, strategy, mp, options):
     grid_of(_mp(mp))
+    check_fit_equals_single_process(name, strategy, options)
+
+
+def check_fit_equals_single_process(name, strategy, options):
+    """``fit`` of ``MODELS[name]`` transformed under ``strategy`` on the current
+    grid: the gathered weights equal the single-process reference, and the
+    original model is left untouched."""
     x, y = data()
     expected = reference(name, x, y)
     original = MODELS[name]()

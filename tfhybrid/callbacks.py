@@ -62,9 +62,7 @@ def _broadcast_variables(variables, root_rank, name, check=None):
     if grid.size == 1:
         return
     data = grid.group("data")
-    # Horovod's root is a global rank: the member of root_rank's model group that
-    # holds the same block as this rank (same model rank).
-    block_root = data.ranks[root_rank // grid.model_size]
+    block_root = _block_root(grid, grid.rank, root_rank)
     groups = {}
     for var in (v for v in variables if broadcastable(v)):
         if layout_of(var).kind == "sharded":      # a block: broadcast within the data group
@@ -87,6 +85,13 @@ def _broadcast_variables(variables, root_rank, name, check=None):
         sizes = [int(np.prod(t.shape)) for t in values]
         for var, t, part in zip(group, values, tf.split(out, sizes) if len(values) > 1 else [out]):
             var.assign(tf.reshape(part, tf.shape(t)))
+
+
+def _block_root(grid, rank, root_rank):
+    """The root of ``rank``'s sharded-block broadcast. Horovod's root is a
+    global rank: the member of ``root_rank``'s model group that holds the same
+    block as ``rank`` (same model rank)."""
+    return grid.data_group_ranks(rank % grid.model_size)[root_rank // grid.model_size]
 
 
 def _digest(variables):
@@ -123,12 +128,10 @@ def _groups_differ(keys, digests, root_rank, grid, name, check=None):
     if len({len(r) for r in rows}) > 1:    # other variables on some rank: send everything
         return [True] * len(keys)
     table = np.stack([r[1 + len(riders):] for r in rows]).reshape(grid.size, -1, 2)
-    ms = grid.model_size
     differ = []
     for i, (ranks, _, _) in enumerate(keys):
         sharded = ranks != world     # a block: each rank's root is its data group's member
-        roots = [grid.data_group_ranks(r % ms)[root_rank // ms] if sharded else root_rank
-                 for r in world]
+        roots = [_block_root(grid, r, root_rank) if sharded else root_rank for r in world]
         differ.append(any((table[r, i] != table[roots[r], i]).any() for r in world))
     return differ
 

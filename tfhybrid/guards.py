@@ -178,7 +178,7 @@ def check_structure(model, steps=-1):
     if grid.size == 1:
         return
     check = StartCheck(model, steps)
-    check.verify(_world_gather(check.riders, "guard.structure"))
+    check.run_alone()
 
 
 class StartCheck:
@@ -195,6 +195,10 @@ class StartCheck:
     def verify(self, gathered):
         """Raise :class:`ConsistencyError` when ``gathered`` (world x 2) disagree."""
         _verify_structure(self.model, np.asarray(gathered, np.float64))
+
+    def run_alone(self):
+        """Gather ``riders`` in a world allgather of their own and verify them."""
+        self.verify(_world_gather(self.riders, "guard.structure"))
 
 
 def _verify_structure(model, gathered):
@@ -354,7 +358,7 @@ class GuardCallback(keras.callbacks.Callback):
         check = getattr(self.model, "_tfhybrid_start_check", None)
         if check is not None:      # no broadcast callback of this fit carried it
             object.__setattr__(self.model, "_tfhybrid_start_check", None)
-            check.verify(_world_gather(check.riders, "guard.structure"))
+            check.run_alone()
         self._set_due(True)
         # A broadcast callback of this fit (listed before this one) has just made
         # every replica rank 0's: nothing to compare (one allgather less per fit).
@@ -435,8 +439,6 @@ def sum_metric_states(model):
         >>> tfhybrid.guards.sum_metric_states(model)   # custom evaluation loops
         >>> {m.name: float(m.result()) for m in model.metrics}
     """
-    from tfhybrid.comm import backend
-
     ranks = metric_ranks(model)
     variables = [v for v in model.metrics_variables
                  if v.dtype in ("float16", "bfloat16", "float32", "float64", "int32", "int64")]
@@ -573,7 +575,7 @@ def install(model):
                 # (the GuardCallback runs it if that callback does not)
                 object.__setattr__(self, "_tfhybrid_start_check", check)
             else:       # before the first collective of the fit
-                check.verify(_world_gather(check.riders, "guard.structure"))
+                check.run_alone()
             extra.append(GuardCallback(checksum, config.guard_every_steps, due))
         return _call_with_callbacks(cls.fit, self, args, kwargs, extra)
 

@@ -72,10 +72,16 @@ def test_data_filter_phi_scales_only_data_allreduce():
 
 def test_pipeline_hand():
     r = predict(PROF, "p", 2, 4, M, segments=2)
+    # fill-drain, per micro-batch of 2 rows F = 4 s and B = 8 s per stage: F F | F F, then
+    # B B | B B on stage 1 and stage 0: (S + M - 1)(F + B) = 36 s, as Eq. 12
     assert r.compute_s == pytest.approx(4 / 2 * 3 * (2 + 4))
-    # 2 (p + S - 2) transfers of B/S rows, then the predictions' broadcast (log2 p rounds
-    # of B x |y_fc2| items), as tfhybrid's p issues them
-    assert r.comm_s["p2p"] == pytest.approx(2 * 2 * (1 + 2 * 4 * 0.5) + 1 * (1 + 4 * 2 * 0.5))
+    # each transfer (alpha + 2 x 4 items x beta = 5 s) runs while the sender computes its
+    # next micro-batch: stage 1 starts at 9 (F 9-13, 13-17, B 17-25, 25-33), stage 0's
+    # backward waits for 30 and 38 (B 30-38, 38-46); the predictions' broadcast (5 s)
+    # follows the last transfer (38 -> 43): 46 s, 10 s beyond the compute; ParaDL's
+    # Eq. 13 serialises all 2 (p + S - 2) transfers and the broadcast: 25 s
+    assert r.comm_s["p2p"] == pytest.approx(10.0)
+    assert r.total_s == pytest.approx(46.0)
     assert r.memory_bytes == 68.0 and r.options["segments"] == 2
 
 
@@ -314,3 +320,32 @@ def test_gmp_b_scheme_hand():
     assert r.comm_s["FB-allreduce"] == pytest.approx(2 * 2 * 2 * (1 + 4 / 2 * 0.5))
     assert r.memory_bytes == b_over_k.memory_bytes      # activations of b samples
     assert r.compute_s > b_over_k.compute_s             # each round's forward recomputed
+
+
+def test_pipeline_schedule_overlaps_transfers_and_shares_cores_by_active_stages():
+    from tfhybrid.oracle.schedule import fill_drain
+    # transfers hide behind the sender's next micro-batch: 1 s links cost 2 x 1 on the
+    # critical path (first micro-batch forward, last backward), not 2 (S + M - 2)
+    free = fill_drain([2.0] * 2, [2.0] * 2, 4, [0.0], lambda n: 1.0)
+    assert free == pytest.approx((2 + 4 - 1) * 4)
+    assert fill_drain([2.0] * 2, [2.0] * 2, 4, [1.0], lambda n: 1.0) == pytest.approx(free + 2)
+    # processor sharing: two stages computing at once each run at half speed
+    assert fill_drain([1.0, 1.0], [1.0, 1.0], 2, [0.0], lambda n: float(n)) == 8.0
+    # 4 stages, 2 micro-batches on 2 compute slots: never more than 2 stages at once,
+    # so the pipeline is not slowed although 4 ranks share the node
+    m = M.replace(compute_slots=2)
+    prof = ModelProfile("four", tuple(dataclasses.replace(FC1, name=f"fc{i}") for i in range(4)), 2)
+    r = predict(prof, "p", 4, 4, m, segments=2)
+    assert r.compute_s == pytest.approx((4 + 2 - 1) * 2 * 6.0)
+
+
+def test_layer_separation_slows_each_side_by_its_own_concurrency():
+    conv = LayerRow("c1", "conv", 20, 18, 2, 64, 128, 8, 8, 1, 2, (2, 2), (2, 2), (1, 1), (1, 1))
+    prof = ModelProfile("cf", (conv, FC1), 8)
+    m = M.replace(compute_contention={"2": 1.5, "4": 3.0})
+    r = predict(prof, "ls", 4, 4, m, n_f=2)
+    K = 4 / 2
+    fb_c, fb_f = 192 / 8, 48 / 8
+    # 2 CONV workers compute at once (x1.5), then 2 FC workers (x1.5): never all 4
+    assert r.compute_s == pytest.approx(1.5 * K * fb_c + 1.5 * (2 / 2) * K * fb_f)
+    assert predict(prof, "d", 4, 4, m).compute_s == pytest.approx(3.0 * 1 * (fb_c + fb_f))

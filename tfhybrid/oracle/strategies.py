@@ -24,7 +24,12 @@ Where this module departs from the paper's closed forms (and why):
   split the batch or space (tfhybrid's SyncBatchNormalization: two
   allreduces of C items forward, two backward, in ``FB-allreduce``); the
   papers' models have no such term (found by ``tfhybrid.callbacks.Profile``).
-* Pipeline weight update is per iteration (Eq. 12 multiplies it by D).
+* Pipeline weight update is per iteration (Eq. 12 multiplies it by D). The
+  pipeline is priced by simulating its fill-drain step as tfhybrid runs it
+  (:mod:`tfhybrid.oracle.schedule`): a transfer runs while its sender
+  computes the next micro-batch, and only the stages computing at the same
+  moment share the node's cores (Eq. 12-13 serialise every transfer and
+  make no statement about oversubscription).
 * Uneven spatial splits are charged ceil(H/ph) rows (load imbalance).
 * A halo exchange is one alltoall over the spatial group sending only to the
   neighbours (``comm.halo``'s default), priced per layer and direction as
@@ -75,7 +80,7 @@ def _phases(**kw):
     return {_PHASE_OF[k]: v for k, v in kw.items()}
 
 
-def _result(ctx, name, p, comp, comm, mem, options, reasons):
+def _result(ctx, name, p, comp, comm, mem, options, reasons, fixed=True):
     """The Prediction; adds the machine's batch-independent compute and framework
     overhead per iteration (both CPU work, so both slowed by oversubscription),
     and credits the measured overlap of the gradient allreduce with the backward
@@ -87,7 +92,8 @@ def _result(ctx, name, p, comp, comm, mem, options, reasons):
         comm["FB-allreduce"] = comm.get("FB-allreduce", 0.0) + bn
     slow = ctx.m.oversubscription(p)
     hidden = ctx.m.overlap * min(comm.get("GE-allreduce", 0.0), comp * ctx.backward_share())
-    comp += ctx.m.compute_fixed_s * slow
+    if fixed:      # (the pipeline's schedule charges it per micro-batch itself)
+        comp += ctx.m.compute_fixed_s * slow
     return Prediction(strategy=name, p=p, batch=ctx.B, compute_s=comp,
                       comm_s=comm, overhead_s=ctx.m.step_overhead_s * slow, memory_bytes=mem,
                       options=options, feasible=not reasons, reasons=tuple(reasons),
@@ -510,23 +516,30 @@ def pipeline(ctx, p, segments=None, **_):
 
 
 def _pipe_one(ctx, p, stages, S):
+    """One fill-drain step as tfhybrid runs it (:mod:`tfhybrid.oracle.schedule`):
+    transfers run while the sending stage computes its next micro-batch, and
+    only the stages computing at the same moment share the node's cores.
+    ``compute_s`` is the step with free transfers; ``p2p`` what the transfers
+    and the final broadcast of the predictions add to it."""
+    from tfhybrid.oracle import schedule  # noqa: WPS433
     m, d, B = ctx.m, ctx.delta, ctx.B
-    fw = [sum(ctx.fw[i] for i in st) for st in stages]
-    bw = [sum(ctx.bw[i] for i in st) for st in stages]
+    share, G = ctx.backward_share(), len(ctx.rows)
+    # batch-independent forward+backward cost (op dispatch): every micro-batch pays its
+    # stage's share of the layers' ops
+    fixed = [m.compute_fixed_s * len(st) / G for st in stages]
+    fw = [B / S * sum(ctx.fw[i] for i in st) + f * (1 - share) for st, f in zip(stages, fixed)]
+    bw = [B / S * sum(ctx.bw[i] for i in st) + f * share for st, f in zip(stages, fixed)]
     wu = [sum(ctx.wu[i] for i in st) for st in stages]
-    comp = B / S * (p + S - 1) * (max(fw) + max(bw)) + max(wu)
-    a, beta = m.alpha_beta(2)
-    a += m.latency_of(2)        # each send is one runtime call
     outs = [ctx.rows[st[-1]].y for st in stages[:-1]]
-    p2p = 2 * (p + S - 2) * max(a + B / S * y * d * beta for y in outs) if outs else 0.0
-    # As tfhybrid issues it (transformer/pipeline.py): each transfer above is one
-    # alltoall on the stage pair's process set; after the drain the last stage
-    # broadcasts its B predictions over the pipeline (every rank logs the loss).
-    ab, bb = m.alpha_beta(p)
-    p2p += formulas._log2c(p) * (ab + m.latency_of(p) + B * ctx.rows[-1].y * d * bb)
+    # each transfer is one alltoall on the stage pair's process set
+    xfer = [m.t_p2p(B / S * y * d, span=2) for y in outs]
+    bcast = m.t_broadcast(p, B * ctx.rows[-1].y * d)    # one collective: one latency
+    slow, nodes = schedule.stage_slowdown(m), schedule.node_of(len(stages), m)
+    comp = schedule.fill_drain(fw, bw, S, [0.0] * len(outs), slow, wu, nodes)
+    step = schedule.fill_drain(fw, bw, S, xfer, slow, wu, nodes, bcast if p > 1 else 0.0)
     mem = max(ctx.mem((ctx.rows[i], B, 1, 1) for i in st) for st in stages)
     reasons = _batch_reasons(B, S, "segments S")
     opts = {"segments": S, "stages": [[ctx.rows[i].name for i in (st[0], st[-1])]
                                       for st in stages]}
-    return _result(ctx, "p", p, comp * m.oversubscription(p), _phases(p2p=p2p), mem, opts,
-                   reasons)
+    return _result(ctx, "p", p, comp, _phases(p2p=max(step - comp, 0.0)), mem, opts,
+                   reasons, fixed=False)

@@ -29,8 +29,15 @@ inside the group (recorded in ``options``).
 Dense layer data parallel with K = B/n_c samples each and send the last conv
 activations to n_f FC workers, which run the Dense layers on n_c K / n_f
 samples each and send the gradients back. n_f maximises throughput (Eq. 5)
-by exhaustive search unless given. The CONV-worker allreduce uses Stanza's
-tree rounds; the FC-worker allreduce is assumed hidden (as in the paper).
+by exhaustive search unless given. Priced as tfhybrid runs it: the CONV
+workers, then the FC workers compute (each side waits for the other), so
+each side is slowed only by its own ranks sharing the node's cores
+(``machine.oversubscription(n_c)``, then ``(n_f)``); the activations and
+their error are one alltoall each on the FC worker's group; the CONV
+workers' gradients are one ring allreduce over the n_c CONV workers, and
+the FC workers' allreduce counts only where it outlasts the error's
+transfer, the CONV backward and the CONV allreduce that run meanwhile
+(Stanza assumes it hidden and uses tree rounds).
 ``options['ps_baseline_s']`` is Stanza's parameter-server iteration (Eq. 6)
 with n_c workers and n_f servers.
 
@@ -194,17 +201,31 @@ def _ls_one(ctx, p, n_f):
     K = B / n_c
     split = ctx.first_dense()
     conv, fc = range(split), range(split, len(ctx.rows))
-    T_c = K * sum(ctx.fb[i] for i in conv) + sum(ctx.wu[i] for i in conv)
-    T_f = K * sum(ctx.fb[i] for i in fc)
+    # CONV workers and FC workers take turns (each waits for the other's
+    # activations or errors): only n_c ranks, then only n_f ranks, share the cores
+    slow_c, slow_f = m.oversubscription(n_c), m.oversubscription(n_f)
+    fixed_c = m.compute_fixed_s * len(conv) / max(len(ctx.rows), 1)
+    T_c = K * sum(ctx.fb[i] for i in conv) + sum(ctx.wu[i] for i in conv) + fixed_c
+    T_f = K * sum(ctx.fb[i] for i in fc) + m.compute_fixed_s - fixed_c
     wu_fc = sum(ctx.wu[i] for i in fc)
-    comp = formulas.stanza_compute(T_c, T_f, n_c, n_f) + wu_fc
+    comp = T_c * slow_c + (formulas.stanza_compute(0.0, T_f, n_c, n_f) + wu_fc) * slow_f
     A = ctx.rows[split - 1].y if split > 0 else ctx.prof.input_items
-    alpha, beta = m.alpha_beta(p)
-    alpha += m.latency_of(p)    # each message is one runtime call
     per_fc = n_c / n_f
-    p2p = 2 * math.ceil(per_fc) * alpha + 2 * per_fc * K * A * d * beta
+    g = math.ceil(per_fc)
+    # as tfhybrid issues them: one alltoall on each FC worker's group (its g CONV
+    # workers and itself) for the activations, one for their error, on the critical
+    # path (the predictions' alltoall runs during the CONV backward)
+    a2a = m.t_neighbours(g + 1, per_fc * K * A * d)
+    p2p = 2 * a2a
     P_c = sum(ctx.rows[i].params for i in conv)
-    ge = formulas.stanza_rounds(n_c) * (alpha + P_c * d * beta)
+    P_f = sum(ctx.rows[i].params for i in fc)
+    # CONV workers reduce after their backward; the FC workers' reduction starts when
+    # the FC backward ends and runs meanwhile (what it does not hide is added)
+    ar_c = m.t_allreduce(n_c, P_c * d)
+    ar_f = m.t_allreduce(n_f, P_f * d)
+    bwd_c = slow_c * K * sum(ctx.bw[i] for i in conv)
+    ge = ar_c + max(ar_f - a2a - bwd_c - ar_c, 0.0)
+    beta = m.alpha_beta(p)[1]
     mem = max(ctx.mem((ctx.rows[i], K, 1, 1) for i in conv),
               ctx.mem((ctx.rows[i], per_fc * K, 1, 1) for i in fc))
     reasons = _batch_reasons(B, n_c, "n_c")
@@ -214,8 +235,8 @@ def _ls_one(ctx, p, n_f):
     ps = formulas.ps_iteration(n_c, n_f, sum(r.params for r in ctx.rows) * d,
                                1 / beta if beta else math.inf, T_ps)
     opts = {"n_c": n_c, "n_f": n_f, "K": K, "ps_baseline_s": ps}
-    return _result(ctx, "ls", p, comp * m.oversubscription(p),
-                   {"p2p": p2p, "GE-allreduce": ge}, mem, opts, reasons)
+    return _result(ctx, "ls", p, comp, {"p2p": p2p, "GE-allreduce": ge}, mem, opts, reasons,
+                   fixed=False)
 
 
 @strategy("ls")

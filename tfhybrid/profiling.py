@@ -5,7 +5,9 @@
 rank runs, on a synthetic local batch of the same shape:
 
 - the traced forward pass, and the traced forward+backward pass (what the
-  compiled train step runs before the optimizer);
+  compiled train step runs before the optimizer), every rank starting each
+  repetition together as in a step (so ranks that share cores are timed
+  sharing them);
 - every collective that forward+backward issues (recorded while it is
   traced, :func:`tfhybrid.comm.backend.recording_collectives`), replayed
   alone on zeros of the same shapes and groups, and sorted into the oracle's
@@ -51,10 +53,15 @@ def phase_of(op: str, name: str) -> str:
     Example:
         >>> phase_of("alltoall", "tfh.conv1.halo"), phase_of("allgather", "tfh.fc.fwd")
         ('halo', 'FB-allgather')
+        >>> phase_of("alltoall", "p.fwd.0.1"), phase_of("alltoall", "ls.bwd")
+        ('p2p', 'p2p')
     """
     if "halo" in name:
         return "halo"
     if ".ls." in f".{name}." or name.startswith("tfh.ls"):
+        return "p2p"
+    if name.split(".")[:1] == ["p"] and name.split(".")[1:2] in (
+            ["fwd"], ["bwd"], ["call"], ["eval"], ["fit"]):   # the pipeline's transfers
         return "p2p"
     if op in ("allgather", "alltoall", "broadcast"):   # reduce-scatter and rooted reduce:
         return "FB-allgather"                          # alltoalls; broadcast: gmp's "B"
@@ -166,7 +173,13 @@ def measure_phases(model, local_batch: int, reps: int = 3) -> dict:
         forward()
         with backend.recording_collectives() as calls:
             local = both()            # traced here: records the step's collectives
-        out = {"forward": _best(forward, reps), "forward_backward": _best(both, reps)}
+        # every rank starts each repetition together, as a training step runs them:
+        # without it the best of a few repetitions was one that ran while the other
+        # ranks did not compute (d at 2 ranks on 2 cores: 2.7 ms, where calibration
+        # timed two ranks computing at once at 4.0 ms)
+        world = _group_sync(tuple(range(backend.size()))) if backend.size() > 1 else None
+        out = {"forward": _best(forward, reps, world),
+               "forward_backward": _best(both, reps, world)}
         backend.barrier()
         out.update(replay_collectives(calls, reps))
         optimizer = getattr(model, "optimizer", None)
@@ -175,7 +188,7 @@ def measure_phases(model, local_batch: int, reps: int = 3) -> dict:
             step = tf.function(lambda: reduce(local, weights))
             step()
             backend.barrier()
-            out["GE-allreduce"] = _best(step, reps)
+            out["GE-allreduce"] = _best(step, reps, world)   # ranks start together
     finally:
         for v, value in saved:
             v.assign(value)
@@ -194,6 +207,28 @@ def _strategy_of(model):
     return info.plan.strategy, rebuild(info.source, info.objects)
 
 
+def _options_as_built(strategy, model, grid):
+    """The oracle options that price ``model`` as transform built it on ``grid``
+    (None when the oracle has no such variant): the model groups; f/c/df price
+    layers the group cannot split as replicated (a model that transform built
+    has every other such layer split or replicated); p its micro-batches; ls
+    its FC workers."""
+    from tfhybrid.oracle.api import _grid_options  # noqa: WPS433
+
+    if strategy == "p":
+        return {"segments": getattr(model, "micro_batches", None)} \
+            if grid.model_size == grid.size else None
+    if strategy == "ls":
+        return {"n_f": getattr(model, "n_f", None)} if grid.model_size == 1 else None
+    opts = _grid_options(grid.size, grid.model_size).get(strategy)
+    if opts is None:
+        return None
+    opts = dict(opts)
+    if strategy in ("f", "c", "df"):
+        opts["fallback"] = "replicate"
+    return opts
+
+
 def predicted_phases(model, global_batch: int, machine) -> dict:
     """The oracle's prediction for ``model`` as it runs (strategy, model groups)."""
     from tfhybrid import oracle  # noqa: WPS433
@@ -203,12 +238,11 @@ def predicted_phases(model, global_batch: int, machine) -> dict:
     if strategy not in oracle.STRATEGY_NAMES:
         raise ValueError(f"tfhybrid.callbacks.Profile cannot predict strategy {strategy!r}; "
                          f"the oracle knows {oracle.STRATEGY_NAMES}.")
-    preds = oracle.rank(original, grid.size, global_batch, machine, strategies=[strategy],
-                        model_parallel=grid.model_size)
-    if not preds:
+    opts = _options_as_built(strategy, model, grid)
+    if opts is None:
         raise ValueError(f"The oracle has no {strategy!r} variant for model groups of "
                          f"{grid.model_size} at p={grid.size}.")
-    pred = preds[0]
+    pred = oracle.predict(original, strategy, grid.size, global_batch, machine, **opts)
     out = {phase: pred.comm_s.get(phase, 0.0) for phase in _COMM}
     out["compute"] = pred.compute_s
     out["update+rest"] = pred.overhead_s - pred.hidden_s

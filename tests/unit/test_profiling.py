@@ -15,6 +15,9 @@ from tfhybrid.profiling import PHASES, Profile, phase_of
     ("allreduce", "tfh.bn.sync", "FB-allreduce"),
     ("grouped_allreduce", "tfh.distributed_sgd.bucket0", "GE-allreduce"),
     ("alltoall", "tfh.ls.fwd", "p2p"),
+    ("alltoall", "p.fwd.1.0", "p2p"),
+    ("broadcast", "p.fit.pred", "p2p"),
+    ("allgather", "tfh.p.fwd", "FB-allgather"),     # a layer named "p"
 ])
 def test_phase_of(op, name, phase):
     assert phase_of(op, name) == phase
@@ -44,3 +47,18 @@ def test_profile_in_one_process_prints_every_phase():
 def test_profile_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Profile(**kwargs)
+
+
+def test_prediction_options_price_the_model_as_transform_built_it():
+    from types import SimpleNamespace
+
+    from tfhybrid.profiling import _options_as_built
+    grid = SimpleNamespace(size=4, model_size=4)
+    # f/c: layers the group cannot split were replicated (transform refuses otherwise)
+    assert _options_as_built("f", None, grid) == {"fallback": "replicate"}
+    assert _options_as_built("p", SimpleNamespace(micro_batches=2), grid) == {"segments": 2}
+    assert _options_as_built("ls", SimpleNamespace(n_f=1), grid) is None
+    world = SimpleNamespace(size=4, model_size=1)
+    assert _options_as_built("ls", SimpleNamespace(n_f=2), world) == {"n_f": 2}
+    assert _options_as_built("df", None, SimpleNamespace(size=4, model_size=2)) == \
+        {"grid": (2, 2), "fallback": "replicate"}

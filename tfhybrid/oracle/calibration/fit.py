@@ -36,6 +36,10 @@ What it measures (rank 0 writes the file):
    rather than single passes: 2.3-2.8 over four runs at 4 ranks on the
    2-core box, against 2.9-4.5 with single passes); it replaces
    the ``compute_slots`` estimate for the ranks per node it was measured at.
+   It is measured for 2, 4, ... ranks computing at once (the others
+   waiting) up to the ranks on the node: a pipeline's or layer
+   separation's stages take turns, so fewer ranks than the node holds
+   share its cores.
 
 The fitting functions are pure numpy and unit-tested without Horovod.
 Approximations: one latency/bandwidth per group size (no small/large message

@@ -189,8 +189,9 @@ def _fwd_bwd(model):
     return lambda a: [g.numpy() for g in fwd_bwd(a)]
 
 
-def measure_contention(model, batch, reps=20, block=8):
-    """Compute slowdown when every rank computes at once (collective).
+def measure_contention(model, batch, reps=20, block=8, active=None):
+    """Compute slowdown when every rank (or the first ``active`` ranks) computes
+    at once (collective).
 
     Rank 0 times blocks of ``block`` back-to-back forward+backward
     passes of ``model`` at ``batch`` alone (the others wait), and every rank
@@ -200,7 +201,10 @@ def measure_contention(model, batch, reps=20, block=8):
     of several passes let the OS scheduler share the cores over a longer
     window than one pass, which makes the ratio far steadier on an
     oversubscribed node than single-pass minima (measured 2.9-4.5 between
-    runs with single passes on the 2-core box).
+    runs with single passes on the 2-core box). With ``active`` = k only
+    ranks 0..k-1 compute in the "together" blocks while the others wait in
+    the closing allreduce: the slowdown of k ranks sharing the node, which a
+    pipeline or layer separation sees (their stages take turns).
 
     Returns:
         ``(factor, alone_s, together_s)`` per pass on rank 0 (factor >= 1);
@@ -219,8 +223,11 @@ def measure_contention(model, batch, reps=20, block=8):
         for _ in range(block):
             run(x)
 
+    busy = backend.size() if active is None else active
+
     def together():
-        passes()
+        if backend.rank() < busy:
+            passes()
         sync()
 
     t_sync = cal._best_time(sync, reps)
@@ -398,14 +405,19 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
         from tfhybrid.oracle.models import build_model  # noqa: WPS433
         # the ratio of two noisy minima: the median of five estimates
         net = build_model(model)
-        runs = sorted((measure_contention(net, batch, 4 * reps) for _ in range(5)),
-                      key=lambda r: r[0] or 0.0)
-        factor, alone, together = runs[2]
-        if rank == 0:
-            contention = {str(backend.local_size()): factor}
-            say(f"  {backend.local_size()} ranks computing at once: {together * 1e3:.3g} ms "
-                f"for the slowest vs {alone * 1e3:.3g} ms alone (x{factor:.2f}; "
-                f"{slots} compute slots would say x{max(1.0, backend.local_size() / slots):.2f})")
+        contention = {}
+        # every count of ranks computing at once up to the node's (a pipeline's or
+        # layer separation's stages take turns: fewer ranks than the node holds)
+        for k in _group_sizes(backend.local_size()):
+            runs = sorted((measure_contention(net, batch, 4 * reps, active=k)
+                           for _ in range(5)), key=lambda r: r[0] or 0.0)
+            factor, alone, together = runs[2]
+            if rank == 0:
+                contention[str(k)] = factor
+                say(f"  {k} ranks computing at once: {together * 1e3:.3g} ms for the "
+                    f"slowest vs {alone * 1e3:.3g} ms alone (x{factor:.2f}; {slots} compute "
+                    f"slots would say x{max(1.0, k / slots):.2f})")
+        contention = contention or None
     overlap = 0.0
     if model and world > 1:   # the median of three estimates, as for contention
         from tfhybrid.oracle.models import build_model  # noqa: WPS433

@@ -444,7 +444,29 @@ def sum_metric_states(model):
                  if v.dtype in ("float16", "bfloat16", "float32", "float64", "int32", "int64")]
     if len(ranks) < 2 or not variables:
         return
+    if runtime.current_grid().model_rank != 0:
+        # metrics of a replicated output beside split ones (every rank of a model
+        # group holds the same rows): counted once, by the model group's first rank
+        for v in _replicated_output_metric_variables(model):
+            v.assign(tf.zeros_like(v))
     sum_variables(variables, ranks, "metric_states.sum")
+
+
+def _replicated_output_metric_variables(model):
+    """Metric variables of the outputs that are not split when others are
+    (a classification head beside a per-voxel one)."""
+    flags = getattr(model, "_tfhybrid_split_outputs", ())
+    compiled = getattr(model, "_compile_metrics", None)
+    if not any(flags) or all(flags) or compiled is None or not compiled.built:
+        return []
+    out = []
+    for group in (compiled._flat_metrics, compiled._flat_weighted_metrics):
+        for split, entry in zip(flags, group):
+            if split or entry is None:
+                continue
+            for m in getattr(entry, "metrics", [entry]):
+                out.extend(m.variables)
+    return out
 
 
 def sum_variables(variables, ranks, name, contribute=True):

@@ -122,6 +122,27 @@ def volume_model(filters=5, channels=2):
     return keras.Model(i, keras.layers.Conv3D(filters, 3, name="conv3d")(i))
 
 
+def split_output_loss(loss):
+    """compute_loss of a transformed 2-D segmentation net (its output stays split
+    under s) compiled with ``loss``: tfhybrid checks the loss's reduction."""
+    i = keras.Input((8, 8, 1))
+    seg = keras.layers.Conv2D(2, 3, padding="same", activation="softmax", name="seg")(i)
+    tfhybrid.shutdown()
+    tfhybrid.init()
+    try:
+        pmodel = tfhybrid.transform(keras.Model(i, seg), "s")
+        pmodel.compile(loss=loss)
+        x = np.ones((2, 8, 8, 1), np.float32)
+        return pmodel.compute_loss(x, np.zeros((2, 8, 8)), pmodel(x))
+    finally:
+        tfhybrid.shutdown()
+
+
+class _OwnCall(keras.losses.Loss):
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        return keras.ops.mean(y_pred)
+
+
 def in_world_of(size, model_parallel, fn):
     """``fn()`` on a pretend grid of ``size`` ranks (planning and layer checks only)."""
     with world_of(size, model_parallel):
@@ -394,6 +415,13 @@ API = [
      r"sizes=\[1, 1, 0, 0\]; expected row counts adding up to the 3 rows of x"),
     ("p2p-token-scalar", lambda: p2p.token(np.float32(0)), ValueError,
      r"token: .*expected a tensor of rank >= 1"),
+    # -- losses of outputs split into spatial blocks (s/ds) ------------------------------
+    ("split-output-loss-reduction-none", lambda: split_output_loss(
+        keras.losses.SparseCategoricalCrossentropy(reduction=None)), ValueError,
+     r"loss 'sparse_categorical_crossentropy' of the split output 'seg' has reduction=None.*"
+     r"Use 'sum_over_batch_size'"),
+    ("split-output-loss-own-call", lambda: split_output_loss(_OwnCall(name="own")),
+     ValueError, r"loss 'own' of the split output 'seg' overrides Loss.__call__.*Override `call`"),
     # -- oracle and ParaDL files (API) ------------------------------------------------
     ("oracle-unknown-strategy",
      lambda: oracle.rank(oracle.profile(mlp()), 4, 64, MACHINE, strategies=("dp",)),

@@ -170,6 +170,8 @@ class _Rewriter:
 
         args, kwargs = keras.tree.map_structure(convert, (args, kwargs))
         out = new(*args, **kwargs)
+        if np.output.kind == "space":   # its own losses are its block's (split outputs)
+            object.__setattr__(new, "_tfhybrid_on_blocks", True)
         if np.kind in _COPIES_WEIGHTS_AFTER_CALL and layer.weights:
             new.set_weights(layer.get_weights())
         if np.params.get("weights") == "partial":

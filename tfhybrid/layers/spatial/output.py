@@ -55,11 +55,179 @@ def install_split_outputs(model, split_outputs, spatial):
         flags = getattr(self, SPLIT_OUTPUTS_ATTR)
         if not all(flags) and y_pred is not None:
             y_pred = _replicated_outputs_whole(y_pred, flags)
+        _wrap_compiled_losses(self, flags)
         loss = cls.compute_loss(self, x, y, y_pred, sample_weight, training=training)
+        if loss is not None:
+            loss = loss + tf.cast(_replicated_regularization(self), loss.dtype)
         return group_mean(loss, "split_output.loss")
 
     object.__setattr__(model, "compute_loss", types.MethodType(compute_loss, model))
     return model
+
+
+def _wrap_compiled_losses(model, flags):
+    """Make the compiled loss of every split output the whole volume's share.
+
+    ``compute_loss``'s group mean is right for ``sum_over_batch_size``/``mean``
+    (equal blocks). A split output's ``reduction="sum"`` loss is multiplied by
+    ``K x D`` (``D`` data groups: the optimizer averages their gradients), so the
+    group mean of ``K`` block sums is the volume's sum and the data groups' mean
+    the global batch's sum; ``"mean_with_sample_weight"`` becomes ``K x D x``
+    (block's weighted sum) / (sum of the weights over every rank's rows and blocks).
+    Wrapped once per compile (Keras builds the compiled loss on its first call).
+    """
+    compiled = getattr(model, "_compile_loss", None)
+    if compiled is None or getattr(compiled, "_tfhybrid_split_wrapped", False):
+        return
+    object.__setattr__(compiled, "_tfhybrid_split_wrapped", True)
+    build = compiled.build
+
+    def build_and_wrap(y_true, y_pred):
+        build(y_true, y_pred)
+        _wrap_flat_losses(model, compiled, flags)
+
+    compiled.build = build_and_wrap
+    if compiled.built:
+        _wrap_flat_losses(model, compiled, flags)
+
+
+def _output_index(model, path):
+    if not path:
+        return 0
+    head = path[0]
+    if isinstance(head, int):
+        return head
+    names = list(getattr(model, "output_names", []) or [])
+    return names.index(head) if head in names else None
+
+
+def _wrap_flat_losses(model, compiled, flags):
+    import keras
+
+    spatial = getattr(model, SPATIAL_GRID_ATTR)
+    grid = runtime.current_grid()
+    k = grid.group("model").size
+    for i, entry in enumerate(list(compiled._flat_losses)):
+        out = _output_index(model, entry.path)
+        if out is None or out >= len(flags) or not flags[out]:
+            continue
+        fn = entry.loss
+        reduction = getattr(fn, "reduction", "sum_over_batch_size")
+        if isinstance(fn, keras.losses.Loss) and \
+                type(fn).__call__ is not keras.losses.Loss.__call__:
+            raise ValueError(
+                f"tfhybrid: the loss {fn.name!r} of the split output "
+                f"{_output_name(model, out)!r} overrides Loss.__call__; tfhybrid cannot "
+                "reduce its per-voxel values over the spatial blocks. Override `call` "
+                "(per-voxel values) instead and keep a standard reduction.")
+        if reduction in (None, "none"):
+            raise ValueError(
+                f"tfhybrid: the loss {getattr(fn, 'name', fn)!r} of the split output "
+                f"{_output_name(model, out)!r} has reduction={reduction!r}: a split output's "
+                "loss must reduce to a scalar. Use 'sum_over_batch_size' (default), 'mean', "
+                "'sum' or 'mean_with_sample_weight'.")
+        if reduction in ("sum_over_batch_size", "mean") or grid.size == 1:
+            continue
+        if reduction not in ("sum", "mean_with_sample_weight"):
+            raise ValueError(
+                f"tfhybrid: the loss {getattr(fn, 'name', fn)!r} of the split output "
+                f"{_output_name(model, out)!r} has reduction={reduction!r}, which tfhybrid "
+                "cannot reduce over spatial blocks. Use 'sum_over_batch_size', 'mean', 'sum' "
+                "or 'mean_with_sample_weight'.")
+        compiled._flat_losses[i] = entry._replace(
+            loss=_BlockLoss(fn, reduction, k * grid.data_size, spatial))
+
+
+def _output_name(model, index):
+    names = list(getattr(model, "output_names", []) or [])
+    return names[index] if index < len(names) else index
+
+
+class _BlockLoss:
+    """A split output's ``sum``/``mean_with_sample_weight`` loss as the share of
+    this rank's rows and block in the global batch's loss, times ``scale`` = ``K x D``
+    (the group mean in ``compute_loss`` divides by ``K``, the optimizer's average
+    over the ``D`` data groups by ``D``)."""
+
+    def __init__(self, fn, reduction, scale, spatial):
+        import copy
+
+        self.fn, self.reduction, self.k, self.spatial = fn, reduction, scale, tuple(spatial)
+        self.name = getattr(fn, "name", "loss")
+        self.summed = copy.copy(fn)
+        self.summed.reduction = "sum"
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        if self.reduction == "sum" or sample_weight is None:
+            value = self.fn(y_true, y_pred, sample_weight)
+            return value * self.k if self.reduction == "sum" else value
+        total = self.summed(y_true, y_pred, sample_weight)
+        weights = tf.cast(tf.convert_to_tensor(sample_weight), total.dtype)
+        divisor = tf.reduce_sum(weights)
+        grid = runtime.current_grid()
+        # per-voxel weights cut into blocks: every rank holds its own share; whole
+        # (per-sample) weights: the same on the ranks of a model group
+        ranks = tuple(range(grid.size)) if _cut_into_blocks(weights.shape, self.spatial) \
+            else tuple(grid.data_group_ranks(grid.model_rank))
+        if len(ranks) > 1:
+            from tfhybrid.comm import backend
+
+            divisor = backend.allreduce(tf.stop_gradient(divisor), ranks,
+                                        "split_output.weight_sum")
+        return tf.math.divide_no_nan(total * self.k, divisor)
+
+
+def _cut_into_blocks(shape, spatial):
+    """True when a per-voxel tensor of ``shape`` was cut to this rank's block
+    (:func:`label_block`): some split axis has a size other than 1."""
+    if len(shape) < len(spatial) + 1:
+        return False
+    return any(parts > 1 and shape[d + 1] != 1 for d, parts in enumerate(spatial))
+
+
+def _replicated_regularization(model):
+    """Zero, whose gradient adds ``K - 1`` times the regularisation gradient of
+    every replicated (not partial) weight.
+
+    ``compute_loss``'s group mean gives every term the gradient weight ``1/K``:
+    right for the weights whose gradients the optimizer sums over the model
+    group (the spatial layers' partial weights: the blocks' shares add up), while
+    a replicated weight's gradient is averaged, so its regulariser entered
+    ``1/K`` times. Scaled here so that it enters once.
+    """
+    from tfhybrid.layout import layout_of
+
+    k = runtime.current_grid().group("model").size
+    terms = []
+    if k > 1:
+        for v in model.trainable_variables:
+            reg = getattr(v, "regularizer", None)
+            if reg is None or layout_of(v).kind == "partial":
+                continue
+            r = tf.cast(reg(v), tf.float32)
+            terms.append((k - 1) * (r - tf.stop_gradient(r)))
+        terms.extend(_layer_loss_corrections(model, k))
+    return tf.add_n(terms) if terms else 0.0
+
+
+def _layer_loss_corrections(model, k):
+    """Terms that make the layers' own losses (activity regularisers, add_loss)
+    of a model with split outputs enter once after the group mean.
+
+    A layer whose output is a spatial block (tagged ``_tfhybrid_on_blocks`` by
+    the rewrite) adds this block's share (an activity regulariser sums over
+    the block's voxels): ``K x`` its loss, so the mean over the group is the
+    sum over the blocks. A layer on replicated tensors adds the same loss on
+    every rank: its value stays, its gradient is scaled by ``K``.
+    """
+    terms = []
+    for layer in model._flatten_layers(include_self=False):
+        own = layer._get_own_losses()
+        blocks = getattr(layer, "_tfhybrid_on_blocks", False)
+        for value in own:
+            value = tf.reduce_sum(tf.cast(value, tf.float32))
+            terms.append((k - 1) * (value if blocks else value - tf.stop_gradient(value)))
+    return terms
 
 
 def group_mean(value, name):

@@ -253,19 +253,20 @@ def _model_grid(model, scatter, ndim):
     return sp.grid_shape(scatter.split, ndim, grid.model_size, f"{WHERE} (model input)")
 
 
-def _output_label_parts(model, parts, label_shape):
-    """Per axis, the split of per-voxel labels the model's output expects (1: whole)."""
+def _output_label_parts(model, parts, label_shape, output=0):
+    """Per axis, the split of per-voxel labels the model's output number ``output``
+    expects (1: whole)."""
     outputs = getattr(model, "outputs", None) or []
     ndim = len(parts)
+    from tfhybrid.layers.spatial.output import split_outputs_of
+
+    split = split_outputs_of(model)
+    if split is not None:     # per-voxel outputs kept in spatial blocks (U-Nets under s/ds)
+        flags, grid = split
+        whole = output >= len(flags) or not flags[output]
+        return (1,) * ndim if whole else tuple(int(k) for k in grid)
     if len(outputs) != 1 or len(outputs[0].shape) < ndim + 1:
         return (1,) * ndim
-    try:
-        from tfhybrid.layers.spatial.output import split_outputs_of
-    except ImportError:       # pragma: no cover - a checkout without split outputs
-        split_outputs_of = None
-    split = split_outputs_of(model) if split_outputs_of is not None else None
-    if split is not None:     # per-voxel outputs kept in spatial blocks (U-Nets under s/ds)
-        return tuple(int(k) for k in split[1])
     out = outputs[0].shape[1:ndim + 1]
     result = []
     for d, (size, k) in enumerate(zip(label_shape[:ndim], parts)):
@@ -283,7 +284,7 @@ def _output_label_parts(model, parts, label_shape):
     return tuple(result)
 
 
-def plan(model=None, spatial=None, ndim=3, label_shape=None, split_labels=None):
+def plan(model=None, spatial=None, ndim=3, label_shape=None, split_labels=None, output=0):
     """The :class:`VolumeLayout` of this rank (pure: no collective, no reading).
 
     Args:
@@ -295,6 +296,7 @@ def plan(model=None, spatial=None, ndim=3, label_shape=None, split_labels=None):
         label_shape: Shape of one label sample (None: no labels).
         split_labels: Per-voxel labels split like the input (True), whole
             (False), or None: as the model's output (whole without a model).
+        output: The model output the labels belong to (models of several outputs).
 
     Raises:
         ValueError: for a ``spatial`` that disagrees with the model or does
@@ -324,7 +326,7 @@ def plan(model=None, spatial=None, ndim=3, label_shape=None, split_labels=None):
     label_parts = (1,) * ndim
     if label_shape is not None and len(label_shape) >= ndim:
         if split_labels is None:
-            label_parts = (_output_label_parts(model, parts, label_shape)
+            label_parts = (_output_label_parts(model, parts, label_shape, output)
                            if model is not None else (1,) * ndim)
         elif split_labels:
             label_parts = parts
@@ -452,7 +454,7 @@ def _shuffle_buffer(shuffle, n):
 
 
 def volumes(x, y=None, *, batch_size, model=None, spatial=None, split_labels=None,
-            shuffle=False, seed=None, prefetch=1):
+            shuffle=False, seed=None, prefetch=1, sample_weight=None):
     """This rank's blocks of volume samples, batched for ``model.fit``.
 
     Each global batch of ``batch_size`` samples is split into row blocks as
@@ -471,7 +473,10 @@ def volumes(x, y=None, *, batch_size, model=None, spatial=None, split_labels=Non
             array-like (numpy array or memmap, h5py dataset).
         y: Optional labels, from the same kinds of source: per-voxel
             ``(N, D, H, W[, K])`` or per-sample ``(N, ...)`` (e.g. regression
-            targets).
+            targets). For a model of several outputs, a *tuple* of sources, one
+            per output in order (a list, or a tuple of paths for a model of one
+            output, is one source of per-sample files); the labels of a split
+            output are read as blocks, the others whole.
         batch_size: The global batch (all ranks together); the partial last
             batch is dropped.
         model: The transformed model to feed; it is made to accept blocks
@@ -488,9 +493,14 @@ def volumes(x, y=None, *, batch_size, model=None, spatial=None, split_labels=Non
         seed: The shuffle seed; None draws one on rank 0 and broadcasts it
             (then ``volumes`` is collective: call it on every rank).
         prefetch: Local batches read ahead (0: none).
+        sample_weight: Optional weights (same kinds of source), per voxel
+            ``(N, D, H, W)`` (read as blocks like the first output's labels) or
+            per sample ``(N,)``; needs ``y``. With a tuple of label sources, a
+            tuple of one weight source per output (cut like that output's labels).
 
     Returns:
-        A ``tf.data.Dataset`` of ``x`` or ``(x, y)`` local batches with a
+        A ``tf.data.Dataset`` of ``x``, ``(x, y)`` or ``(x, y, sample_weight)``
+        local batches (``y`` a tuple for a tuple of label sources) with a
         known number of steps per epoch (``N // batch_size``).
 
     Raises:
@@ -507,10 +517,28 @@ def volumes(x, y=None, *, batch_size, model=None, spatial=None, split_labels=Non
         ...                                 shuffle=True), epochs=2)
     """
     xs = open_source(x, "x")
-    ys = open_source(y, "y") if y is not None else None
-    if ys is not None and ys.n != xs.n:
-        raise ValueError(f"{WHERE}: Received x of {xs.n} samples and y of {ys.n}; x and y "
-                         "must hold the same samples.")
+    # a tuple of sources, one per output (a tuple of paths of a one-output model
+    # stays one source of per-sample files)
+    several = isinstance(y, tuple) and (
+        len(getattr(model, "outputs", None) or []) > 1 or
+        not all(isinstance(v, (str, bytes, os.PathLike)) for v in y))
+    labels = [open_source(v, f"y[{i}]" if several else "y")
+              for i, v in enumerate(y if several else ([] if y is None else [y]))]
+    if sample_weight is not None and not labels:
+        raise ValueError(f"{WHERE}: Received sample_weight without y; give the labels "
+                         "(y=...) the weights apply to.")
+    several_w = several and isinstance(sample_weight, tuple)
+    weights = [open_source(v, f"sample_weight[{i}]" if several_w else "sample_weight")
+               for i, v in enumerate(sample_weight if several_w else
+                                     ([] if sample_weight is None else [sample_weight]))]
+    if several_w and len(weights) != len(labels):
+        raise ValueError(f"{WHERE}: Received {len(weights)} sample_weight sources for "
+                         f"{len(labels)} label sources; give one per output.")
+    for src in labels + weights:
+        if src.n != xs.n:
+            raise ValueError(f"{WHERE}: Received x of {xs.n} samples and {src.label} of "
+                             f"{src.n}; x and {src.label} must hold the same samples.")
+    ys = labels[0] if labels else None
     ndim = len(xs.sample_shape) - 1
     if ndim not in sp.SPATIAL_AXES:
         raise ValueError(f"{WHERE}: Received x with samples of shape {xs.sample_shape}; "
@@ -525,14 +553,23 @@ def volumes(x, y=None, *, batch_size, model=None, spatial=None, split_labels=Non
                              "volumes of the model's input shape.")
     layout = plan(model, spatial, ndim, ys.sample_shape if ys is not None else None,
                   split_labels)
+    if model is not None and several and len(labels) != len(getattr(model, "outputs", [])):
+        raise ValueError(f"{WHERE}: Received a tuple of {len(labels)} label sources for "
+                         f"model {model.name!r} of {len(model.outputs)} outputs; give one "
+                         "source per output.")
     _check_batch_size(batch_size, layout.blocks, xs.n)
     buffer = _shuffle_buffer(shuffle, xs.n)
     if model is not None and math.prod(layout.parts) > 1:
         accept_blocks(model)
     x_region = layout.input_region(xs.sample_shape)
     sources = [(xs, x_region)]
-    if ys is not None:
-        sources.append((ys, layout.label_region(ys.sample_shape)))
+    for i, src in enumerate(labels):
+        lay = layout if i == 0 else plan(model, spatial, ndim, src.sample_shape, split_labels,
+                                         output=i)
+        sources.append((src, lay.label_region(src.sample_shape)))
+    for i, src in enumerate(weights):    # cut like the labels of their output
+        lay = plan(model, spatial, ndim, src.sample_shape, split_labels, output=i)
+        sources.append((src, lay.label_region(src.sample_shape)))
     start, stop = layout.rows(batch_size)
     local = stop - start
 
@@ -552,7 +589,11 @@ def volumes(x, y=None, *, batch_size, model=None, spatial=None, split_labels=Non
     def read(ids):
         tensors = tf.numpy_function(load, [ids], [s.dtype for s in specs], stateful=False)
         tensors = [tf.ensure_shape(t, s.shape) for t, s in zip(tensors, specs)]
-        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+        if len(tensors) == 1:
+            return tensors[0]
+        y_part = tuple(tensors[1:1 + len(labels)]) if several else tensors[1]
+        w_part = tuple(tensors[1 + len(labels):])
+        return (tensors[0], y_part) + ((w_part if several_w else w_part[0],) if w_part else ())
 
     order = tf.data.Dataset.range(xs.n)
     if buffer is not None:

@@ -238,3 +238,48 @@ def test_variant_trains_evaluates_and_predicts_like_single_process(
                                                                                 expected))
     print(f"\n{name}: max relative |gathered - reference| = {diff:.1e} (largest update "
           f"{moved:.1e}); evaluate {np.round(got_eval, 6).tolist()}")
+
+
+VOLUME_CASES = {2: [("s", 2, None)], 4: [("ds", 2, (1, 2, 1))]}.get(N, [])
+
+
+@pytest.mark.parametrize("strategy,mp,spatial", VOLUME_CASES)
+def test_volumes_feed_a_model_of_several_outputs(grid_of, tmp_path, strategy, mp, spatial):
+    """tfhybrid.data.volumes with a tuple of label sources (per-voxel labels of the
+    split output read as blocks, the heads' labels whole) and a tuple of weights
+    (per voxel for the split output, read as blocks; per sample for the heads),
+    x from a directory of per-sample files: training equals single-process fit."""
+    grid_of(mp)
+    keras.utils.set_random_seed(3)
+    ref = three_heads()
+    x, y, _ = _data(ref, None)
+    g = rng("variants", "volume-weights")
+    w = (g.uniform(0.2, 2.0, size=y[0].shape).astype(np.float32),
+         g.uniform(0.2, 2.0, size=len(x)).astype(np.float32))
+    w = (w[0], w[1], w[1])
+    (tmp_path / "x").mkdir()
+    for i, sample in enumerate(x):
+        np.save(tmp_path / "x" / f"{i:03d}.npy", sample)
+    paths = []
+    for j, labels in enumerate(y):
+        np.save(tmp_path / f"y{j}.npy", labels)
+        paths.append(str(tmp_path / f"y{j}.npy"))
+    np.save(tmp_path / "wv.npy", w[0])
+    np.save(tmp_path / "ws.npy", w[1])
+    weights = (str(tmp_path / "wv.npy"), str(tmp_path / "ws.npy"), str(tmp_path / "ws.npy"))
+    _compile(ref, keras.optimizers.SGD(0.05), "three", eager=True)
+    ref.fit(_dataset(x, y, w), epochs=1, shuffle=False, verbose=0)
+    keras.utils.set_random_seed(3)
+    pmodel = transform(three_heads(), strategy, **({} if spatial is None else
+                                                   {"spatial": spatial}))
+    _compile(pmodel, tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.05)), "three",
+             eager=True)
+    data = tfhybrid.data.volumes(str(tmp_path / "x"), tuple(paths), batch_size=BATCH,
+                                 model=pmodel, sample_weight=weights)
+    xb, (seg, cls, value), (wv, ws, _) = next(iter(data))
+    grid = pmodel._tfhybrid_output_grid
+    assert seg.shape[1:] == label_block(y[0][:1], grid).shape[1:] == wv.shape[1:]
+    assert cls.shape[1:] == (1,) and len(ws.shape) == 1
+    pmodel.fit(data, epochs=1, shuffle=False, verbose=0)
+    for i, (a, e) in enumerate(zip(gather(pmodel).get_weights(), ref.get_weights())):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6, err_msg=f"weight {i}")

@@ -422,6 +422,14 @@ API = [
      r"Use 'sum_over_batch_size'"),
     ("split-output-loss-own-call", lambda: split_output_loss(_OwnCall(name="own")),
      ValueError, r"loss 'own' of the split output 'seg' overrides Loss.__call__.*Override `call`"),
+    ("volumes-sample-weight-without-y", lambda: tfhybrid.data.volumes(
+        np.zeros((4, 4, 4, 4, 1), "float32"), batch_size=2,
+        sample_weight=np.ones(4, "float32")), ValueError,
+     r"Received sample_weight without y; give the labels"),
+    ("volumes-weights-per-output-count", lambda: tfhybrid.data.volumes(
+        np.zeros((4, 4, 4, 4, 1), "float32"), (np.zeros((4, 4, 4, 4)), np.zeros((4, 1))),
+        batch_size=2, sample_weight=(np.ones(4, "float32"),)), ValueError,
+     r"Received 1 sample_weight sources for 2 label sources; give one per output"),
     # -- oracle and ParaDL files (API) ------------------------------------------------
     ("oracle-unknown-strategy",
      lambda: oracle.rank(oracle.profile(mlp()), 4, 64, MACHINE, strategies=("dp",)),

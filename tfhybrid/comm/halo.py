@@ -9,6 +9,8 @@ the halo gradients back the same way and adds them to the boundary rows.
 """
 from __future__ import annotations
 
+import collections
+
 import tensorflow as tf
 
 from tfhybrid.comm import backend
@@ -329,6 +331,67 @@ def _swap(sends, recvs, g, method, name, like):
             [recv])
 
 
+class BlockHaloPlan(collections.namedtuple(
+        "BlockHaloPlan", "group shape widths sizes method name receive_from send_to")):
+    """Who sends which halo rows to whom in a block grid (see :func:`block_halo_plan`)."""
+
+
+def block_halo_plan(x, group, shape, widths, name=None, method=None, all_groups=None):
+    """Check the arguments of a block-grid halo exchange and plan it (no collective
+    but the ``"pairs"`` process-set registration); see :func:`block_halo_exchange`."""
+    method = method or halo_method()
+    if method == "axis":
+        raise ValueError("block_halo_exchange: method='axis' is halo_exchange along each "
+                         "axis in turn; call that (tfhybrid.layers.spatial.core does).")
+    nd = len(shape)
+    if int(np_prod(shape)) != group.size or len(widths) != nd or x.shape.rank != nd + 2:
+        raise ValueError(f"block_halo_exchange: grid shape {tuple(shape)} and widths "
+                         f"{list(widths)} do not match the group of {group.size} ranks and "
+                         f"a block of shape {x.shape}.")
+    sizes = [int(v) for v in x.shape[1:1 + nd]]
+    for d, ((lo, hi), n) in enumerate(zip(widths, sizes)):
+        if max(lo, hi) > n:
+            raise ValueError(f"block_halo_exchange: the block (shape {x.shape}) has {n} rows "
+                             f"along axis {d + 1} but a halo of lo={lo}, hi={hi} rows was "
+                             "requested; use fewer ranks along this axis or a larger input.")
+    widths = [tuple(int(v) for v in w) for w in widths]
+    receive_from = block_neighbours(group.index, tuple(shape), widths)
+    send_to = block_neighbours(group.index, tuple(shape), widths, sending=True)
+    if method == "pairs":
+        backend.register_groups(neighbour_pairs(all_groups or [group.ranks], tuple(shape),
+                                                widths))
+    _SENT.append((method, sum(int(np_prod(_piece_dims(o, widths, sizes, True))) * int(
+        x.shape[-1]) for o, _ in send_to)))
+    return BlockHaloPlan(group, tuple(shape), widths, sizes, method,
+                         f"{name or 'halo'}.{group.name}.{method}", receive_from, send_to)
+
+
+def block_halo_pieces(t, plan):
+    """Forward exchange of :func:`block_halo_plan`'s plan, not differentiable:
+    ``({offset: halo piece received}, anchors)`` (pieces shaped ``[batch] +``
+    :func:`_piece_dims` ``(own=False) + [channels]``; see :func:`_swap` for anchors)."""
+    w, n = plan.widths, plan.sizes
+    sends = [(o, j, _piece(t, o, w, n, True)) for o, j in plan.send_to]
+    recvs = [(o, j, _piece_dims(o, w, n, False)) for o, j in plan.receive_from]
+    return _swap(sends, recvs, plan.group, plan.method, plan.name, t)
+
+
+def block_halo_return(grads, plan, like):
+    """Backward exchange: send each received piece's gradient (``grads``:
+    ``{offset: tensor}`` for every offset of ``plan.receive_from``) back to
+    where it came from. Returns ``({offset: gradient of the rows we sent
+    there}, anchors)`` for every offset of ``plan.send_to``."""
+    w, n = plan.widths, plan.sizes
+    sends = [(o, j, grads[o]) for o, j in plan.receive_from]
+    recvs = [(o, j, _piece_dims(o, w, n, True)) for o, j in plan.send_to]
+    return _swap(sends, recvs, plan.group, plan.method, plan.name + ".bwd", like)
+
+
+def sent_rows_begin(o, plan):
+    """Where the rows sent towards offset ``o`` start in the block (per spatial axis)."""
+    return [{1: n - lo, -1: 0, 0: 0}[v] for v, (lo, hi), n in zip(o, plan.widths, plan.sizes)]
+
+
 def block_halo_exchange(x, group, shape, widths, name=None, method=None, all_groups=None):
     """Extend a block of a row-major block grid with its neighbours' halo rows.
 
@@ -360,36 +423,12 @@ def block_halo_exchange(x, group, shape, widths, name=None, method=None, all_gro
         >>> y = block_halo_exchange(x, g, (2, 2), [(1, 1), (1, 1)])
     """
     x = tf.convert_to_tensor(x)
-    method = method or halo_method()
-    if method == "axis":
-        raise ValueError("block_halo_exchange: method='axis' is halo_exchange along each "
-                         "axis in turn; call that (tfhybrid.layers.spatial.core does).")
-    nd = len(shape)
-    if int(np_prod(shape)) != group.size or len(widths) != nd or x.shape.rank != nd + 2:
-        raise ValueError(f"block_halo_exchange: grid shape {tuple(shape)} and widths "
-                         f"{list(widths)} do not match the group of {group.size} ranks and "
-                         f"a block of shape {x.shape}.")
-    sizes = [int(v) for v in x.shape[1:1 + nd]]
-    for d, ((lo, hi), n) in enumerate(zip(widths, sizes)):
-        if max(lo, hi) > n:
-            raise ValueError(f"block_halo_exchange: the block (shape {x.shape}) has {n} rows "
-                             f"along axis {d + 1} but a halo of lo={lo}, hi={hi} rows was "
-                             "requested; use fewer ranks along this axis or a larger input.")
-    widths = [tuple(int(v) for v in w) for w in widths]
-    nm = f"{name or 'halo'}.{group.name}.{method}"
-    receive_from = block_neighbours(group.index, tuple(shape), widths)
-    send_to = block_neighbours(group.index, tuple(shape), widths, sending=True)
-    if method == "pairs":
-        backend.register_groups(neighbour_pairs(all_groups or [group.ranks], tuple(shape),
-                                                widths))
-    _SENT.append((method, sum(int(np_prod(_piece_dims(o, widths, sizes, True))) * int(
-        x.shape[-1]) for o, _ in send_to)))
+    plan = block_halo_plan(x, group, shape, widths, name, method, all_groups)
+    widths, sizes, nd = plan.widths, plan.sizes, len(shape)
     keep = [[v for v in (-1, 0, 1) if (v != -1 or lo) and (v != 1 or hi)] for lo, hi in widths]
 
     def forward(t):
-        sends = [(o, j, _piece(t, o, widths, sizes, True)) for o, j in send_to]
-        recvs = [(o, j, _piece_dims(o, widths, sizes, False)) for o, j in receive_from]
-        got, anchors = _swap(sends, recvs, group, method, nm, t)
+        got, anchors = block_halo_pieces(t, plan)
 
         def build(prefix, d):
             if d == nd:
@@ -407,13 +446,11 @@ def block_halo_exchange(x, group, shape, widths, name=None, method=None, all_gro
     def backward(dy):
         # our halo pieces' gradients go back where they came from; we get back
         # the gradients of the rows we sent and add them in place
-        sends = [(o, j, _piece(dy, o, widths, sizes, False)) for o, j in receive_from]
-        recvs = [(o, j, _piece_dims(o, widths, sizes, True)) for o, j in send_to]
-        back, anchors = _swap(sends, recvs, group, method, nm + ".bwd", dy)
+        grads = {o: _piece(dy, o, widths, sizes, False) for o, _ in plan.receive_from}
+        back, anchors = block_halo_return(grads, plan, dy)
         grad = _piece(dy, (0,) * nd, widths, sizes, False)
-        for o, _ in send_to:     # added in place at their rows: no block-sized temporaries
-            begins = [{1: n - lo, -1: 0, 0: 0}[v] for v, (lo, hi), n in zip(o, widths, sizes)]
-            grad = _add_at(grad, back[o], begins + [0])
+        for o, _ in plan.send_to:     # added in place at their rows: no block-sized temporaries
+            grad = _add_at(grad, back[o], sent_rows_begin(o, plan) + [0])
         return _anchored(grad, anchors)
 
     @tf.custom_gradient

@@ -23,6 +23,9 @@ from tfhybrid.layers.spatial import core
 from tfhybrid.layout import VariableLayout, set_layout
 
 
+BLOCK_CONV = True    # False: the halo-extended input path (bench/probe comparison only)
+
+
 class _SpatialConv(core.SpatialMixin):
     """Shared implementation of SpatialConv2D/3D (mixed into keras ConvND)."""
 
@@ -61,9 +64,19 @@ class _SpatialConv(core.SpatialMixin):
                             dilation_rate=self.dilation_rate, data_format="channels_last")
 
         overlap = self._overlap_now()
-        outputs = core.windowed(inputs, plans, self._spatial_groups(), conv, 0.0,
-                                f"{self.name}.halo", overlap,
-                                params=(ops.convert_to_tensor(self.kernel),))
+        kernel = ops.convert_to_tensor(self.kernel)
+        if BLOCK_CONV and not overlap and core.block_conv_possible(plans):
+            # the block's own 'same' convolution plus thin halo corrections: no
+            # halo-extended, padded copy of the block in forward or backward
+            def conv_padded(x, k, padding):
+                return ops.conv(x, k, strides=list(self.strides), padding=padding,
+                                dilation_rate=self.dilation_rate, data_format="channels_last")
+
+            outputs = core.block_conv(inputs, plans, self._spatial_groups(), conv_padded,
+                                      kernel, f"{self.name}.halo")
+        else:
+            outputs = core.windowed(inputs, plans, self._spatial_groups(), conv, 0.0,
+                                    f"{self.name}.halo", overlap, params=(kernel,))
         if self.use_bias:
             outputs = ops.add(outputs, ops.reshape(self.bias, (1,) * (self.rank + 1) + (-1,)))
         if self.activation is not None:

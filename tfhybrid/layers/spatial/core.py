@@ -76,15 +76,30 @@ def assemble(x, plans, groups, pad_value, name, with_halo):
 def _block_exchange(x, plans, groups, name):
     """All halo rows at once, neighbour-only (corners included), or None for the
     per-axis path (``halo_method() == "axis"``, or groups not from a grid axis).
+    """
+    from tfhybrid.comm import halo
+
+    widths = [p.geometry.exchange() for p in plans]
+    grid = _block_grid(plans, groups)
+    if grid is None:
+        return None
+    mine, shape, method, every = grid
+    return halo.block_halo_exchange(x, mine, shape, widths, name=name, method=method,
+                                    all_groups=every)
+
+
+def _block_grid(plans, groups):
+    """``(spatial Group, grid shape, method, every group or None)`` of the
+    neighbour-only block exchange, or None when the per-axis path is used
+    (``halo_method() == "axis"``, no halo, or groups not from a grid axis).
 
     The spatial group is the grid axis the sub-groups were factored from (their
     names are ``"<axis>.<spatial axis>"``); the block grid is row-major.
     """
     from tfhybrid.comm import halo
 
-    widths = [p.geometry.exchange() for p in plans]
     method = halo.halo_method()
-    if method == "axis" or not any(lo or hi for lo, hi in widths):
+    if method == "axis" or not any(lo or hi for p in plans for lo, hi in [p.geometry.exchange()]):
         return None
     grid = runtime.current_grid()
     axis = groups[0].name.split(".")[0]
@@ -97,8 +112,7 @@ def _block_exchange(x, plans, groups, name):
     if tuple(sp.factor_group(mine, shape, names)) != tuple(groups):
         return None
     every = _all_groups(grid, axis) if method == "pairs" else None
-    return halo.block_halo_exchange(x, mine, shape, widths, name=name, method=method,
-                                    all_groups=every)
+    return mine, shape, method, every
 
 
 # -- running the op -------------------------------------------------------------
@@ -236,6 +250,158 @@ def _frame_only(op, x, ext, needs, params):
         return out, grad
 
     return run(x, ext, *params)
+
+
+# -- convolution on the block itself plus thin halo corrections ----------------------
+
+def block_conv_possible(plans):
+    """Whether :func:`block_conv` can run these plans: on every rank of the grid
+    (a decision all ranks share, as their collectives must match), along every
+    axis, a ``same`` convolution of the block pads it exactly by the rows that
+    rank needs (``AxisPlan.need``: halo or global border) and yields its output
+    block (e.g. ``same`` convolutions with stride 1, or stride 2 on even blocks)."""
+    for p in plans:
+        g = p.geometry
+        out, pad_lo = sp.window_output(g.block, g.window, g.stride, "same")
+        total = max((out - 1) * g.stride + g.window - g.block, 0)
+        if out != g.out_block:
+            return False
+        if any(g.need(i) != (pad_lo, total - pad_lo) for i in range(g.parts)):
+            return False
+    return True
+
+
+def _corrections(plans, plan):
+    """Per received halo piece (offset ``o``): per spatial axis, the piece rows
+    used ``(start, length)``, the zero rows around them ``(before, after)`` that
+    make the thin input of a ``valid`` convolution, and the output rows it
+    contributes to ``(start, length)``; None when it contributes to no output.
+
+    Coordinates: the rank's extended input (``need`` rows before the block),
+    whose ``valid`` convolution is the output block. The piece covers ext rows
+    ``[P0, P1)``; outputs ``j`` with ``j*s < P1`` and ``j*s + w > P0`` read it.
+    """
+    out = {}
+    for o, _ in plan.receive_from:
+        axes = []
+        for v, p, (wlo, _) in zip(o, plans, plan.widths):
+            g = p.geometry
+            (lo, hi), n, m, s, w = p.need, g.block, g.out_block, g.stride, g.window
+            p0, p1, shift = {-1: (0, lo, wlo - lo), 1: (lo + n, lo + n + hi, -(lo + n)),
+                             0: (lo, lo + n, -lo)}[v]
+            ja, jb = max(0, (p0 - w) // s + 1), min(m, -(-p1 // s))
+            a, b = ja * s, (jb - 1) * s + w
+            u0, u1 = max(a, p0), min(b, p1)
+            if p1 <= p0 or ja >= jb or u1 <= u0:
+                axes = None
+                break
+            axes.append(((u0 + shift, u1 - u0), (u0 - a, b - u1), (ja, jb - ja)))
+        out[o] = axes
+    return out
+
+
+def _region(t, starts, lengths):
+    nd = len(starts)
+    return tf.slice(t, [0] + list(starts) + [0], [-1] + list(lengths) + [-1])
+
+
+def _thin_input(piece, axes):
+    """The thin ``valid``-conv input of one piece: its used rows, zeros around."""
+    used = _region(piece, [a[0][0] for a in axes], [a[0][1] for a in axes])
+    pads = [[0, 0]] + [list(a[1]) for a in axes] + [[0, 0]]
+    return tf.pad(used, pads) if any(v for a in axes for v in a[1]) else used
+
+
+def block_conv(x, plans, groups, conv, kernel, name):
+    """A convolution of this rank's block ``x`` with its halo, keeping no
+    halo-extended copy of the block in the forward or the backward pass.
+
+    ``conv(t, kernel, padding)`` is the layer's convolution (``"same"`` or
+    ``"valid"``). By linearity, the convolution of the extended input (the
+    block, its halo and global-border zeros) is ``conv(x, "same")`` (the block
+    with zeros around: :func:`block_conv_possible` checks that ``same`` pads it
+    by exactly those rows) plus, for each received halo piece, a ``valid``
+    convolution of the thin piece with zeros around it, added in place at the
+    output rows it reaches. The backward does the same: the kernel gradient is
+    the block's plus the pieces', the input gradient the block's ``same``
+    input gradient plus, added in place at their rows, the gradients of the
+    rows we sent (returned by the neighbours). Only the block (the previous
+    layer's output) and the thin pieces are kept for the backward pass.
+
+    Values equal those of the extended-input convolution up to float32
+    rounding (sums of the same products in another order).
+    """
+    from tfhybrid.comm import halo
+
+    grid = _block_grid(plans, groups)
+    if grid is None:
+        return conv(x, kernel, "same")
+    mine, shape, method, every = grid
+    plan = halo.block_halo_plan(x, mine, shape, [p.geometry.exchange() for p in plans],
+                                name=name, method=method, all_groups=every)
+    regions = _corrections(plans, plan)
+    used = [o for o, _ in plan.receive_from if regions[o] is not None]
+    kernel = tf.convert_to_tensor(kernel)
+
+    def piece_shape(o, like):
+        dims = halo._piece_dims(o, plan.widths, plan.sizes, False)
+        return [like.shape[0]] + dims + [like.shape[-1]]
+
+    @tf.custom_gradient
+    def run(t, k):
+        got, anchors = halo.block_halo_pieces(t, plan)
+        thin = {o: _thin_input(tf.ensure_shape(got[o], piece_shape(o, t)), regions[o])
+                for o in used}
+        if used:    # every alltoall must feed the output (see halo._swap)
+            thin[used[0]] = halo._anchored(thin[used[0]], anchors)
+        y = conv(t, k, "same")
+        for o in used:
+            y = halo._add_at(y, conv(thin[o], k, "valid"), [a[2][0] for a in regions[o]] + [0])
+        if not used:
+            y = halo._anchored(y, anchors)
+
+        def grad(dy):
+            with tf.GradientTape() as tape:
+                tape.watch(k)
+                yb = conv(t, k, "same")
+            dk = tape.gradient(yb, k, output_gradients=dy)
+            grads = {}
+            for o, _ in plan.receive_from:
+                full = piece_shape(o, dy)
+                if regions[o] is None:
+                    grads[o] = tf.zeros([tf.shape(dy)[0]] + full[1:], dy.dtype)
+                    continue
+                axes = regions[o]
+                dyo = _region(dy, [a[2][0] for a in axes], [a[2][1] for a in axes])
+                with tf.GradientTape() as tape:
+                    tape.watch([thin[o], k])
+                    yo = conv(thin[o], k, "valid")
+                d_thin, dko = tape.gradient(yo, [thin[o], k], output_gradients=dyo)
+                dk = dk + dko
+                d_used = _region(d_thin, [a[1][0] for a in axes], [a[0][1] for a in axes])
+                pads = [[0, 0]] + [[a[0][0], f - a[0][0] - a[0][1]]
+                                   for a, f in zip(axes, full[1:-1])] + [[0, 0]]
+                grads[o] = tf.pad(d_used, pads)
+            # pieces carry the input's channels (a thin gradient, else the block)
+            like = next(iter(grads.values())) if grads else t
+            back, anchors_b = halo.block_halo_return(grads, plan, like)
+            sent = [o for o, _ in plan.send_to]
+            if sent:
+                back[sent[0]] = halo._anchored(back[sent[0]], anchors_b)
+            # the input's gradient after the kernel's (and the thin pieces')
+            with tf.control_dependencies([dk]):
+                with tf.GradientTape() as tape:
+                    tape.watch(t)
+                    yb = conv(t, k, "same")
+                dx = tape.gradient(yb, t, output_gradients=dy)
+            for o in sent:     # in place at the rows we sent: no block-sized temporaries
+                dx = halo._add_at(dx, back[o], halo.sent_rows_begin(o, plan) + [0])
+            if not sent:
+                dx = halo._anchored(dx, anchors_b)
+            return dx, dk
+        return y, grad
+
+    return run(x, kernel)
 
 
 # -- the shared layer machinery ---------------------------------------------------

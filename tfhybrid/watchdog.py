@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -477,11 +478,18 @@ def _caller_outside_callbacks():
     machinery: ``fit``/``evaluate``/``predict``'s loop, which runs the step."""
     frame = sys._getframe(1)
     while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename).replace(os.sep, "/")
-        if path != _THIS and "/keras/src/callbacks/" not in path:
+        if not _in_callbacks(frame.f_code):
             return frame
         frame = frame.f_back
     return None
+
+
+@functools.lru_cache(maxsize=256)
+def _in_callbacks(code) -> bool:
+    """Whether ``code`` is this module's or Keras' callback machinery (cached per
+    code object: the lookup runs at every step's ``on_train_batch_begin``)."""
+    path = os.path.abspath(code.co_filename).replace(os.sep, "/")
+    return path == _THIS or "/keras/src/callbacks/" in path
 
 
 _THIS = os.path.abspath(__file__).replace(os.sep, "/")

@@ -382,7 +382,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         items = [((), 0) if g is None else (s.ranks, self._wire_bytes(g, v))
                  for g, s, v in zip(grads, specs, variables)]
         buckets = plan_buckets(items, self.bucket_bytes)
-        out = [None if g is None else _scaled(g, s.factor) for g, s in zip(grads, specs)]
+        communicated = {i for bucket in buckets for i in bucket.indices}
+        # only gradients reduced by no bucket are scaled here (no dead ops in the step)
+        out = [None if g is None or i in communicated else _scaled(g, s.factor)
+               for i, (g, s) in enumerate(zip(grads, specs))]
         for number, bucket in enumerate(buckets):
             reduced = self._reduce_bucket([grads[i] for i in bucket.indices],
                                           [specs[i].factor for i in bucket.indices],

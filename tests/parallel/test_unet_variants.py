@@ -5,10 +5,11 @@ Run under ``horovodrun -np 2`` and ``-np 4``.
 Models (plain Keras, built here): a 2-D U-Net whose decoder up-samples with
 nearest UpSampling2D and dilated 3x3 convolutions, joins the skip by
 ``Concatenate(axis=3)`` in reversed order ([skip, decoder]), ReLU/LeakyReLU
-layers, BatchNormalization with axis=-1/3 and other momenta, Dropout(0); a
+layers, BatchNormalization with axis=-1/3 and other momenta, Dropout(0),
+GroupNormalization (SpatialGroupNormalization on blocks); a
 LinkNet/attention 2-D net (residual ``Add`` decoders, an attention gate
 ``Multiply(skip, sigmoid(conv1x1(...)))``, a Softmax layer); a 3-D U-Net of
-depth 3 with regularised transposed convolutions; a 3-D net with three outputs
+depth 3 with regularised transposed convolutions and a GroupNormalization; a 3-D net with three outputs
 (per-voxel segmentation split, a binary head and a regression head on
 GlobalAveragePooling3D, replicated) with weight and activity regularisers on
 split and replicated layers.
@@ -62,6 +63,7 @@ def upsample_dilated(shape=(16, 16, 1)):
     x = L.Concatenate(axis=3, name="skip")([e0, x])
     x = L.Dropout(0.0, name="drop")(x)
     x = _conv(x, 4, "d0", act="leaky")
+    x = L.GroupNormalization(groups=2, name="d0_gn")(x)
     return keras.Model(i, L.Conv2D(CLASSES, 1, activation="softmax", name="head")(x))
 
 
@@ -92,6 +94,7 @@ def unet3d_depth3(shape=(8, 16, 16, 1)):
         skips.append(x)
         x = L.MaxPooling3D(2, name=f"pool{level}")(x)
     x = _conv(x, 8, "mid", ndim=3)
+    x = L.GroupNormalization(groups=4, epsilon=1e-3, name="mid_gn")(x)
     for level in reversed(range(3)):
         x = L.Conv3DTranspose(2 * 2 ** level, 2, strides=2, name=f"up{level}",
                               kernel_regularizer=reg)(x)
@@ -216,6 +219,8 @@ def test_variant_trains_evaluates_and_predicts_like_single_process(
     pmodel = transform(build(), strategy, **({} if spatial is None else {"spatial": spatial}))
     flags = pmodel._tfhybrid_split_outputs
     assert flags[0] and not any(flags[1:]), flags
+    for layer in pmodel.layers:     # GroupNormalization runs on blocks
+        assert type(layer) is not keras.layers.GroupNormalization, layer.name
     _compile(pmodel, tfhybrid.DistributedOptimizer(keras.optimizers.SGD(lr)), kind,
              eager=run == "eager")
     pmodel.fit(tfhybrid.data.shard(_dataset(*data), model=pmodel), epochs=1, shuffle=False,

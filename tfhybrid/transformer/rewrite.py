@@ -88,7 +88,8 @@ _SPATIAL_COPIES = {"Conv2D": P.SpatialConv2D, "ZeroPadding2D": P.SpatialZeroPadd
                    "Cropping2D": P.SpatialCropping2D, "Conv3D": P.SpatialConv3D,
                    "ZeroPadding3D": P.SpatialZeroPadding3D, "Cropping3D": P.SpatialCropping3D,
                    "Conv2DTranspose": P.SpatialConv2DTranspose,
-                   "Conv3DTranspose": P.SpatialConv3DTranspose}
+                   "Conv3DTranspose": P.SpatialConv3DTranspose,
+                   "GroupNormalization": P.SpatialGroupNormalization}
 
 
 def _spatial(layer, np, grid):

@@ -221,11 +221,23 @@ class PerVoxel(Rule):
         return super().plan(node, layouts, kind, ctx)
 
 
+class GroupNorm(Rule):
+    """GroupNormalization over channels (last axis): on ``space`` blocks it sums
+    each sample's moments over the group (SpatialGroupNormalization); other
+    layouts need full inputs."""
+
+    def plan(self, node, layouts, kind, ctx):
+        if layouts[0].kind == "space" and channels_last_axis(node):
+            return Decision((None,), "spatial", layouts[0], {"split": ctx.spatial})
+        return super().plan(node, layouts, kind, ctx)
+
+
 def runs_on_blocks(node) -> bool:
     """True for layers that compute a ``space`` block from that block alone (they
     do not end the spatial region of s/ds): element-wise layers and merges,
     BatchNormalization (synchronised), softmax over channels, Concatenate
-    along channels, nearest UpSampling2D/3D, Dense and LayerNormalization per voxel.
+    along channels, nearest UpSampling2D/3D, Dense and LayerNormalization per voxel,
+    GroupNormalization over channels (moments summed over the blocks).
 
     Example:
         >>> runs_on_blocks(node_of(keras.layers.Concatenate()))
@@ -234,7 +246,7 @@ def runs_on_blocks(node) -> bool:
     if node.cls == "Softmax" or (node.cls == "Activation" and
                                  node.attr("activation") in CHANNEL_MIXING):
         return channels_last_axis(node)
-    if node.cls == "Concatenate":
+    if node.cls in ("Concatenate", "GroupNormalization"):
         return channels_last_axis(node)
     if spatial_local(node) or per_voxel(node):
         return True
@@ -402,7 +414,8 @@ _RULES = {}
 for _names, _rule in ((ELEMENTWISE + ("Activation",), Elementwise()), (CHANNELWISE, Channelwise()),
                       (MERGES, Merge()), (("BatchNormalization",), BatchNorm()),
                       (LINEAR + SPATIAL_WEIGHTED, Linear()), (("Concatenate",), Concat()),
-                      (SPATIAL_UPSAMPLING, UpSampling()), (("LayerNormalization",), PerVoxel())):
+                      (SPATIAL_UPSAMPLING, UpSampling()), (("LayerNormalization",), PerVoxel()),
+                      (("GroupNormalization",), GroupNorm())):
     for _name in _names:
         _RULES[_name] = _rule
 _DEFAULT = FullInput()

@@ -21,10 +21,12 @@ Modules: :mod:`tfhybrid.spatial_geometry` (which rows each rank holds and
 needs; pure Python, beside the process grid), :mod:`.core` (halo assembly and
 overlapped execution), :mod:`.conv`, :mod:`.pool`, :mod:`.io` (scatter and
 gather), :mod:`.border` (zero padding and cropping), :mod:`.transpose`
-(transposed convolutions), :mod:`.output` (per-voxel outputs kept in blocks:
+(transposed convolutions), :mod:`.group_norm` (GroupNormalization with the
+whole volume's moments), :mod:`.output` (per-voxel outputs kept in blocks:
 their loss, metrics and labels).
 """
 from tfhybrid.layers.spatial.conv import SpatialConv2D, SpatialConv3D
+from tfhybrid.layers.spatial.group_norm import SpatialGroupNormalization
 from tfhybrid.layers.spatial.border import (SpatialCropping2D, SpatialCropping3D,
                                             SpatialZeroPadding2D, SpatialZeroPadding3D)
 from tfhybrid.layers.spatial.io import SpatialGather, SpatialScatter
@@ -35,4 +37,5 @@ from tfhybrid.layers.spatial.transpose import SpatialConv2DTranspose, SpatialCon
 __all__ = ["SpatialConv2D", "SpatialConv3D", "SpatialMaxPooling2D", "SpatialMaxPooling3D",
            "SpatialAveragePooling2D", "SpatialAveragePooling3D", "SpatialScatter",
            "SpatialGather", "SpatialZeroPadding2D", "SpatialZeroPadding3D", "SpatialCropping2D",
-           "SpatialCropping3D", "SpatialConv2DTranspose", "SpatialConv3DTranspose"]
+           "SpatialCropping3D", "SpatialConv2DTranspose", "SpatialConv3DTranspose",
+           "SpatialGroupNormalization"]

@@ -185,3 +185,20 @@ def test_fires_prints_and_exits_non_zero():
                      r"collective 'tfh.dense.reduce.model' \(allreduce over ranks \[0, 1\]\)",
                      proc.stderr), proc.stderr
     assert time.time() - start < 30
+
+
+def test_callback_step_is_owned_by_the_loop_calling_the_callback_list():
+    """The step's owner frame is the first frame outside the watchdog and Keras'
+    callback machinery (the fit loop), also on the cached repeat lookups."""
+    import keras
+
+    cb = WatchdogCallback()
+    callbacks = keras.callbacks.CallbackList([cb])
+    cb.on_train_begin()
+    for _ in range(3):
+        loop = sys._getframe()
+        callbacks.on_train_batch_begin(0)
+        act = watchdog.get()._active[WatchdogCallback._open["train"]]
+        assert act.owner == (threading.get_ident(), loop)
+        callbacks.on_train_batch_end(0)
+    cb.on_train_end()

@@ -6,6 +6,7 @@ Models (plain Keras, built here): a 2-D U-Net whose decoder up-samples with
 nearest UpSampling2D and dilated 3x3 convolutions, joins the skip by
 ``Concatenate(axis=3)`` in reversed order ([skip, decoder]), ReLU/LeakyReLU
 layers, BatchNormalization with axis=-1/3 and other momenta, Dropout(0),
+seeded SpatialDropout2D/3D (same channel mask on every block of a sample),
 GroupNormalization (SpatialGroupNormalization on blocks); a
 LinkNet/attention 2-D net (residual ``Add`` decoders, an attention gate
 ``Multiply(skip, sigmoid(conv1x1(...)))``, a Softmax layer); a 3-D U-Net of
@@ -67,12 +68,16 @@ def upsample_dilated(shape=(16, 16, 1)):
     return keras.Model(i, L.Conv2D(CLASSES, 1, activation="softmax", name="head")(x))
 
 
-def linknet_attention(shape=(16, 16, 1)):
-    """Residual Add decoders (LinkNet) and an attention gate on the first skip."""
+def linknet_attention(shape=(16, 16, 1), drop=False):
+    """Residual Add decoders (LinkNet) and an attention gate on the first skip;
+    ``drop``: a seeded SpatialDropout2D on the bottleneck (under s every block of a
+    sample draws the same channel mask as one process with that seed)."""
     i = keras.Input(shape, name="image")
     e0 = _conv(i, 4, "e0")
     e1 = _conv(L.MaxPooling2D(2, name="pool0")(e0), 8, "e1")
     m = _conv(L.MaxPooling2D(2, name="pool1")(e1), 8, "mid")
+    if drop:
+        m = L.SpatialDropout2D(0.5, seed=5, name="mid_drop")(m)
     x = L.Conv2DTranspose(8, 3, strides=2, padding="same", name="up1")(m)
     x = L.Activation("relu", name="d1_relu")(L.Add(name="res1")([e1, x]))
     up = L.Conv2DTranspose(4, 2, strides=2, name="up0")(x)
@@ -95,6 +100,7 @@ def unet3d_depth3(shape=(8, 16, 16, 1)):
         x = L.MaxPooling3D(2, name=f"pool{level}")(x)
     x = _conv(x, 8, "mid", ndim=3)
     x = L.GroupNormalization(groups=4, epsilon=1e-3, name="mid_gn")(x)
+    x = L.SpatialDropout3D(0.3, seed=11, name="mid_drop")(x)
     for level in reversed(range(3)):
         x = L.Conv3DTranspose(2 * 2 ** level, 2, strides=2, name=f"up{level}",
                               kernel_regularizer=reg)(x)
@@ -179,6 +185,7 @@ def _compile(model, optimizer, kind, eager):
 
 
 BUILDERS = {"upsample_dilated": upsample_dilated, "linknet_attention": linknet_attention,
+            "linknet_attention_drop": lambda: linknet_attention(drop=True),
             "unet3d_depth3": unet3d_depth3, "three_heads": three_heads}
 
 # (name, builder, compile variant, strategy, mp, spatial, run)
@@ -187,6 +194,8 @@ CASES = {
          None, "eager"),
         ("linknet-attention-sum", "linknet_attention", "sum", "s", 2, "width", "eager"),
         ("linknet-attention-meanweighted", "linknet_attention", "mean-weighted", "s", 2, None,
+         "eager"),
+        ("linknet-spatialdropout", "linknet_attention_drop", "plain", "s", 2, "height",
          "eager"),
         ("three-heads-depth", "three_heads", "three", "s", 2, None, "eager")],
     4: [("unet3d-depth3-grid", "unet3d_depth3", "plain", "s", 4, (1, 2, 2), "traced"),

@@ -47,15 +47,19 @@ def _entry_partial(np) -> bool:
 
 def _copy(layer, np, grid):
     config = layer.get_config()
-    if np.cls == "Dropout":
+    if np.cls == "Dropout" or np.cls.startswith("SpatialDropout"):
         config["seed"] = _dropout_seed(layer, np, grid)
     return copy_layer(layer, config)    # a Lambda keeps its live function
 
 
 def _dropout_seed(layer, np, grid):
-    """Same seed on the ranks holding the same tensor (R), distinct otherwise."""
+    """Same seed on the ranks holding the same tensor (R), distinct otherwise. A
+    SpatialDropout on spatial blocks draws one channel mask per sample: the same
+    seed on the blocks of a sample (its model group), so they drop the same channels."""
     base = layer.seed if layer.seed is not None else zlib.crc32(layer.name.encode()) % 10007
-    member = grid.data_rank if np.inputs[0].kind == "replicated" else grid.rank
+    shared = np.inputs[0].kind == "replicated" or (
+        np.cls.startswith("SpatialDropout") and np.inputs[0].kind == "space")
+    member = grid.data_rank if shared else grid.rank
     return int(base) + 7919 * member
 
 

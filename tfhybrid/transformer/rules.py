@@ -36,7 +36,8 @@ from tfhybrid.transformer.layouts import Layout
 
 # Layers computed independently per element (or per example): any layout passes.
 ELEMENTWISE = ("ReLU", "LeakyReLU", "ELU", "Dropout", "GaussianNoise", "GaussianDropout",
-               "AlphaDropout", "Identity", "Rescaling", "ActivityRegularization", "Softmax")
+               "AlphaDropout", "Identity", "Rescaling", "ActivityRegularization", "Softmax",
+               "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D")
 # Channel-mixing activations (need all features).
 CHANNEL_MIXING = ("softmax", "log_softmax")
 CHANNELWISE = ("MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",

@@ -433,10 +433,11 @@ def _labels_in_blocks(data, model):
     if split is None:
         return data
     flags, spatial = split
+    names = list(getattr(model, "output_names", None) or [])   # labels as a dict by output
     if isinstance(data, tf.data.Dataset):
-        return data.map(lambda *e: split_labels(e, spatial, flags) if len(e) > 1 else e[0],
-                        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return split_labels(data, spatial, flags)
+        return data.map(lambda *e: split_labels(e, spatial, flags, names) if len(e) > 1
+                        else e[0], num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return split_labels(data, spatial, flags, names)
 
 
 def local_batch_size(global_batch: int, model=None) -> int:

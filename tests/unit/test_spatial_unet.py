@@ -226,6 +226,10 @@ def test_mixed_split_and_replicated_outputs():
         np.testing.assert_array_equal(b, ycls)
         _, (a, b) = split_labels((xs, (yseg, yseg)), (2, 1), flags=(True, False))
         assert a.shape == (2, 4, 8) and b.shape == (2, 8, 8)
+        _, y = split_labels((xs, {"cls": ycls, "seg": yseg}), (2, 1), flags=(True, False),
+                            names=["seg", "cls"])       # labels by output name
+        np.testing.assert_array_equal(y["seg"], yseg[:, 4:])
+        np.testing.assert_array_equal(y["cls"], ycls)
 
 
 def test_describe_counts_the_transposed_convolutions_halo():

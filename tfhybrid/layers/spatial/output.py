@@ -326,27 +326,33 @@ def label_block(t, spatial, what="labels"):
     return t
 
 
-def split_labels(element, spatial, flags=None):
+def split_labels(element, spatial, flags=None, names=None):
     """A ``(x, y[, sample_weight])`` element with ``y`` and a per-voxel
     ``sample_weight`` cut to this rank's spatial block (``x`` stays whole:
     the model's SpatialScatter splits it).
 
     ``flags``: per model output, True when it is split. With several outputs
-    and ``y`` a list/tuple of one entry per output, only the entries of split
-    outputs are cut (a classification head's labels stay whole).
+    and ``y`` a list/tuple of one entry per output, or a dict keyed by the output
+    names ``names``, only the entries of split outputs are cut (a
+    classification head's labels stay whole).
     """
     if not isinstance(element, (tuple, list)) or len(element) < 2:
         return element
     out = list(element)
     for i, what in ((1, "labels"), (2, "sample weights")):
         if i < len(out) and out[i] is not None:
-            out[i] = _cut(out[i], spatial, flags, what)
+            out[i] = _cut(out[i], spatial, flags, what, names)
     return type(element)(out) if isinstance(element, tuple) else out
 
 
-def _cut(value, spatial, flags, what):
+def _cut(value, spatial, flags, what, names=None):
     def cut(t):
         return label_block(t, spatial, what)
+
+    if flags is not None and isinstance(value, dict) and names and len(names) == len(flags):
+        split = dict(zip(names, flags))
+        return {k: tf.nest.map_structure(cut, v) if split.get(k, True) else v
+                for k, v in value.items()}
 
     if flags is not None and len(flags) > 1 and isinstance(value, (tuple, list)) and \
             len(value) == len(flags):

@@ -297,3 +297,39 @@ def test_volumes_feed_a_model_of_several_outputs(grid_of, tmp_path, strategy, mp
     pmodel.fit(data, epochs=1, shuffle=False, verbose=0)
     for i, (a, e) in enumerate(zip(gather(pmodel).get_weights(), ref.get_weights())):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6, err_msg=f"weight {i}")
+
+
+ACTIVITY_CASES = {2: [("s", 2, None)], 4: [("ds", 2, None)]}.get(N, [])
+
+
+@pytest.mark.parametrize("strategy,mp,spatial", ACTIVITY_CASES)
+def test_activity_regulariser_on_blocks_of_a_gathered_model(grid_of, strategy, mp, spatial):
+    """An activity regulariser on a convolution of the spatial region of a model
+    whose output is gathered (a classifier): the loss of evaluate holds every
+    block's share (before: only this rank's block), training equals one process."""
+    grid_of(mp)
+
+    def build():
+        keras.utils.set_random_seed(4)
+        i = keras.Input((8, 8, 1))
+        x = L.Conv2D(4, 3, padding="same", activation="relu", name="conv",
+                     activity_regularizer=keras.regularizers.L2(0.05))(i)
+        x = L.Flatten(name="flat")(L.MaxPooling2D(2, name="pool")(x))
+        return keras.Model(i, L.Dense(CLASSES, activation="softmax", name="out")(x))
+
+    x = randn((STEPS * BATCH, 8, 8, 1), "activity", "x")
+    y = rng("activity", "y").integers(0, CLASSES, size=STEPS * BATCH).astype(np.int32)
+    ref = build()
+    ref.compile(keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+                run_eagerly=True)
+    ref.fit(_dataset(x, y, None), epochs=1, shuffle=False, verbose=0)
+    want = ref.evaluate(_dataset(x, y, None), verbose=0)
+    pmodel = transform(build(), strategy)
+    pmodel.compile(tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                   loss="sparse_categorical_crossentropy", run_eagerly=True)
+    pmodel.fit(tfhybrid.data.shard(_dataset(x, y, None), model=pmodel), epochs=1,
+               shuffle=False, verbose=0)
+    got = pmodel.evaluate(tfhybrid.data.shard(_dataset(x, y, None), model=pmodel), verbose=0)
+    for i, (a, e) in enumerate(zip(gather(pmodel).get_weights(), ref.get_weights())):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6, err_msg=f"weight {i}")
+    np.testing.assert_allclose(got, want, rtol=1e-4, err_msg="evaluate loss")

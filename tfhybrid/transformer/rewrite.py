@@ -203,6 +203,9 @@ class _Rewriter:
         if any(self.plan.split_outputs):   # per-voxel outputs stay in spatial blocks
             from tfhybrid.layers.spatial.output import install_split_outputs
             install_split_outputs(new, self.plan.split_outputs, self.plan.context.spatial)
+        else:                              # activity losses of layers on blocks: whole value
+            from tfhybrid.layers.spatial.output import install_block_losses
+            install_block_losses(new)
         return new if self.scheme == "BK" else _micro_steps(new, self.plan, self.scheme)
 
 

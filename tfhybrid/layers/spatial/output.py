@@ -65,6 +65,48 @@ def install_split_outputs(model, split_outputs, spatial):
     return model
 
 
+def install_block_losses(model):
+    """For a model whose output is gathered but whose spatial region holds layers
+    with their own losses (activity regularisers, ActivityRegularization): make
+    the reported loss include every block's share.
+
+    Each rank's loss holds the activity loss of its own block only; the
+    gradients are right (each block's share reaches its partial weights,
+    summed by the optimizer), but the loss value (logs, ``evaluate``) lacked
+    the other blocks. ``compute_loss`` adds, without gradient, the other
+    blocks' shares (one scalar allreduce over the model group per step).
+    Models without such layers are left unchanged.
+    """
+    k = runtime.current_grid().group("model").size
+    if k == 1 or not any(_has_own_losses(layer) for layer in model._flatten_layers(
+            include_self=False) if getattr(layer, "_tfhybrid_on_blocks", False)):
+        return model
+    cls = type(model)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = cls.compute_loss(self, x, y, y_pred, sample_weight, training=training)
+        terms = [tf.reduce_sum(tf.cast(v, tf.float32))
+                 for layer in self._flatten_layers(include_self=False)
+                 if getattr(layer, "_tfhybrid_on_blocks", False)
+                 for v in layer._get_own_losses()]
+        if loss is None or not terms:
+            return loss
+        own = tf.stop_gradient(tf.add_n(terms))
+        from tfhybrid.comm import backend
+
+        group = runtime.current_grid().group("model")
+        total = backend.allreduce(own, group.ranks, "block_losses.sum")
+        return loss + tf.cast(total - own, loss.dtype)
+
+    object.__setattr__(model, "compute_loss", types.MethodType(compute_loss, model))
+    return model
+
+
+def _has_own_losses(layer):
+    return getattr(layer, "activity_regularizer", None) is not None or \
+        type(layer).__name__ == "ActivityRegularization"
+
+
 def _wrap_compiled_losses(model, flags):
     """Make the compiled loss of every split output the whole volume's share.
 

@@ -148,19 +148,47 @@ def _add_at(t, piece, begins):
     when nothing else holds it: unlike ``t + tf.pad(piece)`` it makes no
     temporaries of ``t``'s size. Each element gets one addition, as there.
     """
+    return add_all_at(t, [(piece, begins)])
+
+
+def _scatter_rows(t, piece, begins):
+    """(indices, updates) of :func:`_add_at`, or None when the piece is ``t``'s shape."""
     rank = t.shape.rank
     spans = [d for d in range(1, rank)
              if not isinstance(begins[d - 1], int) or begins[d - 1] != 0
              or piece.shape[d] is None or piece.shape[d] != t.shape[d]]
     if not spans:
-        return t + piece
+        return None
     last = spans[-1]
     ranges = [tf.range(tf.shape(piece)[0])] + [
         begins[d - 1] + tf.range(tf.shape(piece)[d]) for d in range(1, last + 1)]
     grids = tf.meshgrid(*ranges, indexing="ij")
     indices = tf.reshape(tf.stack(grids, -1), [-1, last + 1])
     updates = tf.reshape(piece, tf.concat([[-1], tf.shape(piece)[last + 1:]], 0))
-    return tf.tensor_scatter_nd_add(t, indices, updates)
+    return indices, updates, last
+
+
+def add_all_at(t, pieces):
+    """``t`` with every ``(piece, begins)`` of ``pieces`` added at its offset
+    (see :func:`_add_at`; pieces must not overlap). Pieces indexed to the same
+    axis go in one ``tensor_scatter_nd_add``: one in-place update of ``t``'s
+    buffer, where a chain of them was measured to keep a copy of ``t`` per
+    extra link (a middle rank's two halo pieces)."""
+    groups = {}
+    for piece, begins in pieces:
+        rows = _scatter_rows(t, piece, begins)
+        if rows is None:
+            t = t + piece
+            continue
+        groups.setdefault(rows[2], []).append(rows[:2])
+    for _, items in sorted(groups.items()):
+        if len(items) == 1:
+            indices, updates = items[0]
+        else:
+            indices = tf.concat([i for i, _ in items], 0)
+            updates = tf.concat([u for _, u in items], 0)
+        t = tf.tensor_scatter_nd_add(t, indices, updates)
+    return t
 
 
 # -- neighbour-only exchange over a whole block grid (corners included) --------------
@@ -449,8 +477,9 @@ def block_halo_exchange(x, group, shape, widths, name=None, method=None, all_gro
         grads = {o: _piece(dy, o, widths, sizes, False) for o, _ in plan.receive_from}
         back, anchors = block_halo_return(grads, plan, dy)
         grad = _piece(dy, (0,) * nd, widths, sizes, False)
-        for o, _ in plan.send_to:     # added in place at their rows: no block-sized temporaries
-            grad = _add_at(grad, back[o], sent_rows_begin(o, plan) + [0])
+        # added in place at their rows: no block-sized temporaries
+        grad = add_all_at(grad, [(back[o], sent_rows_begin(o, plan) + [0])
+                                 for o, _ in plan.send_to])
         return _anchored(grad, anchors)
 
     @tf.custom_gradient

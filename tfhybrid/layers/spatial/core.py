@@ -354,9 +354,8 @@ def block_conv(x, plans, groups, conv, kernel, name):
                 for o in used}
         if used:    # every alltoall must feed the output (see halo._swap)
             thin[used[0]] = halo._anchored(thin[used[0]], anchors)
-        y = conv(t, k, "same")
-        for o in used:
-            y = halo._add_at(y, conv(thin[o], k, "valid"), [a[2][0] for a in regions[o]] + [0])
+        y = halo.add_all_at(conv(t, k, "same"), [
+            (conv(thin[o], k, "valid"), [a[2][0] for a in regions[o]] + [0]) for o in used])
         if not used:
             y = halo._anchored(y, anchors)
 
@@ -394,8 +393,9 @@ def block_conv(x, plans, groups, conv, kernel, name):
                     tape.watch(t)
                     yb = conv(t, k, "same")
                 dx = tape.gradient(yb, t, output_gradients=dy)
-            for o in sent:     # in place at the rows we sent: no block-sized temporaries
-                dx = halo._add_at(dx, back[o], halo.sent_rows_begin(o, plan) + [0])
+            # in place at the rows we sent: no block-sized temporaries
+            dx = halo.add_all_at(dx, [(back[o], halo.sent_rows_begin(o, plan) + [0])
+                                      for o in sent])
             if not sent:
                 dx = halo._anchored(dx, anchors_b)
             return dx, dk

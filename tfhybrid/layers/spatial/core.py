@@ -301,7 +301,6 @@ def _corrections(plans, plan):
 
 
 def _region(t, starts, lengths):
-    nd = len(starts)
     return tf.slice(t, [0] + list(starts) + [0], [-1] + list(lengths) + [-1])
 
 

@@ -57,3 +57,18 @@ def test_spatial_conv3d_in_a_graph_matches_keras(grid_of, spec, case):
 @pytest.mark.parametrize("spec", split_specs(3, few=True), ids=str)
 def test_spatial_conv3d_beside_other_model_groups(grid_of, spec, case):
     check_conv3d(spec, case, ["eager"], grid_of)
+
+
+@pytest.mark.parametrize("method", ["axis", "pairs"])
+@pytest.mark.parametrize("spec", split_specs(3, few=True), ids=str)
+def test_spatial_conv3d_other_halo_methods_match_keras(grid_of, spec, method):
+    """The per-axis and pairwise halo methods: the block convolution
+    (core.block_conv) must hand the per-axis method to core.windowed, not
+    convolve the block without its halo."""
+    from tfhybrid.comm import halo
+
+    halo.set_halo_method(method)
+    try:
+        check_conv3d(spec, (3, 1, 1, "same"), ["eager", "function"], grid_of)
+    finally:
+        halo.set_halo_method(None)

@@ -65,6 +65,7 @@ class _SpatialConv(core.SpatialMixin):
 
         overlap = self._overlap_now()
         kernel = ops.convert_to_tensor(self.kernel)
+        outputs = None
         if BLOCK_CONV and not overlap and core.block_conv_possible(plans):
             # the block's own 'same' convolution plus thin halo corrections: no
             # halo-extended, padded copy of the block in forward or backward
@@ -74,7 +75,7 @@ class _SpatialConv(core.SpatialMixin):
 
             outputs = core.block_conv(inputs, plans, self._spatial_groups(), conv_padded,
                                       kernel, f"{self.name}.halo")
-        else:
+        if outputs is None:
             outputs = core.windowed(inputs, plans, self._spatial_groups(), conv, 0.0,
                                     f"{self.name}.halo", overlap, params=(kernel,))
         if self.use_bias:

@@ -329,12 +329,18 @@ def block_conv(x, plans, groups, conv, kernel, name):
 
     Values equal those of the extended-input convolution up to float32
     rounding (sums of the same products in another order).
+
+    Returns None (nothing run) when the halo would travel by the per-axis
+    method (``halo_method() == "axis"`` or groups not from a grid axis): use
+    :func:`windowed` then.
     """
     from tfhybrid.comm import halo
 
-    grid = _block_grid(plans, groups)
-    if grid is None:
+    if not any(lo or hi for p in plans for lo, hi in [p.geometry.exchange()]):
         return conv(x, kernel, "same")
+    grid = _block_grid(plans, groups)
+    if grid is None:     # the per-axis halo method: the caller runs core.windowed
+        return None
     mine, shape, method, every = grid
     plan = halo.block_halo_plan(x, mine, shape, [p.geometry.exchange() for p in plans],
                                 name=name, method=method, all_groups=every)

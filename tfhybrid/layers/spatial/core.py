@@ -4,7 +4,11 @@
 module moves them (``tfhybrid.comm.halo_exchange``, one spatial axis after
 the other so that corner blocks of a 2-D/3-D grid travel through the
 neighbour that already received them), pads the global border locally with
-the op's padding value, and runs the op with ``valid`` padding.
+the op's padding value, and runs the op with ``valid`` padding. Convolutions
+whose ``same`` padding of the block equals the rows a rank needs take
+:func:`block_conv` instead: the block's own ``same`` convolution plus thin
+convolutions of the received halo pieces, with no halo-extended copy of the
+block (memory: ``bench/volume_memory.py``).
 
 With ``overlap``, output rows whose windows need no neighbour rows (the
 interior) are computed from the local block alone, so in a graph the

@@ -1,5 +1,6 @@
 """Shared fixtures for tests run under ``horovodrun -np N`` (every rank runs
 the same pytest session, as Horovod's own CI does)."""
+import contextlib
 import os
 import zlib
 
@@ -11,6 +12,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # (long eager references on one rank while the others wait in a collective),
 # yet one that ends a hung session long before the suite's timeout.
 os.environ.setdefault("TFHYBRID_WATCHDOG_SECONDS", "600")
+import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfhybrid  # noqa: E402
@@ -84,6 +86,23 @@ def rng(*key):
 
 def randn(shape, *key):
     return rng(*key).standard_normal(shape).astype(np.float32)
+
+
+@contextlib.contextmanager
+def floatx(dtype):
+    """Keras' default float type and dtype policy set to ``dtype`` inside the block.
+
+    The policy too: Keras fixes the global policy from floatx when the first
+    layer is built and keeps it until ``clear_session``.
+    """
+    before, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx(dtype)
+    keras.config.set_dtype_policy(dtype)
+    try:
+        yield
+    finally:
+        keras.config.set_floatx(before)
+        keras.config.set_dtype_policy(policy)
 
 
 def pytest_configure(config):

@@ -92,7 +92,6 @@ files whose path is the same on every rank (keyed by a digest of the
 set-up, its code and the library versions, so a changed set-up recomputes
 them); the other ranks wait in an all-reduce meanwhile.
 """
-import contextlib
 import hashlib
 import inspect
 import os
@@ -109,7 +108,7 @@ from tfhybrid.layers import SpatialZeroPadding2D
 from tfhybrid.transformer import gather, transform
 from tfhybrid.transformer.api import info_of
 
-from conftest import randn, rng, world_size
+from conftest import floatx, randn, rng, world_size
 from test_spatial_conv import GRAD, check_against, grid_of_split, valid_size
 
 N = world_size()
@@ -320,23 +319,6 @@ STEP_CASES = {
         ("ds", 2, {}, "spatial"),
         ("s", 4, {"spatial": (2, 2)}, "spatial")],
 }.get(N, [])
-
-
-@contextlib.contextmanager
-def floatx(dtype):
-    """Keras' default float type and dtype policy set to ``dtype`` inside the block.
-
-    The policy too: Keras fixes the global policy from floatx when the first
-    layer is built and keeps it until ``clear_session``.
-    """
-    before, policy = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx(dtype)
-    keras.config.set_dtype_policy(dtype)
-    try:
-        yield
-    finally:
-        keras.config.set_floatx(before)
-        keras.config.set_dtype_policy(policy)
 
 
 def steps_data():

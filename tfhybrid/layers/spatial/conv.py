@@ -26,11 +26,14 @@ from tfhybrid.layout import VariableLayout, set_layout
 
 
 # The block convolution (core.block_conv: the block's own 'same' conv plus thin
-# halo corrections, no halo-extended copy) is OFF by default: VGG16 under ds at
-# -np 4 with a partial spatial region (spatial_layers=4, width or height split)
-# trains 0.1-5% away from single-process with it (exact with the windowed path;
-# cause not found). Opt in with TFHYBRID_BLOCK_CONV=1 for memory measurements only.
-BLOCK_CONV = os.environ.get("TFHYBRID_BLOCK_CONV") == "1"
+# halo corrections, no halo-extended copy of the block; bench/volume_memory.py)
+# is the default wherever its plans allow. TFHYBRID_BLOCK_CONV=0 selects the
+# windowed path (one 'valid' conv of the halo-extended block), whose sums are
+# bit-identical to Keras' own convolution of the padded input; the block
+# convolution adds the same products in another order (float32 rounding apart,
+# equal: a VGG16 'ds' run once looked 0.1-5% off, which was one ReLU input at
+# 6e-9 of a 7e-3 layer flipping sign with the order; see test_strategies_apps).
+BLOCK_CONV = os.environ.get("TFHYBRID_BLOCK_CONV", "1") != "0"
 
 
 class _SpatialConv(core.SpatialMixin):

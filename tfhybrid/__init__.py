@@ -15,7 +15,8 @@ import importlib.util
 
 from tfhybrid.config import Config
 from tfhybrid.process_grid import Group, ProcessGrid
-from tfhybrid.runtime import grid, init, is_initialized, is_root, local_rank, shutdown
+from tfhybrid.runtime import (grid, init, is_initialized, is_root, local_rank, rank, shutdown,
+                              size)
 
 __version__ = "0.1.0"
 
@@ -56,7 +57,8 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["init", "shutdown", "grid", "is_root", "is_initialized", "local_rank", "Config",
+__all__ = ["init", "shutdown", "grid", "is_root", "is_initialized", "local_rank", "rank", "size",
+           "Config",
            "Group", "ProcessGrid", "__version__"]
 __all__ += ["DistributedOptimizer", "callbacks", "checkpoint", "data", "save", "load"]
 __all__ += ["watchdog"]

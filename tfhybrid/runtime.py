@@ -237,3 +237,23 @@ def grid() -> ProcessGrid:
 def is_root() -> bool:
     """True on global rank 0 (use for logging, progress bars and saving)."""
     return current_grid().rank == 0
+
+
+def rank() -> int:
+    """This process's global rank, ``0 .. size() - 1`` (as ``hvd.rank()``); 0
+    when running alone.
+
+    Raises:
+        RuntimeError: when launched on several processes before :func:`init`.
+    """
+    return current_grid().rank
+
+
+def size() -> int:
+    """The number of processes in the job (as ``hvd.size()``): the grid's
+    ``p = p_data x p_model``; 1 when running alone.
+
+    Raises:
+        RuntimeError: when launched on several processes before :func:`init`.
+    """
+    return current_grid().size

@@ -257,3 +257,12 @@ def test_backend_reducescatter_blocks(grid_of, group, rows):
                          input_signature=[tf.TensorSpec([None, 3, 2], tf.float32)])
     assert traced.get_concrete_function().structured_outputs.shape.as_list() == [None, 3, 2]
     close(traced(x).numpy(), want)
+
+
+def test_rank_and_size_are_horovods(grid):
+    """tfhybrid.rank()/size() are this process's Horovod rank and the world size."""
+    import tfhybrid
+    from tfhybrid.comm import backend
+
+    assert (tfhybrid.rank(), tfhybrid.size()) == (backend.rank(), backend.size())
+    assert tfhybrid.size() == grid.size and tfhybrid.rank() == grid.rank

@@ -59,3 +59,11 @@ def test_bad_group_and_axis():
         comm.split(tf.zeros([2, 2]), axis=5)
     with pytest.raises(ValueError, match="`lo`"):
         comm.halo_exchange(tf.zeros([2, 2]), axis=0, lo=-1, hi=0)
+
+
+def test_rank_and_size_like_horovod():
+    """tfhybrid.rank()/size() answer alone (0, 1) before and after init."""
+    assert (tfhybrid.rank(), tfhybrid.size()) == (0, 1)
+    tfhybrid.init(model_parallel=1)
+    assert (tfhybrid.rank(), tfhybrid.size()) == (0, 1)
+    assert {"rank", "size"} <= set(tfhybrid.__all__)

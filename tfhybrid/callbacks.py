@@ -34,6 +34,7 @@ from tfhybrid import runtime
 from tfhybrid.comm import backend
 from tfhybrid.layout import layout_of
 from tfhybrid.optimizer.slots import link_slots, tracking_slots
+from tfhybrid.watchdog import collective_api
 
 
 def broadcastable(variable) -> bool:
@@ -136,6 +137,7 @@ def _groups_differ(keys, digests, root_rank, grid, name, check=None):
     return differ
 
 
+@collective_api("tfhybrid.callbacks.broadcast_model")
 def broadcast_model(model, root_rank: int = 0):
     """Broadcast ``model``'s weights and (built) optimizer state from ``root_rank``.
 

@@ -37,6 +37,7 @@ import keras
 import numpy as np
 
 from tfhybrid import runtime
+from tfhybrid.watchdog import collective_api
 
 SIDE_SUFFIX = ".state.npz"
 FORMAT = 1
@@ -235,6 +236,7 @@ def _check_path(path):
     return str(path)
 
 
+@collective_api("tfhybrid.save")
 def save(model, path, epoch: int | None = None, step: int | None = None,
          sharded: bool = False, redundant: bool = False):
     """Write a checkpoint of a transformed model (collective: call on every rank).
@@ -330,6 +332,7 @@ def _shard_like(full, values, strategy, options):
     return [v.numpy() for v in transform(copy, strategy, **options).trainable_variables]
 
 
+@collective_api("tfhybrid.load")
 def load(path, strategy: str | None = None, compile: bool = True, **options):
     """Resume a checkpoint of :func:`save` on this grid (collective).
 

@@ -127,6 +127,8 @@ class Activity:
         if self.kind in ("train", "test", "predict"):
             text = f"{self.kind} step {self.step}"
             return text + (f" ({self.detail})" if self.detail else "")
+        if self.kind == "api":
+            return f"{self.name}()"
         return f"{self.name!r}" + (f" ({self.detail})" if self.detail else "")
 
 
@@ -236,6 +238,8 @@ class Watchdog:
             acts = list(self._active.items())
         worst = None
         for token, act in acts:
+            if act.kind == "api":      # context for the message only; its collectives expire
+                continue
             waited, bound = self.waited(act, now), self.bound(act.kind)
             if waited <= bound:
                 continue
@@ -264,6 +268,9 @@ class Watchdog:
                          f"{len(traced)} of {count} traced in this process: {_fmt_traced(traced)}.")
             else:
                 text += " No tfhybrid collective was traced in this process."
+        hints = [a.detail for a in others if a.kind == "api" and a.detail]
+        if hints:
+            text += " " + hints[0]      # the outermost call: the one the script made
         text += (" The other ranks are not completing it with this rank. Most likely the ranks "
                  "diverged: one rank issued a collective the others do not (e.g. "
                  "tfhybrid.callbacks.average_logs or a broadcast called on some ranks only), "
@@ -389,6 +396,29 @@ def activity(name, detail=None):
         yield
     finally:
         _WATCHDOG.end(token)
+
+
+def collective_api(name, hint=None):
+    """Decorator: calls of a collective tfhybrid function (``tfhybrid.save``,
+    ``load``, ``gather``...) are named in the message of a collective that
+    hangs inside them, with ``hint`` (default: call it on every rank, e.g.
+    not under ``if tfhybrid.is_root():``). The call itself has no bound:
+    only the collectives it runs do (a long write on rank 0 is not a hang)."""
+    hint = hint or (f"{name}() is collective: every rank must call it, in the same order; "
+                    f"called under `if tfhybrid.is_root():` (as with hvd.rank() == 0 in "
+                    f"Horovod scripts) it leaves rank 0 waiting here for ranks that never "
+                    f"come. Call it on every rank.")
+
+    def decorate(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            token = _WATCHDOG.begin("api", name, detail=hint)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                _WATCHDOG.end(token)
+        return wrapper
+    return decorate
 
 
 class WatchdogCallback(keras.callbacks.Callback):

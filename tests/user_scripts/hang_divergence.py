@@ -11,6 +11,9 @@ CASE (the fault happens at train step ``--fault-step`` on one rank):
 - ``layer_names``: the last rank builds a throwaway layer before the model, so
   the auto-generated layer names, and the collective names, differ (the
   fault time is the first train step);
+- ``save_on_root``: after ``fit``, rank 0 alone calls ``tfhybrid.save`` (a
+  collective) under ``if tfhybrid.is_root():``, as Horovod scripts save on
+  rank 0; the others end their scripts;
 - ``slow_rank``: the last rank pauses ``--pause`` seconds inside one step (a
   healthy job that must finish);
 - ``none``: no fault.
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -32,7 +36,8 @@ import tensorflow as tf  # noqa: E402
 
 import tfhybrid  # noqa: E402
 
-CASES = ("extra_collective", "stop_one_rank", "terminate_nan", "layer_names", "slow_rank", "none")
+CASES = ("extra_collective", "stop_one_rank", "terminate_nan", "layer_names", "save_on_root",
+         "slow_rank", "none")
 
 
 def fault(text):
@@ -140,6 +145,9 @@ def main():
     callbacks.append(Fault(args.case, args.fault_step, args.pause))
     start = time.time()
     history = model.fit(data, epochs=args.epochs, callbacks=callbacks, verbose=0, shuffle=False)
+    if args.case == "save_on_root" and tfhybrid.is_root():
+        fault("tfhybrid.save on rank 0 only")
+        tfhybrid.save(model, os.path.join(tempfile.mkdtemp(), "model.keras"))
     print("RESULT " + json.dumps({"rank": grid.rank, "case": args.case,
                                   "epochs_run": len(history.epoch),
                                   "fit_seconds": round(time.time() - start, 1)}), flush=True)

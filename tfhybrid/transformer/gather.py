@@ -14,6 +14,7 @@ import json
 import keras
 
 from tfhybrid.comm import backend
+from tfhybrid.watchdog import collective_api
 from tfhybrid.transformer.api import info_of
 from tfhybrid.transformer.rewrite import find_layer
 from tfhybrid.transformer.source import rebuild
@@ -21,6 +22,7 @@ from tfhybrid.transformer.source import rebuild
 _SLICED = ("filter", "channel")
 
 
+@collective_api("tfhybrid.gather")
 def gather(model):
     """The original (untransformed) architecture with ``model``'s full weights.
 

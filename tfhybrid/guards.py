@@ -59,6 +59,7 @@ import tensorflow as tf
 
 from tfhybrid import runtime
 from tfhybrid.layout import layout_of
+from tfhybrid.watchdog import collective_api
 
 #: Steps checked at the start of every ``fit`` (then every ``guard_every_steps``).
 FIRST_STEPS = 2
@@ -553,6 +554,14 @@ def _wrap_optimizer(optimizer):
     return wrapped
 
 
+_EVAL_HINT = ("model.{0}() of a transformed model is collective (its layers exchange "
+              "activations and the metrics are averaged): every rank must call it, each on its "
+              "shard of the data (tfhybrid.data.shard(..., model=model)); called under `if "
+              "tfhybrid.is_root():` it leaves rank 0 waiting here for ranks that never come. "
+              "To evaluate on one process, evaluate tfhybrid.gather(model) there (gather on "
+              "every rank).")
+
+
 def install(model):
     """Make transformed ``model``'s compile/fit/evaluate/predict run the guards.
 
@@ -601,6 +610,7 @@ def install(model):
             extra.append(GuardCallback(checksum, config.guard_every_steps, due))
         return _call_with_callbacks(cls.fit, self, args, kwargs, extra)
 
+    @collective_api("model.evaluate", _EVAL_HINT.format("evaluate"))
     def evaluate(self, *args, **kwargs):
         bound = inspect.signature(cls.evaluate).bind(self, *args, **kwargs)
         if _config().guards and not isinstance(bound.arguments.get("callbacks"),
@@ -632,6 +642,7 @@ def install(model):
         (print_fn or print)(note)     # Keras calls print_fn(text) the same way
         return out
 
+    @collective_api("model.predict", _EVAL_HINT.format("predict"))
     def predict(self, *args, **kwargs):
         return _call_with_callbacks(cls.predict, self, args, kwargs, _watchdog_callbacks())
 

@@ -13,7 +13,8 @@ What the jobs check:
   via ``tfhybrid.Config``) ends non-zero within the bound + margin, and every
   hung rank names what it waits in;
 - one case at -np 4 (model groups and data groups);
-- ``tfhybrid.save`` called on rank 0 only: the report names the call and the fix;
+- ``tfhybrid.save`` or ``model.evaluate`` called on rank 0 only: the report names
+  the call and the fix;
 - the defaults (no bound given) end a hang within 120 s of the fault;
 - a rank pausing 75 s inside one step does not end a healthy job with the defaults.
 """
@@ -38,6 +39,8 @@ JOBS = {
     "layer_names": (2, ["layer_names", "--watchdog-seconds", SHORT]),
     "layer_names_np4": (4, ["layer_names", "--watchdog-seconds", SHORT, "--no-guards"]),
     "save_on_root": (2, ["save_on_root", "--watchdog-seconds", SHORT, "--epochs", 1, "--steps", 4]),
+    "evaluate_on_root": (2, ["evaluate_on_root", "--watchdog-seconds", SHORT, "--epochs", 1,
+                             "--steps", 4]),
     "default_bound": (2, ["stop_one_rank"]),
     "slow_rank": (2, ["slow_rank", "--pause", 75, "--epochs", 1, "--steps", 10]),
 }
@@ -148,6 +151,13 @@ def test_save_on_rank_0_only_names_the_call_and_the_fix(runs):
     assert "inside tfhybrid.save()" in reports[0], reports
     assert "tfhybrid.save() is collective: every rank must call it" in reports[0], reports
     assert "if tfhybrid.is_root():" in reports[0], reports
+
+
+def test_evaluate_on_rank_0_only_names_the_call_and_the_fix(runs):
+    reports = _ended_by_watchdog(runs["evaluate_on_root"], SHORT)
+    assert "inside model.evaluate()" in reports[0], reports
+    assert "model.evaluate() of a transformed model is collective" in reports[0], reports
+    assert "tfhybrid.gather(model)" in reports[0], reports
 
 
 def test_default_bound_ends_hang_within_two_minutes(runs):

@@ -14,6 +14,7 @@ CASE (the fault happens at train step ``--fault-step`` on one rank):
 - ``save_on_root``: after ``fit``, rank 0 alone calls ``tfhybrid.save`` (a
   collective) under ``if tfhybrid.is_root():``, as Horovod scripts save on
   rank 0; the others end their scripts;
+- ``evaluate_on_root``: likewise with ``model.evaluate``;
 - ``slow_rank``: the last rank pauses ``--pause`` seconds inside one step (a
   healthy job that must finish);
 - ``none``: no fault.
@@ -37,7 +38,7 @@ import tensorflow as tf  # noqa: E402
 import tfhybrid  # noqa: E402
 
 CASES = ("extra_collective", "stop_one_rank", "terminate_nan", "layer_names", "save_on_root",
-         "slow_rank", "none")
+         "evaluate_on_root", "slow_rank", "none")
 
 
 def fault(text):
@@ -148,6 +149,9 @@ def main():
     if args.case == "save_on_root" and tfhybrid.is_root():
         fault("tfhybrid.save on rank 0 only")
         tfhybrid.save(model, os.path.join(tempfile.mkdtemp(), "model.keras"))
+    if args.case == "evaluate_on_root" and tfhybrid.is_root():
+        fault("model.evaluate on rank 0 only")
+        model.evaluate(data, verbose=0)
     print("RESULT " + json.dumps({"rank": grid.rank, "case": args.case,
                                   "epochs_run": len(history.epoch),
                                   "fit_seconds": round(time.time() - start, 1)}), flush=True)

@@ -399,6 +399,18 @@ def _callbacks_arg(method, model, args, kwargs):
     return bound, bound.arguments.get("callbacks")
 
 
+def _quiet_shuffle(fit, model, args, kwargs):
+    """``kwargs`` with ``shuffle=False`` when ``fit`` reads a ``tf.data.Dataset`` and
+    the script left ``shuffle`` at its default: Keras ignores ``shuffle`` for a
+    dataset and warns about it on every rank at every fit (the README's
+    ``fit(tfhybrid.data.shard(...))`` included); the data order is unchanged."""
+    bound = inspect.signature(fit).bind(model, *args, **kwargs)
+    if "shuffle" in bound.arguments or not isinstance(bound.arguments.get("x"),
+                                                       tf.data.Dataset):
+        return kwargs
+    return dict(kwargs, shuffle=False)
+
+
 def _call_with_callbacks(method, model, args, kwargs, extra):
     bound, callbacks = _callbacks_arg(method, model, args, kwargs)
     # fit's validation passes its own CallbackList (which holds fit's watchdog): keep it.
@@ -562,6 +574,21 @@ _EVAL_HINT = ("model.{0}() of a transformed model is collective (its layers exch
               "every rank).")
 
 
+def _holds_shards(model) -> bool:
+    """Whether a transformed model holds tfhybrid layers (split weights, or layers
+    that exchange activations), so that Keras' own save/load would see only this
+    rank's part. A model of plain Keras layers (``d``, or nothing split) does not."""
+    return any(type(layer).__module__.startswith("tfhybrid.")
+               for layer in model._flatten_layers(include_self=False, recursive=True))
+
+
+_SAVE_FIX = ("Use tfhybrid.save(model, path) on every rank (rank 0 writes a plain .keras "
+             "file of the full weights, loadable by keras.saving.load_model, and the "
+             "optimizer state beside it), or tfhybrid.gather(model) on every rank and save "
+             "that full model ({}), or tfhybrid.save(model, directory, sharded=True) for "
+             "per-rank files.")
+
+
 def install(model):
     """Make transformed ``model``'s compile/fit/evaluate/predict run the guards.
 
@@ -608,7 +635,8 @@ def install(model):
             else:       # before the first collective of the fit
                 check.run_alone()
             extra.append(GuardCallback(checksum, config.guard_every_steps, due))
-        return _call_with_callbacks(cls.fit, self, args, kwargs, extra)
+        return _call_with_callbacks(cls.fit, self, args, _quiet_shuffle(cls.fit, self, args,
+                                                                        kwargs), extra)
 
     @collective_api("model.evaluate", _EVAL_HINT.format("evaluate"))
     def evaluate(self, *args, **kwargs):
@@ -653,9 +681,35 @@ def install(model):
         self.train_function = lean_train_function(self, self.train_function)
         return self.train_function
 
+    def save(self, *args, **kwargs):
+        if _holds_shards(self):
+            raise ValueError(f"model.save() of transformed model {self.name!r} would write "
+                             "only this rank's part of its split layers, in tfhybrid layers "
+                             "that need this process grid to load. "
+                             + _SAVE_FIX.format("e.g. full.save(path) on rank 0"))
+        return cls.save(self, *args, **kwargs)
+
+    def save_weights(self, *args, **kwargs):
+        if _holds_shards(self):
+            raise ValueError(f"model.save_weights() of transformed model {self.name!r} would "
+                             "write only this rank's part of its split layers. "
+                             + _SAVE_FIX.format("e.g. full.save_weights(path) on rank 0"))
+        return cls.save_weights(self, *args, **kwargs)
+
+    def load_weights(self, *args, **kwargs):
+        if _holds_shards(self):
+            raise ValueError(f"model.load_weights() into transformed model {self.name!r}: its "
+                             "split layers hold this rank's part of each weight, so a weights "
+                             "file of the full model does not fit them. Load full weights into "
+                             "the original model before tfhybrid.transform (it copies them; "
+                             "loading on rank 0 only is enough: transform broadcasts them), or "
+                             "resume a tfhybrid checkpoint with tfhybrid.load(path).")
+        return cls.load_weights(self, *args, **kwargs)
+
     methods = [("compile", compile), ("train_step", train_step), ("fit", fit),
                ("make_train_function", make_train_function),
-               ("evaluate", evaluate), ("predict", predict), ("summary", summary)]
+               ("evaluate", evaluate), ("predict", predict), ("summary", summary),
+               ("save", save), ("save_weights", save_weights), ("load_weights", load_weights)]
     if hasattr(cls, "_get_metrics_result_or_logs"):    # Keras 3 trainers (3.0 .. 3.15)
         methods.append(("_get_metrics_result_or_logs", _get_metrics_result_or_logs))
     for name, fn in methods:

@@ -49,6 +49,16 @@ def mlp(name="mlp"):
     return keras.Model(i, keras.layers.Dense(4, name="out")(x), name=name)
 
 
+def on_filter_split(method, *args):
+    """``model.<method>(*args)`` of an mlp transformed under f (split Dense layers)."""
+    tfhybrid.shutdown()
+    tfhybrid.init()
+    try:
+        return getattr(tfhybrid.transform(mlp(), "f"), method)(*args)
+    finally:
+        tfhybrid.shutdown()
+
+
 class Subclassed(keras.Model):
     def __init__(self):
         super().__init__()
@@ -430,6 +440,16 @@ API = [
         np.zeros((4, 4, 4, 4, 1), "float32"), (np.zeros((4, 4, 4, 4)), np.zeros((4, 1))),
         batch_size=2, sample_weight=(np.ones(4, "float32"),)), ValueError,
      r"Received 1 sample_weight sources for 2 label sources; give one per output"),
+    # -- Keras' own save/load on a transformed model with split layers ------------------
+    ("keras-save-of-split-model", lambda: on_filter_split("save", "/tmp/never.keras"),
+     ValueError, r"model.save\(\) of transformed model 'mlp' would write only this rank's part"
+     r".*Use tfhybrid.save\(model, path\) on every rank"),
+    ("keras-save-weights-of-split-model",
+     lambda: on_filter_split("save_weights", "/tmp/never.weights.h5"), ValueError,
+     r"save_weights\(\).*tfhybrid.gather\(model\) on every rank"),
+    ("keras-load-weights-into-split-model",
+     lambda: on_filter_split("load_weights", "/tmp/never.weights.h5"), ValueError,
+     r"Load full weights into the original model before tfhybrid.transform.*tfhybrid.load"),
     # -- oracle and ParaDL files (API) ------------------------------------------------
     ("oracle-unknown-strategy",
      lambda: oracle.rank(oracle.profile(mlp()), 4, 64, MACHINE, strategies=("dp",)),

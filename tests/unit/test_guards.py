@@ -125,3 +125,23 @@ def test_transformed_fit_runs_the_lean_train_function_bit_identically():
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
     model.fit(x, y, batch_size=8, verbose=0)
     assert not model.train_function.__qualname__.startswith("lean_train_function")
+
+
+def test_fit_on_a_dataset_does_not_warn_about_shuffle():
+    """Keras warns that shuffle=True (fit's default) is ignored for a tf.data.Dataset;
+    a transformed model's fit passes shuffle=False unless the script set it."""
+    import warnings
+
+    model = tfhybrid.transform(_model(), "d")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    data = tf.data.Dataset.from_tensor_slices((np.ones((4, 3), "float32"),
+                                               np.ones((4, 2), "float32"))).batch(2)
+
+    def shuffle_warnings(**kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(data, epochs=1, verbose=0, **kwargs)
+        return [w for w in caught if "shuffle" in str(w.message)]
+
+    assert shuffle_warnings() == []
+    assert shuffle_warnings(shuffle=True)        # the script's own choice: Keras' warning stays

@@ -1,0 +1,63 @@
+"""Keras' own ``save``/``save_weights``/``load_weights`` on transformed models,
+as Horovod users call them (``if hvd.rank() == 0: model.save(path)``).
+
+A model whose layers are all plain Keras layers holding full weights (``d``)
+saves and loads as usual, on rank 0 alone; a model with split tfhybrid layers
+raises a ValueError naming tfhybrid.save / gather / load instead of writing
+this rank's shards (before: every rank wrote the same file, whichever came
+last won, and the file needed this grid to load).
+"""
+import keras
+import numpy as np
+import pytest
+
+import tfhybrid
+from tfhybrid.comm import backend
+
+from conftest import randn, world_size
+
+
+def make_model():
+    keras.utils.set_random_seed(3)
+    i = keras.Input((6, 6, 2))
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="conv")(i)
+    x = keras.layers.Flatten(name="flat")(x)
+    return keras.Model(i, keras.layers.Dense(3, name="fc")(x), name="small")
+
+
+def fitted(strategy, **options):
+    model = tfhybrid.transform(make_model(), strategy, **options)
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    x, y = randn((8, 6, 6, 2), "ks", "x"), randn((8, 3), "ks", "y")
+    import tensorflow as tf
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    model.fit(tfhybrid.data.shard(data, model=model), epochs=1, verbose=0)
+    return model, x
+
+
+def test_data_parallel_model_saves_on_rank_0_like_horovod(grid_of, tmp_path):
+    grid_of(1)
+    model, x = fitted("d")
+    if backend.rank() == 0:
+        path = str(tmp_path / "d.keras")
+        model.save(path)                                    # rank 0 only, no collective
+        loaded = keras.saving.load_model(path)
+        np.testing.assert_allclose(loaded.predict(x, verbose=0), model(x).numpy(),
+                                   rtol=1e-6, atol=1e-7)
+        weights = str(tmp_path / "d.weights.h5")
+        model.save_weights(weights)
+        model.load_weights(weights)
+    backend.barrier()
+
+
+@pytest.mark.parametrize("method,arg,phrase", [
+    ("save", "never.keras", r"Use tfhybrid.save\(model, path\) on every rank"),
+    ("save_weights", "never.weights.h5", r"tfhybrid.gather\(model\) on every rank"),
+    ("load_weights", "never.weights.h5", r"into the original model before tfhybrid.transform"),
+])
+def test_split_model_refuses_keras_save_and_load(grid_of, tmp_path, method, arg, phrase):
+    grid_of(world_size())
+    model, _ = fitted("f", fallback="replicate")
+    with pytest.raises(ValueError, match=phrase):
+        getattr(model, method)(str(tmp_path / arg))
+    assert not (tmp_path / arg).exists()

@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import os
 import types
 import warnings
 
@@ -411,6 +412,45 @@ def _quiet_shuffle(fit, model, args, kwargs):
     return dict(kwargs, shuffle=False)
 
 
+def _keras_checkpoints(fit, model, args, kwargs):
+    """``(args, kwargs)`` of ``fit`` with Keras' ``ModelCheckpoint`` callbacks handled.
+
+    On a model with split tfhybrid layers, ``ModelCheckpoint`` would call
+    ``model.save``/``save_weights`` (which refuse: they would write one rank's
+    shards) only at the end of the first epoch: refuse it here, before any
+    training, naming ``tfhybrid.callbacks.Checkpoint``. On a model of plain Keras
+    layers every rank holds the full weights: rank 0 keeps the callback and the
+    other ranks drop it (all ranks writing one file corrupts it; Horovod's
+    examples save on rank 0 only).
+
+    Raises:
+        ValueError: for a ``ModelCheckpoint`` on a model with split layers.
+    """
+    bound = inspect.signature(fit).bind(model, *args, **kwargs)
+    callbacks = bound.arguments.get("callbacks")
+    if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
+        return args, kwargs
+    callbacks = list(callbacks)
+    found = [cb for cb in callbacks if isinstance(cb, keras.callbacks.ModelCheckpoint)]
+    if not found:
+        return args, kwargs
+    if _holds_shards(model):
+        cb = found[0]
+        path = str(cb.filepath)
+        suggested = path if path.endswith(".keras") else os.path.splitext(
+            path.removesuffix(".weights.h5"))[0] + ".keras"
+        raise ValueError(
+            f"keras.callbacks.ModelCheckpoint({path!r}) would save transformed model "
+            f"{model.name!r} with Keras' model.{'save_weights' if cb.save_weights_only else 'save'}"
+            "(), which writes only this rank's part of its split layers. Use "
+            f"tfhybrid.callbacks.Checkpoint({suggested!r}) instead (every rank runs it, rank 0 "
+            "writes the full weights and optimizer state, tfhybrid.load resumes on any world "
+            "size; sharded=True writes per-rank parts).")
+    if runtime.current_grid().rank != 0:
+        bound.arguments["callbacks"] = [cb for cb in callbacks if cb not in found]
+    return bound.args[1:], bound.kwargs
+
+
 def _call_with_callbacks(method, model, args, kwargs, extra):
     bound, callbacks = _callbacks_arg(method, model, args, kwargs)
     # fit's validation passes its own CallbackList (which holds fit's watchdog): keep it.
@@ -621,6 +661,7 @@ def install(model):
         return cls.train_step(self, data)
 
     def fit(self, *args, **kwargs):
+        args, kwargs = _keras_checkpoints(cls.fit, self, args, kwargs)   # may raise: no collective yet
         object.__setattr__(self, "_tfhybrid_broadcast_in_fit", False)   # set by the callback
         extra = _watchdog_callbacks()
         config = _config()

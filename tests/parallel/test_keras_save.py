@@ -61,3 +61,50 @@ def test_split_model_refuses_keras_save_and_load(grid_of, tmp_path, method, arg,
     with pytest.raises(ValueError, match=phrase):
         getattr(model, method)(str(tmp_path / arg))
     assert not (tmp_path / arg).exists()
+
+
+class CountingCheckpoint(keras.callbacks.ModelCheckpoint):
+    saves = 0
+
+    def _save_model(self, epoch, batch, logs):
+        self.saves += 1
+        return super()._save_model(epoch, batch, logs)
+
+
+def shared_dir():
+    """A directory every rank of this job names alike (the job's rendezvous port)."""
+    import os
+    import tempfile
+    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "alone")
+    path = os.path.join(tempfile.gettempdir(), f"tfhybrid-test-keras-save-{port}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def test_keras_model_checkpoint_writes_on_rank_0_only_for_plain_layers(grid_of):
+    grid_of(1)
+    import os
+    path = os.path.join(shared_dir(), "d-{epoch}.keras")
+    checkpoint = CountingCheckpoint(path)
+    model = tfhybrid.transform(make_model(), "d")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    x, y = randn((8, 6, 6, 2), "ks", "x"), randn((8, 3), "ks", "y")
+    model.fit(x, y, batch_size=8 // world_size(), epochs=2, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.saves == (2 if backend.rank() == 0 else 0)
+    backend.barrier()
+    loaded = keras.saving.load_model(path.format(epoch=2))
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model(x).numpy(), rtol=1e-6, atol=1e-7)
+    backend.barrier()
+
+
+def test_keras_model_checkpoint_on_split_layers_is_refused_before_training(grid_of, tmp_path):
+    grid_of(world_size())
+    model = tfhybrid.transform(make_model(), "f", fallback="replicate")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    x, y = randn((8, 6, 6, 2), "ks", "x"), randn((8, 3), "ks", "y")
+    callback = keras.callbacks.ModelCheckpoint(str(tmp_path / "w.weights.h5"),
+                                               save_weights_only=True)
+    with pytest.raises(ValueError, match=r"save_weights\(\).*tfhybrid.callbacks.Checkpoint\("
+                                         r"'.*w.keras'\)"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[callback])
+    assert int(model.optimizer.iterations.numpy()) == 0

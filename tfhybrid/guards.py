@@ -590,6 +590,33 @@ def _watchdog_callbacks():
     return [watchdog.WatchdogCallback()] if watchdog.get().enabled else []
 
 
+def _loss_scale_inside(model, optimizer, auto_scale_loss) -> bool:
+    """Put mixed_float16's dynamic loss scaling *inside* a DistributedOptimizer.
+
+    Keras' compile wraps the optimizer in a ``LossScaleOptimizer`` under the
+    ``mixed_float16`` policy, which would then check each rank's *local*
+    gradients for inf/NaN and skip the step (and with it the gradient
+    allreduce inside the DistributedOptimizer) on the ranks that overflowed
+    only: the others would wait in that allreduce forever. With the loss
+    scaler inside (``DistributedOptimizer(LossScaleOptimizer(opt))``) it sees the
+    reduced gradients, the same on every rank, as under ``tf.distribute``.
+
+    Returns True when it moved the scaler inside (compile must then pass
+    ``auto_scale_loss=False``).
+    """
+    from tfhybrid.optimizer import DistributedOptimizer
+
+    if not (auto_scale_loss and model.dtype_policy.name == "mixed_float16"
+            and isinstance(optimizer, DistributedOptimizer)):
+        return False
+    if not isinstance(optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        if optimizer.built:
+            return False            # slots exist: leave Keras' arrangement alone
+        optimizer.inner_optimizer = keras.optimizers.LossScaleOptimizer(
+            optimizer.inner_optimizer, name="loss_scale_optimizer")
+    return True
+
+
 def _wrap_optimizer(optimizer):
     from tfhybrid.optimizer import DistributedOptimizer
 
@@ -647,6 +674,9 @@ def install(model):
         bound = inspect.signature(cls.compile).bind(self, *args, **kwargs)
         bound.arguments["optimizer"] = _wrap_optimizer(bound.arguments.get("optimizer",
                                                                             "rmsprop"))
+        if _loss_scale_inside(self, bound.arguments["optimizer"],
+                              bound.arguments.get("auto_scale_loss", True)):
+            bound.arguments["auto_scale_loss"] = False     # done: no second LossScaleOptimizer
         return cls.compile(*bound.args, **bound.kwargs)
 
     def train_step(self, data):

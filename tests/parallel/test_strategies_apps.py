@@ -41,7 +41,10 @@ reference by the same amounts, with no ReLU or max-pool decision flipped
 (each row's activations are bit-identical for batch 4 and batch 2).
 
 One exception, VGG16 under ``ds`` with a partial spatial region
-(``spatial_layers=4``, -np 4), runs in float64: there one ReLU pre-activation of
+(``spatial_layers=4``, -np 4), runs in float64, in its own module
+(``test_strategies_vgg16_float64.py``, after this module has freed its float32
+models: together they peaked at 4.5 GB per rank, and a -np 4 session was
+OOM-killed): there one ReLU pre-activation of
 block5_conv2 (channel 154) is 6e-9 against a layer maximum of 7e-3, within
 float32 rounding of zero, so its mask follows the summation order of the
 spatial convolutions. The block convolution (``core.block_conv``: the block's
@@ -75,6 +78,7 @@ groups of K and the default CCR threshold (FC0, FC1 partitioned; FC2's CCR
 ~15 FLOP/byte stays replicated) a rank holds conv + (FC0 + FC1)/K + FC2
 parameters, e.g. K=2: 4,365,696 (62.5%), K=4: 3,055,296 (43.7%).
 """
+import gc
 import hashlib
 import inspect
 import os
@@ -146,10 +150,9 @@ def batches(x, y):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
 
 
-# (model, dtype) references: every model in float32, and VGG16 in float64 for its ds case
-# (module doc: a ReLU at |z| ~ 1e-6 of its layer's largest value flips with float32
-# summation order there)
-REFERENCES = [(name, "float32") for name in APPS] + [("vgg16", "float64")]
+# (model, dtype) references of this module: every model in float32 (VGG16's ds case in
+# float64 is test_strategies_vgg16_float64.py's, module doc)
+REFERENCES = [(name, "float32") for name in APPS]
 
 
 def reference_key(name, dtype):
@@ -168,29 +171,35 @@ def single_process_reference(name, dtype="float32"):
                 **{f"w{k}": w for k, w in enumerate(model.get_weights())}}
 
 
-def _cache_path():
+def _cache_path(wanted):
     h = hashlib.sha256()
     for part in [inspect.getsource(f) for f in (vgg16, splitbrain_vgg, global_batches, batches,
                                                   single_process_reference, randn, rng)] + [
-            repr((BATCH, STEPS, APP_LR, LOSS, REFERENCES)), tf.__version__, keras.__version__, np.__version__,
-            os.environ.get("TF_NUM_INTRAOP_THREADS", "")]:
+            repr((BATCH, STEPS, APP_LR, LOSS, wanted)), tf.__version__, keras.__version__,
+            np.__version__, os.environ.get("TF_NUM_INTRAOP_THREADS", "")]:
         h.update(part.encode())
     return CACHE / f"apps-reference-{h.hexdigest()[:16]}.npz"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def references():
-    """{model name: single-process reference}, computed by rank 0 once and cached.
+    """{model name: single-process reference} of :data:`REFERENCES`."""
+    return load_references(REFERENCES)
+
+
+def load_references(wanted):
+    """{reference_key: single-process reference} for each ``(model, dtype)`` of
+    ``wanted``, computed by rank 0 once and cached.
 
     Every rank takes part in the same all-reduce whatever happens on rank 0,
     so a failure there fails every rank instead of hanging them.
     """
     tfhybrid.init()   # Horovod with tfhybrid's Gloo timeout; each test makes its own grid
-    path, error = _cache_path(), None
+    path, error = _cache_path(wanted), None
     if backend.rank() == 0 and not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            arrays = {f"{reference_key(name, dtype)}/{k}": v for name, dtype in REFERENCES
+            arrays = {f"{reference_key(name, dtype)}/{k}": v for name, dtype in wanted
                       for k, v in single_process_reference(name, dtype).items()}
             tmp = path.with_suffix(f".{os.getpid()}.npz")
             np.savez(tmp, **arrays)
@@ -205,7 +214,7 @@ def references():
         pytest.fail("rank 0 could not compute the single-process reference (see its log)")
     tfhybrid.shutdown()
     with np.load(path) as f:
-        out = {reference_key(name, dtype): {} for name, dtype in REFERENCES}
+        out = {reference_key(name, dtype): {} for name, dtype in wanted}
         for key in f.files:
             name, k = key.split("/")
             out[name][k] = f[key]
@@ -289,12 +298,12 @@ if N == 4:
     STRATEGY_CASES += [
         ("gmp", 4, {}, {}),
         ("df", 2, FB, FB),
-        # float64 (module doc: a ReLU kink flips with float32 summation order here)
-        ("ds", 2, {"spatial": "width", "spatial_layers": 4, "dtype": "float64"},
-         {"spatial_layers": 2}),
+        # VGG16: in float64, in test_strategies_vgg16_float64.py (module doc)
+        ("ds", 2, None, {"spatial_layers": 2}),
     ]
 APP_CASES = [(name, s, mp, vgg if name == "vgg16" else sb)
-             for name in APPS for s, mp, vgg, sb in STRATEGY_CASES]
+             for name in APPS for s, mp, vgg, sb in STRATEGY_CASES
+             if (vgg if name == "vgg16" else sb) is not None]
 if N == 4:
     # -np 4 keeps VGG16 under every strategy but d (mp 1, the same code at every world size:
     # VGG16 and SplitBrain-VGG under d run at -np 2; at -np 4 test_transform.py's cnn-d-mp1)
@@ -312,6 +321,10 @@ def _world_barrier_at_end():
     yield
     if backend.is_initialized():
         backend.barrier()
+    # VGG16 in float32 and float64, their weights and references: ~1-2 GB per rank that
+    # the later modules of a -np 4 session (4 ranks in 24 GB) must not carry
+    _ORIGINALS.clear()
+    gc.collect()
 
 
 @pytest.mark.parametrize("name,strategy,mp,options", APP_CASES,

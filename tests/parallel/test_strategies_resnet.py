@@ -92,6 +92,7 @@ files whose path is the same on every rank (keyed by a digest of the
 set-up, its code and the library versions, so a changed set-up recomputes
 them); the other ranks wait in an all-reduce meanwhile.
 """
+import gc
 import hashlib
 import inspect
 import os
@@ -131,6 +132,15 @@ def resnet50():
 
 
 _ORIGINALS = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_models_at_end():
+    """The ResNet-50s (float32 and float64) and their weights leave with the module:
+    the later modules of a -np 4 session (4 ranks in 24 GB) must not carry them."""
+    yield
+    _ORIGINALS.clear()
+    gc.collect()
 
 
 def original_resnet50():

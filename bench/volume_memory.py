@@ -62,6 +62,14 @@ is not yet explained (it grows with the number of layers, ~1 activation per
 layer on a middle rank). The oracle's ParaDL formula (gamma = 1)
 overestimates all rows.
 
+Block convolution on (the default) vs off (``TFHYBRID_BLOCK_CONV=0``: one
+``valid`` convolution of the halo-extended block), back to back on a quiet box
+(session 10, default fusion buffer; one run each): fit ratio p = 2 1.26 vs 1.41,
+p = 4 1.65 vs 1.47 (worst rank 1188 vs 1116 MB peak; a middle rank with block
+convolution, an edge rank without). With ``--fusion_mb 1`` and block
+convolution: 1.20 / 1.57. The block convolution wins at p = 2 and does not at
+p = 4, where the middle ranks' excess above stays unexplained.
+
 Usage (the whole run stays under ~5 GB on the box)::
 
     .venv/bin/python bench/volume_memory.py                 # p = 1, 2, 4

@@ -752,30 +752,30 @@ def install(model):
         self.train_function = lean_train_function(self, self.train_function)
         return self.train_function
 
-    def save(self, *args, **kwargs):
-        if _holds_shards(self):
-            raise ValueError(f"model.save() of transformed model {self.name!r} would write "
-                             "only this rank's part of its split layers, in tfhybrid layers "
-                             "that need this process grid to load. "
-                             + _SAVE_FIX.format("e.g. full.save(path) on rank 0"))
-        return cls.save(self, *args, **kwargs)
+    def refusing_shards(name, problem, fix):
+        """Keras' ``name`` unchanged on a model of plain layers; on split layers a
+        ValueError naming ``problem`` and ``fix`` instead of one rank's shards."""
+        keras_method = getattr(cls, name)
 
-    def save_weights(self, *args, **kwargs):
-        if _holds_shards(self):
-            raise ValueError(f"model.save_weights() of transformed model {self.name!r} would "
-                             "write only this rank's part of its split layers. "
-                             + _SAVE_FIX.format("e.g. full.save_weights(path) on rank 0"))
-        return cls.save_weights(self, *args, **kwargs)
+        def method(self, *args, **kwargs):
+            if _holds_shards(self):
+                raise ValueError(f"model.{name}() {problem.format(self.name)} {fix}")
+            return keras_method(self, *args, **kwargs)
+        return method
 
-    def load_weights(self, *args, **kwargs):
-        if _holds_shards(self):
-            raise ValueError(f"model.load_weights() into transformed model {self.name!r}: its "
-                             "split layers hold this rank's part of each weight, so a weights "
-                             "file of the full model does not fit them. Load full weights into "
-                             "the original model before tfhybrid.transform (it copies them; "
-                             "loading on rank 0 only is enough: transform broadcasts them), or "
-                             "resume a tfhybrid checkpoint with tfhybrid.load(path).")
-        return cls.load_weights(self, *args, **kwargs)
+    save = refusing_shards(
+        "save", "of transformed model {!r} would write only this rank's part of its split "
+        "layers, in tfhybrid layers that need this process grid to load.",
+        _SAVE_FIX.format("e.g. full.save(path) on rank 0"))
+    save_weights = refusing_shards(
+        "save_weights", "of transformed model {!r} would write only this rank's part of its "
+        "split layers.", _SAVE_FIX.format("e.g. full.save_weights(path) on rank 0"))
+    load_weights = refusing_shards(
+        "load_weights", "into transformed model {!r}: its split layers hold this rank's part "
+        "of each weight, so a weights file of the full model does not fit them.",
+        "Load full weights into the original model before tfhybrid.transform (it copies "
+        "them; loading on rank 0 only is enough: transform broadcasts them), or resume a "
+        "tfhybrid checkpoint with tfhybrid.load(path).")
 
     methods = [("compile", compile), ("train_step", train_step), ("fit", fit),
                ("make_train_function", make_train_function),

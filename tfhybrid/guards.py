@@ -400,20 +400,19 @@ def _callbacks_arg(method, model, args, kwargs):
     return bound, bound.arguments.get("callbacks")
 
 
-def _quiet_shuffle(fit, model, args, kwargs):
-    """``kwargs`` with ``shuffle=False`` when ``fit`` reads a ``tf.data.Dataset`` and
-    the script left ``shuffle`` at its default: Keras ignores ``shuffle`` for a
-    dataset and warns about it on every rank at every fit (the README's
-    ``fit(tfhybrid.data.shard(...))`` included); the data order is unchanged."""
-    bound = inspect.signature(fit).bind(model, *args, **kwargs)
-    if "shuffle" in bound.arguments or not isinstance(bound.arguments.get("x"),
+def _quiet_shuffle(bound):
+    """``shuffle=False`` in ``fit``'s bound arguments when it reads a
+    ``tf.data.Dataset`` and the script left ``shuffle`` at its default: Keras
+    ignores ``shuffle`` for a dataset and warns about it on every rank at every
+    fit (the README's ``fit(tfhybrid.data.shard(...))`` included); the data
+    order is unchanged."""
+    if "shuffle" not in bound.arguments and isinstance(bound.arguments.get("x"),
                                                        tf.data.Dataset):
-        return kwargs
-    return dict(kwargs, shuffle=False)
+        bound.arguments["shuffle"] = False
 
 
-def _keras_checkpoints(fit, model, args, kwargs):
-    """``(args, kwargs)`` of ``fit`` with Keras' ``ModelCheckpoint`` callbacks handled.
+def _keras_checkpoints(model, bound):
+    """Keras' ``ModelCheckpoint`` callbacks in ``fit``'s bound arguments, handled.
 
     On a model with split tfhybrid layers, ``ModelCheckpoint`` would call
     ``model.save``/``save_weights`` (which refuse: they would write one rank's
@@ -426,14 +425,13 @@ def _keras_checkpoints(fit, model, args, kwargs):
     Raises:
         ValueError: for a ``ModelCheckpoint`` on a model with split layers.
     """
-    bound = inspect.signature(fit).bind(model, *args, **kwargs)
     callbacks = bound.arguments.get("callbacks")
     if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
-        return args, kwargs
+        return
     callbacks = list(callbacks)
     found = [cb for cb in callbacks if isinstance(cb, keras.callbacks.ModelCheckpoint)]
     if not found:
-        return args, kwargs
+        return
     if _holds_shards(model):
         cb = found[0]
         path = str(cb.filepath)
@@ -448,7 +446,6 @@ def _keras_checkpoints(fit, model, args, kwargs):
             "size; sharded=True writes per-rank parts).")
     if runtime.current_grid().rank != 0:
         bound.arguments["callbacks"] = [cb for cb in callbacks if cb not in found]
-    return bound.args[1:], bound.kwargs
 
 
 def _call_with_callbacks(method, model, args, kwargs, extra):
@@ -691,13 +688,14 @@ def install(model):
         return cls.train_step(self, data)
 
     def fit(self, *args, **kwargs):
-        args, kwargs = _keras_checkpoints(cls.fit, self, args, kwargs)   # may raise: no collective yet
+        bound = inspect.signature(cls.fit).bind(self, *args, **kwargs)
+        _keras_checkpoints(self, bound)          # may raise: before any collective
+        _quiet_shuffle(bound)
         object.__setattr__(self, "_tfhybrid_broadcast_in_fit", False)   # set by the callback
         extra = _watchdog_callbacks()
         config = _config()
         object.__setattr__(self, "_tfhybrid_start_check", None)
         if config.guards and runtime.current_grid().size > 1:   # one process: nothing to compare
-            bound = inspect.signature(cls.fit).bind(self, *args, **kwargs)
             check = StartCheck(self, planned_steps(bound.arguments, "steps_per_epoch"))
             if _broadcasts(bound.arguments.get("callbacks")):
                 # rides in the broadcast callback's allgather, before its broadcasts
@@ -706,8 +704,7 @@ def install(model):
             else:       # before the first collective of the fit
                 check.run_alone()
             extra.append(GuardCallback(checksum, config.guard_every_steps, due))
-        return _call_with_callbacks(cls.fit, self, args, _quiet_shuffle(cls.fit, self, args,
-                                                                        kwargs), extra)
+        return _call_with_callbacks(cls.fit, self, bound.args[1:], bound.kwargs, extra)
 
     @collective_api("model.evaluate", _EVAL_HINT.format("evaluate"))
     def evaluate(self, *args, **kwargs):

@@ -7,9 +7,13 @@ raises a ValueError naming tfhybrid.save / gather / load instead of writing
 this rank's shards (before: every rank wrote the same file, whichever came
 last won, and the file needed this grid to load).
 """
+import os
+import tempfile
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfhybrid
 from tfhybrid.comm import backend
@@ -29,7 +33,6 @@ def fitted(strategy, **options):
     model = tfhybrid.transform(make_model(), strategy, **options)
     model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
     x, y = randn((8, 6, 6, 2), "ks", "x"), randn((8, 3), "ks", "y")
-    import tensorflow as tf
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
     model.fit(tfhybrid.data.shard(data, model=model), epochs=1, verbose=0)
     return model, x
@@ -73,8 +76,6 @@ class CountingCheckpoint(keras.callbacks.ModelCheckpoint):
 
 def shared_dir():
     """A directory every rank of this job names alike (the job's rendezvous port)."""
-    import os
-    import tempfile
     port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "alone")
     path = os.path.join(tempfile.gettempdir(), f"tfhybrid-test-keras-save-{port}")
     os.makedirs(path, exist_ok=True)
@@ -83,7 +84,6 @@ def shared_dir():
 
 def test_keras_model_checkpoint_writes_on_rank_0_only_for_plain_layers(grid_of):
     grid_of(1)
-    import os
     path = os.path.join(shared_dir(), "d-{epoch}.keras")
     checkpoint = CountingCheckpoint(path)
     model = tfhybrid.transform(make_model(), "d")

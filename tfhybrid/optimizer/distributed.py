@@ -27,6 +27,8 @@ from keras.src.utils import tracking
 
 from tfhybrid import runtime
 from tfhybrid.comm import backend
+from tfhybrid.layout import layout_of
+from tfhybrid.optimizer import clipping
 from tfhybrid.optimizer.averaging import average_variables, averaging_bytes, schedules
 from tfhybrid.optimizer.compression import BUILT_IN, as_compressor
 from tfhybrid.optimizer.reduction import is_prereduced, plan_buckets, reduction_of
@@ -288,8 +290,43 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if self._delayed:
             reduced = [self._swap_delayed(local, g, v)
                        for local, g, v in zip(grads, reduced, variables)]
-        self.inner_optimizer.apply(reduced, variables)
+        self._apply_inner(reduced, variables)
         self._maybe_average(variables)
+
+    def _apply_inner(self, grads, variables):
+        """The inner optimizer's update, with ``clipnorm``/``global_clipnorm``
+        computed on whole weights where a rank holds blocks (see
+        :mod:`tfhybrid.optimizer.clipping`)."""
+        grid = runtime.current_grid()
+        if grid.model_size == 1 or not any(clipping.clip_norms(self.inner_optimizer)):
+            self.inner_optimizer.apply(grads, variables)
+            return
+        groups, weights = [], []
+        model = grid.group("model")
+        for v in variables:
+            layout = layout_of(v)
+            if layout.kind != "sharded" or is_prereduced(v):   # whole after reduction
+                groups.append(None)
+                weights.append(1.0 / model.size)
+            else:                                             # a block: sum over its group
+                ranks = tuple(layout.group.ranks if hasattr(layout.group, "ranks")
+                              else grid.group(layout.group).ranks)
+                groups.append(ranks if len(ranks) > 1 else None)
+                weights.append(len(ranks) / model.size)
+        name = f"{self.name}.clip"
+
+        def per_variable(squares):
+            return clipping.summed_over(squares, groups, name)
+
+        def global_total(squares):
+            # every rank of the model group adds its share; one scalar allreduce
+            parts = [s * w for s, w in zip(squares, weights) if s is not None]
+            local = tf.add_n(parts) if parts else tf.constant(0.0)
+            return backend.allreduce(local, model.ranks, f"{name}.global")
+
+        clipped = clipping.clip(grads, self.inner_optimizer, per_variable, global_total, name)
+        with clipping.keras_clipping_off(self.inner_optimizer):
+            self.inner_optimizer.apply(clipped, variables)
 
     def _maybe_average(self, variables):
         """gmp's periodic model averaging (:mod:`tfhybrid.optimizer.averaging`):

@@ -45,6 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfhybrid.comm import backend
+from tfhybrid.optimizer import clipping
 
 CUT_LAYERS = ("Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2D", "SeparableConv2D",
               "MaxPooling1D", "MaxPooling2D", "MaxPooling3D", "AveragePooling1D",
@@ -253,6 +254,13 @@ class LayerSeparatedModel(keras.Model):
     def _inner_optimizer(self):
         return getattr(self.optimizer, "inner_optimizer", self.optimizer)
 
+    def _apply(self, grads, variables, holders):
+        """This rank's part's update (identical on its ``holders`` ranks); a
+        ``global_clipnorm`` takes the norm over both parts."""
+        world = tuple(sorted(set(self.conv_ranks) | set(self.fc_ranks)))
+        clipping.apply_whole(self._inner_optimizer(), grads, variables, world, holders,
+                             "ls.clip")
+
     def train_step(self, data):
         x, y, sw = self._unpack(data)
         if self.is_fc:
@@ -272,7 +280,7 @@ class LayerSeparatedModel(keras.Model):
                 grads = backend.grouped_allreduce(grads, self.fc_ranks, "ls.fc_grads",
                                                   average=True)
             loss = self._anchor(loss, [back, preds])
-            self._inner_optimizer().apply(grads, variables)
+            self._apply(grads, variables, self.n_f)
             return self._log(x, y, y_pred, sw, loss)
         variables = list(self.conv_part.trainable_variables)
         with tf.GradientTape() as tape:
@@ -285,7 +293,7 @@ class LayerSeparatedModel(keras.Model):
                                               postscale=1.0 / self.n_f)
         elif self.n_f > 1:
             grads = [g / self.n_f for g in grads]
-        self._inner_optimizer().apply(grads, variables)
+        self._apply(grads, variables, self.n_c)
         loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=False)
         return self._log(x, y, y_pred, sw, loss)
 

@@ -51,6 +51,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfhybrid.comm import backend
+from tfhybrid.optimizer import clipping
 from tfhybrid.comm.p2p import anchored, receive_rows, send_rows
 
 
@@ -409,8 +410,9 @@ class PipelineModel(keras.Model):
         if len(self.spec.data_group) > 1 and grads:
             grads = backend.grouped_allreduce(grads, self.spec.data_group, "p.grads",
                                               average=True)
-        if variables:
-            self._inner_optimizer().apply(grads, variables)
+        # every stage joins a global_clipnorm's norm, with or without weights
+        clipping.apply_whole(self._inner_optimizer(), grads, variables, self.spec.pipeline, 1,
+                             "p.clip")
         loss = self._logged_loss(x, y, y_log, sw, x0, "fit")
         loss = anchored(loss, moved)
         return self._log(x, y, y_log, sw, loss)

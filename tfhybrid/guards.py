@@ -394,9 +394,17 @@ def _broadcasts(callbacks) -> bool:
                for c in tf.nest.flatten(callbacks))
 
 
+def _keras_signature(method):
+    """The signature of Keras' own ``fit``/``evaluate``/``predict`` for ``method``:
+    a subclass's override may take ``*args, **kwargs`` (tfhybrid's PipelineModel
+    does), where binding would hide ``callbacks``, ``shuffle``, ... in
+    ``kwargs``."""
+    return inspect.signature(getattr(keras.Model, method.__name__, method))
+
+
 def _callbacks_arg(method, model, args, kwargs):
     """(bound arguments, their callbacks list) of a fit/evaluate/predict call."""
-    bound = inspect.signature(method).bind(model, *args, **kwargs)
+    bound = _keras_signature(method).bind(model, *args, **kwargs)
     return bound, bound.arguments.get("callbacks")
 
 
@@ -640,9 +648,10 @@ _EVAL_HINT = ("model.{0}() of a transformed model is collective (its layers exch
 
 def _holds_shards(model) -> bool:
     """Whether a transformed model holds tfhybrid layers (split weights, or layers
-    that exchange activations), so that Keras' own save/load would see only this
+    that exchange activations), or is one rank's part of the model (a pipeline
+    stage, an ``ls`` worker), so that Keras' own save/load would see only this
     rank's part. A model of plain Keras layers (``d``, or nothing split) does not."""
-    return any(type(layer).__module__.startswith("tfhybrid.")
+    return getattr(model, "_tfhybrid_part", False) or any(type(layer).__module__.startswith("tfhybrid.")
                for layer in model._flatten_layers(include_self=False, recursive=True))
 
 
@@ -653,11 +662,19 @@ _SAVE_FIX = ("Use tfhybrid.save(model, path) on every rank (rank 0 writes a plai
              "per-rank files.")
 
 
-def install(model):
+def install(model, part=False):
     """Make transformed ``model``'s compile/fit/evaluate/predict run the guards.
 
     Instance-level wrappers (the class and serialization are unchanged);
     idempotent.
+
+    ``part=True``: a model whose ranks run different layers with their own
+    train step and reductions (``p``, ``ls``): the ranks' structures and
+    weights differ by design, so the consistency checks, the optimizer
+    wrapping and the lean train function are not installed; fit, evaluate
+    and predict still get the watchdog and the collective-call hints, fit its
+    ``ModelCheckpoint`` and ``shuffle`` handling, and Keras' save/load refuse
+    with the tfhybrid way to do it.
     """
     if getattr(model, "_tfhybrid_guarded", False):
         return model
@@ -688,14 +705,14 @@ def install(model):
         return cls.train_step(self, data)
 
     def fit(self, *args, **kwargs):
-        bound = inspect.signature(cls.fit).bind(self, *args, **kwargs)
+        bound = _keras_signature(cls.fit).bind(self, *args, **kwargs)
         _keras_checkpoints(self, bound)          # may raise: before any collective
         _quiet_shuffle(bound)
         object.__setattr__(self, "_tfhybrid_broadcast_in_fit", False)   # set by the callback
         extra = _watchdog_callbacks()
         config = _config()
         object.__setattr__(self, "_tfhybrid_start_check", None)
-        if config.guards and runtime.current_grid().size > 1:   # one process: nothing to compare
+        if config.guards and runtime.current_grid().size > 1 and not part:   # 1 process: no peers
             check = StartCheck(self, planned_steps(bound.arguments, "steps_per_epoch"))
             if _broadcasts(bound.arguments.get("callbacks")):
                 # rides in the broadcast callback's allgather, before its broadcasts
@@ -708,9 +725,9 @@ def install(model):
 
     @collective_api("model.evaluate", _EVAL_HINT.format("evaluate"))
     def evaluate(self, *args, **kwargs):
-        bound = inspect.signature(cls.evaluate).bind(self, *args, **kwargs)
-        if _config().guards and not isinstance(bound.arguments.get("callbacks"),
-                                               keras.callbacks.CallbackList):   # not fit's
+        bound = _keras_signature(cls.evaluate).bind(self, *args, **kwargs)
+        if _config().guards and not part and not isinstance(
+                bound.arguments.get("callbacks"), keras.callbacks.CallbackList):   # not fit's
             check_steps(self, planned_steps(bound.arguments, "steps"), "evaluate")
         outer = getattr(self, "_tfhybrid_evaluating", False)
         object.__setattr__(self, "_tfhybrid_evaluating", True)
@@ -780,6 +797,10 @@ def install(model):
                ("save", save), ("save_weights", save_weights), ("load_weights", load_weights)]
     if hasattr(cls, "_get_metrics_result_or_logs"):    # Keras 3 trainers (3.0 .. 3.15)
         methods.append(("_get_metrics_result_or_logs", _get_metrics_result_or_logs))
+    if part:     # p/ls: their own steps, reductions and metrics
+        keep = ("fit", "evaluate", "predict", "save", "save_weights", "load_weights")
+        methods = [(name, fn) for name, fn in methods if name in keep]
+        object.__setattr__(model, "_tfhybrid_part", True)
     for name, fn in methods:
         object.__setattr__(model, name, types.MethodType(fn, model))
     object.__setattr__(model, "_tfhybrid_batch_checksum", checksum)

@@ -110,14 +110,16 @@ def transform(model, strategy="d", **options):
     grid = runtime.current_grid()
     if opts.strategy in ("ls", "p"):
         _refuse_pairs_in_elastic_runs(opts.strategy)
+    from tfhybrid import guards   # compile wraps plain optimizers; fit checks consistency
     if opts.strategy == "ls":     # ranks run different layers: tfhybrid/transformer/layer_separation.py
         from tfhybrid.transformer import layer_separation
-        return layer_separation.build(model, grid, opts.fc_workers, opts.machine,
-                                      opts.batch_size)
+        return guards.install(layer_separation.build(model, grid, opts.fc_workers,
+                                                     opts.machine, opts.batch_size), part=True)
     if opts.strategy == "p":      # pipeline stages: tfhybrid/transformer/pipeline.py
         from tfhybrid.transformer import pipeline
-        return pipeline.build(model, grid, opts.stages, opts.micro_batches, opts.machine,
-                              getattr(opts, "batch_norm", "sync"))
+        return guards.install(pipeline.build(model, grid, opts.stages, opts.micro_batches,
+                                             opts.machine, getattr(opts, "batch_norm", "sync")),
+                              part=True)
     functional = as_functional(model)
     graph = describe_graph(functional)
     auto_choice = None
@@ -139,7 +141,6 @@ def transform(model, strategy="d", **options):
     info.auto = auto_choice
     object.__setattr__(new, INFO_ATTR, info)
     object.__setattr__(new, BATCH_SPLIT_ATTR, plan.batch_split)
-    from tfhybrid import guards   # compile wraps plain optimizers; fit checks consistency
     return guards.install(new)
 
 

@@ -456,6 +456,75 @@ def _keras_checkpoints(model, bound):
         bound.arguments["callbacks"] = [cb for cb in callbacks if cb not in found]
 
 
+class RootBackup(keras.callbacks.Callback):
+    """Keras' ``BackupAndRestore`` run the Horovod way on a model whose ranks
+    all hold the full weights (``d``): rank 0 alone backs up and deletes the
+    backup (every rank writing one HDF5 file failed with a lock error); at
+    the start of ``fit`` rank 0 restores it and every rank then takes rank
+    0's weights, optimizer state and epoch to resume at (one broadcast), so
+    all ranks resume together even where the others cannot read rank 0's
+    files."""
+
+    def __init__(self, backup):
+        super().__init__()
+        self.backup = backup
+        self.root = runtime.current_grid().rank == 0
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.backup.set_model(model)
+
+    def on_train_begin(self, logs=None):
+        from tfhybrid.callbacks import broadcast_model
+        from tfhybrid.comm import backend
+
+        if self.root:
+            self.backup.on_train_begin(logs)
+        epoch = int(getattr(self.model, "_initial_epoch", None) or 0) if self.root else 0
+        world = tuple(range(runtime.current_grid().size))
+        epoch = int(backend.broadcast(tf.constant(epoch, tf.int64), 0, world,
+                                      "backup.epoch").numpy())
+        broadcast_model(self.model)
+        if epoch:
+            self.model._initial_epoch = epoch
+
+    def _root_only(name):
+        def hook(self, *args, **kwargs):
+            if self.root:
+                getattr(self.backup, name)(*args, **kwargs)
+        hook.__name__ = name
+        return hook
+
+    on_epoch_end = _root_only("on_epoch_end")
+    on_train_batch_end = _root_only("on_train_batch_end")
+    on_train_end = _root_only("on_train_end")
+
+
+def _keras_backups(model, bound):
+    """Keras' ``BackupAndRestore`` callbacks in ``fit``'s bound arguments, handled:
+    refused before any training on a model whose ranks hold parts (its
+    ``save_weights`` would write one rank's part), run by :class:`RootBackup`
+    on a model of plain layers (``d``) in a multi-process job."""
+    callbacks = bound.arguments.get("callbacks")
+    if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
+        return
+    found = [cb for cb in callbacks if isinstance(cb, keras.callbacks.BackupAndRestore)]
+    if not found or runtime.current_grid().size == 1:
+        return
+    if _holds_shards(model):
+        backup_dir = str(found[0].backup_dir)
+        last = os.path.join(backup_dir, "last.keras")
+        raise ValueError(
+            f"keras.callbacks.BackupAndRestore({backup_dir!r}) would back up transformed model "
+            f"{model.name!r} with Keras' model.save_weights(), which writes only this rank's "
+            "part of its split layers. Use tfhybrid.callbacks.Checkpoint("
+            f"{last!r}, every_n_steps=...) in fit instead (every rank runs it; rank 0 writes "
+            "the full weights and optimizer state) and, when the job restarts, "
+            f"model = tfhybrid.load({last!r}) (it re-transforms and compiles the model, and "
+            "its fit resumes at the saved epoch and step, on any world size).")
+    bound.arguments["callbacks"] = [RootBackup(cb) if cb in found else cb for cb in callbacks]
+
+
 def _call_with_callbacks(method, model, args, kwargs, extra):
     bound, callbacks = _callbacks_arg(method, model, args, kwargs)
     # fit's validation passes its own CallbackList (which holds fit's watchdog): keep it.
@@ -707,6 +776,7 @@ def install(model, part=False):
     def fit(self, *args, **kwargs):
         bound = _keras_signature(cls.fit).bind(self, *args, **kwargs)
         _keras_checkpoints(self, bound)          # may raise: before any collective
+        _keras_backups(self, bound)              # may raise: before any collective
         _quiet_shuffle(bound)
         object.__setattr__(self, "_tfhybrid_broadcast_in_fit", False)   # set by the callback
         extra = _watchdog_callbacks()

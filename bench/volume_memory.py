@@ -70,6 +70,27 @@ convolution, an edge rank without). With ``--fusion_mb 1`` and block
 convolution: 1.20 / 1.57. The block convolution wins at p = 2 and does not at
 p = 4, where the middle ranks' excess above stays unexplained.
 
+What grows with the volume (session 11, ``--baseline``, default 16): each p
+also trains the same model on 16^3 volumes; a rank's growth there (the traced
+graph, Horovod's and Gloo's buffers: 56-57 MB at p = 1, 102-107 MB at p = 2,
+102-123 MB at p = 4, middle ranks the most) is subtracted from its growth on
+the real volume, and ``vol ratio = vol(p) / (vol(1)/p + params)``. Two runs
+each, back to back, default fusion buffer::
+
+    inter-op threads   p = 1 fit +MB   fit ratio p2 / p4   vol ratio p2 / p4
+    2 (default)        1602, 1602      1.25-1.26 / 1.59-1.62   1.16 / 1.34-1.37
+    1                  1743, 1743      1.18-1.20 / 1.31-1.35   1.10-1.11 / 1.06-1.10
+
+With one inter-op thread (``TF_NUM_INTEROP_THREADS=1``: TensorFlow runs one
+op at a time) what grows with the volume scales as single/p within 6-11 %;
+with two, TensorFlow runs independent ops of the step side by side, and at
+p = 4 a rank holds ~80 MB (about four level-0 activations of its block) more
+at its peak. The fixed part is what the issue's plain ``fit ratio`` charges
+to p: growth(1)/p spreads p = 1's fixed ~57 MB over the ranks, while every
+rank of p = 4 carries ~100-120 MB of its own. p = 1's growth itself differs
+from run to run and setting to setting (1524-1743 MB seen), which moves
+every ratio by up to ~10 %.
+
 Usage (the whole run stays under ~5 GB on the box)::
 
     .venv/bin/python bench/volume_memory.py                 # p = 1, 2, 4
@@ -117,6 +138,10 @@ def _args(argv=None):
                     help="Horovod's tensor-fusion buffer (tfhybrid.Config("
                     "fusion_threshold_bytes)); 0: Horovod's default, 128 MiB")
     ap.add_argument("--data_dir", default=None, help="where the .npy volumes are written")
+    ap.add_argument("--baseline", type=int, default=16,
+                    help="also train the same model on volumes of this edge at each p, to "
+                    "measure what fit adds that does not scale with the volume (tracing, "
+                    "Horovod's buffers); 0: skip")
     ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)   # output directory
     args = ap.parse_args(argv)
@@ -304,13 +329,39 @@ def run(args, p, out_dir, timeout=1800):
     return proc, rows
 
 
-def summary(rows_by_p, fusion=0):
+def _volume_growth(row, base):
+    """Fit growth of ``row`` above the same rank's growth on the baseline volume."""
+    same = [b for b in base or [] if b["rank"] == row["rank"] and b.get("ok")]
+    return row["growth_mb"] - same[0]["growth_mb"] if same else None
+
+
+def volume_ratios(rows_by_p, base_by_p):
+    """Per world size: (worst rank's volume growth, volume ratio), where the volume
+    growth is fit's growth minus the same rank's growth on the baseline volume
+    and the ratio divides it by volume growth(1)/p + params; None without a
+    baseline."""
+    one, out = rows_by_p.get(1), {}
+    if not (one and one[0].get("ok") and base_by_p):
+        return out
+    g1 = _volume_growth(one[0], base_by_p.get(1))
+    for p, rows in rows_by_p.items():
+        grown = [(_volume_growth(r, base_by_p.get(p)), r) for r in rows]
+        grown = [(g, r) for g, r in grown if g is not None]
+        if g1 is None or not grown or len(grown) < len(rows):
+            continue
+        g, r = max(grown, key=lambda t: t[0])
+        out[p] = (g, g / (g1 / p + r["param_mb"]))
+    return out
+
+
+def summary(rows_by_p, fusion=0, base_by_p=None, baseline=0):
     """The printed table: per world size, the worst rank, beside the estimates."""
     one = rows_by_p.get(1)
+    vol = volume_ratios(rows_by_p, base_by_p)
     lines = [f"{'p':>2} {'block (local batch, D, H, W, C)':<32}{'peak MB':>9}{'runtime':>9}"
              f"{'fit +MB':>9}"
              f"{'oracle MB':>10}{'describe MB':>12}{'ideal MB':>10}{'ratio':>7}"
-             f"{'fit ratio':>10}  ok"]
+             f"{'fit ratio':>10}{'vol +MB':>9}{'vol ratio':>10}  ok"]
     for p, rows in sorted(rows_by_p.items()):
         if not rows:
             lines.append(f"{p:>2} (no rank reported: killed)")
@@ -330,6 +381,8 @@ def summary(rows_by_p, fusion=0):
             f"{'-' if ideal is None else f'{ideal:.0f}':>10}"
             f"{'-' if ratio is None else f'{ratio:.2f}':>7}"
             f"{'-' if fit_ratio is None else f'{fit_ratio:.2f}':>10}"
+            f"{f'{vol[p][0]:.0f}' if p in vol else '-':>9}"
+            f"{f'{vol[p][1]:.2f}' if p in vol else '-':>10}"
             f"  {all(r.get('ok') for r in rows) and len(rows) == p}")
     lines += [
         "target (issue 17 item 3: per-rank peak ~ single/p + replicated parameters) is the",
@@ -341,7 +394,34 @@ def summary(rows_by_p, fusion=0):
         "Horovod's tensor-fusion buffer (128 MiB by default; --fusion_mb) is allocated",
         "during fit by p > 1 only and so counts in its growth"
         + (f" (here {fusion} MiB)." if fusion else ": compare --fusion_mb 1.")]
+    if vol:
+        lines += [
+            f"'vol +MB' is a rank's fit growth minus its growth training the same model on a "
+            f"{baseline}^3 volume",
+            "at the same p (what fit adds whatever the volume: the traced graph, Horovod's",
+            "and Gloo's buffers; ~57 MB at p = 1, ~100-120 MB at p = 4 here), worst rank;",
+            "'vol ratio' = vol(p) / (vol(1)/p + params): how the memory that grows with the",
+            "volume scales with p."]
     return "\n".join(lines)
+
+
+def _baseline(args):
+    """Each p's rows training the same model on ``--baseline``-sized volumes."""
+    small = argparse.Namespace(**dict(vars(args), size=args.baseline, limit_mb=0))
+    small.data_dir = tempfile.mkdtemp(prefix="baseline_", dir=args.data_dir)
+    write_data(small, small.data_dir)
+    print(f"baseline: the same model on {args.baseline}^3 volumes (fit's growth that does "
+          "not scale with the volume)", flush=True)
+    out = {}
+    for p in args.nps:
+        proc, rows = run(small, p, tempfile.mkdtemp(prefix=f"base_p{p}_", dir=args.data_dir))
+        out[p] = rows
+        if proc.returncode and not rows:
+            print(f"baseline p={p}: exit {proc.returncode}\n{proc.stderr[-2000:]}", flush=True)
+        for r in sorted(rows, key=lambda r: r["rank"]):
+            print(f"  baseline p={p} rank {r['rank']}: fit +{r['growth_mb']:.0f} MB, "
+                  f"ok={r['ok']}", flush=True)
+    return out
 
 
 def main(argv=None):
@@ -371,10 +451,12 @@ def main(argv=None):
                       f"{r['vm_data_peak_mb']:.0f} MB, ok={r['ok']}"
                       + (f" ({r['error'][:80]})" if r["ok"] is False else "")
                       + (" (died during fit)" if r["ok"] is None else ""), flush=True)
-        print(summary(results, args.fusion_mb))
+        base = _baseline(args) if args.baseline else {}
+        print(summary(results, args.fusion_mb, base, args.baseline))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({str(p): rows for p, rows in results.items()}, f, indent=1)
+                json.dump({str(p): rows for p, rows in results.items()}
+                          | {f"baseline{p}": rows for p, rows in base.items()}, f, indent=1)
         return results
     finally:
         if own:

@@ -88,6 +88,50 @@ def _broadcast_variables(variables, root_rank, name, check=None):
             var.assign(tf.reshape(part, tf.shape(t)))
 
 
+def _structure_digest(variables):
+    """A digest of the variables' shapes and dtypes (not names: auto-names differ
+    between ranks that built other models first), as two exact float64s."""
+    h = hashlib.blake2b(digest_size=8)
+    for v in variables:
+        h.update(f"{tuple(v.shape)}:{tf.as_dtype(v.dtype).name};".encode())
+    d = int.from_bytes(h.digest(), "little")
+    return [float(d >> 32), float(d & 0xFFFFFFFF)]
+
+
+def agree_on_root(variables, name, root_rank=0):
+    """Make replicas that started apart take rank ``root_rank``'s values.
+
+    For a model trained without tfhybrid.transform (Horovod style: a Keras model,
+    ``DistributedOptimizer``, no broadcast callback): its weights were drawn on
+    each rank by an unseeded initializer and would never agree, so training
+    would silently differ per rank. One allgather of a structure digest and a
+    value digest per rank; only when every rank holds the same structure (a
+    pipeline stage or an ``ls`` worker holds other variables by design: left
+    alone) and some value digest differs from the root's are the values
+    broadcast (:func:`_broadcast_variables`, layout-aware). Eager (under
+    ``tf.init_scope`` when called while tracing). Returns True when it
+    broadcast.
+    """
+    grid = runtime.current_grid()
+    variables = [v for v in variables if broadcastable(v)]
+    if grid.size == 1 or not variables:
+        return False
+    with tf.init_scope():
+        world = tuple(range(grid.size))
+        part = _structure_digest(variables) + _digest(variables)
+        rows = backend.allgather(tf.constant([part], tf.float64), world,
+                                 f"{name}.agree").numpy()
+        if (rows[:, :2] != rows[root_rank, :2]).any():    # other variables by design
+            return False
+        same = rows[:, 2:] == rows[root_rank, 2:]
+        if same.all():
+            return False
+        if any(layout_of(v).kind == "sharded" for v in variables) and grid.model_size > 1:
+            return False     # blocks differ within a model group by design: the guards' job
+        _broadcast_variables(variables, root_rank, name)
+        return True
+
+
 def _block_root(grid, rank, root_rank):
     """The root of ``rank``'s sharded-block broadcast. Horovod's root is a
     global rank: the member of ``root_rank``'s model group that holds the same

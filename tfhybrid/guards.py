@@ -694,9 +694,12 @@ def _loss_scale_inside(model, optimizer, auto_scale_loss) -> bool:
 def _wrap_optimizer(optimizer):
     from tfhybrid.optimizer import DistributedOptimizer
 
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.replicas_checked = True     # the guards compare and broadcast at fit
     if isinstance(optimizer, DistributedOptimizer) or runtime.current_grid().size == 1:
         return optimizer
     wrapped = DistributedOptimizer(optimizer)
+    wrapped.replicas_checked = True
     if runtime.is_root():
         warnings.warn(
             f"tfhybrid: the transformed model was compiled with a plain "

@@ -113,3 +113,34 @@ def test_backward_passes_per_step(dp, kind):
     model = run_fit(kind, x, y, backward_passes_per_step=2, bucket_bytes=200)
     assert model.optimizer.iterations.numpy() == STEPS
     assert_weights_close(model.get_weights(), reference_weights(kind, x, y, 2 * GLOBAL_BATCH))
+
+
+def test_horovod_style_script_without_broadcast_trains_rank_0s_replica(grid_of):
+    """A script written for Horovod without its broadcast callback: no transform,
+    an unseeded model (each rank draws its own weights), DistributedOptimizer,
+    fit with no callbacks. The optimizer's build takes rank 0's weights (with a
+    warning on rank 0), so every rank trains rank 0's model on the global
+    batches, as one process would (before: replicas 0.9 apart after 2 epochs)."""
+    from tfhybrid.comm import backend
+
+    grid = grid_of(1)
+    keras.utils.set_random_seed(1000 + grid.rank)     # as unseeded: each rank its own draw
+    model = keras.Sequential([keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3),
+                              keras.layers.Flatten(), keras.layers.Dense(3)])
+    world = tuple(range(grid.size))
+    initial = [backend.broadcast(tf.constant(w), 0, world, f"test.initial.{i}").numpy()
+               for i, w in enumerate(model.get_weights())]
+    x, y = make_data()
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(make_optimizer("sgd")), loss=LOSS,
+                  jit_compile=False)
+    if grid.size > 1 and grid.rank == 0:
+        with pytest.warns(UserWarning, match="weights differed between ranks"):
+            model.fit(tfhybrid.data.shard(global_dataset(x, y)), epochs=1, verbose=0)
+    else:
+        model.fit(tfhybrid.data.shard(global_dataset(x, y)), epochs=1, verbose=0)
+    reference = keras.Sequential([keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3),
+                                  keras.layers.Flatten(), keras.layers.Dense(3)])
+    reference.set_weights(initial)
+    reference.compile(optimizer=make_optimizer("sgd"), loss=LOSS, jit_compile=False)
+    reference.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, epochs=1, verbose=0)
+    assert_weights_close(model.get_weights(), reference.get_weights())

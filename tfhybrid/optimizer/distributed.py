@@ -180,6 +180,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.delay_fc_update = delay_fc_update
         self._plan = None
         self._delayed = {}
+        self.replicas_checked = False   # set by a transformed model's compile (its guards)
 
     # -- delegation to the inner optimizer --------------------------------
 
@@ -208,6 +209,23 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 self._delayed = {self._get_variable_index(v): self.add_variable_from_reference(
                     v, name="delayed_fc_grad") for v in var_list if is_delayed_fc(v)}
         link_slots(self.variables, var_list)   # an inner optimizer built before wrapping
+        self._agree_on_root(var_list)
+
+    def _agree_on_root(self, var_list):
+        """Horovod-style scripts (no transform, no broadcast callback) start from
+        each rank's own random weights: take rank 0's once, at build, and say so."""
+        from tfhybrid.callbacks import agree_on_root
+
+        if self.replicas_checked:
+            return
+        if agree_on_root(var_list, f"{self.name}.initial") and runtime.is_root():
+            warnings.warn(
+                "tfhybrid: the model's weights differed between ranks when the "
+                "DistributedOptimizer was built (each rank initialised its own); they "
+                "were set to rank 0's so the replicas train as one. Pass "
+                "tfhybrid.callbacks.standard() to fit (it broadcasts rank 0's state at "
+                "the start), or transform the model with tfhybrid.transform(model, 'd').",
+                stacklevel=2)
 
     def _check_fc_hooks(self, var_list):
         if self.replicate_fc_gradients and not any(is_prereduced(v) for v in var_list):

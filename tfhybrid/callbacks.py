@@ -279,6 +279,11 @@ class MetricAverageCallback(keras.callbacks.Callback):
     """
 
     def on_epoch_end(self, epoch, logs=None):
+        if getattr(self.model, "_tfhybrid_logs_global", False):
+            # a transformed model's epoch logs are already the global batch's
+            # (tfhybrid.guards sums the metric states): nothing to average
+            object.__setattr__(self.model, "_tfhybrid_logs_global", False)
+            return
         _average_logs(logs, f"metric_average.{epoch}")
 
     def on_test_end(self, logs=None):

@@ -54,10 +54,12 @@ class Config:
         guard_every_steps: Period of the guards after the first steps (0:
             only at the start of each ``fit`` and its first two steps).
         average_metrics: ``evaluate`` of a transformed model (also
-            ``fit``'s validation) returns the metrics of the whole global
-            data set, identical on every rank: the metrics' states (totals,
-            counts, confusion counts) are summed over the ranks before
-            ``result()``. False: each rank's own values, as plain Keras does.
+            ``fit``'s validation) and each ``fit`` epoch's logs (what
+            callbacks and the History see) give the metrics of the whole
+            global data set, identical on every rank: the metrics' states
+            (totals, counts, confusion counts) are summed over the ranks
+            before ``result()``. False: each rank's own values, as plain Keras
+            does.
 
     Example:
         >>> tfhybrid.init(model_parallel=2, config=tfhybrid.Config(cycle_time_ms=2))

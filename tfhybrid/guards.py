@@ -810,10 +810,14 @@ def install(model, part=False):
             object.__setattr__(self, "_tfhybrid_evaluating", outer)
 
     def _get_metrics_result_or_logs(self, logs):
-        # Called eagerly at the end of evaluate (and of each fit epoch: not reduced).
-        if not (getattr(self, "_tfhybrid_evaluating", False) and tf.executing_eagerly()
-                and _config().average_metrics and runtime.current_grid().size > 1):
+        # Called eagerly, on every rank, at the end of evaluate and of each fit
+        # epoch (before validation and the callbacks): the epoch's train logs
+        # become the global batch's (before: each rank's own rows, so that
+        # EarlyStopping/ReduceLROnPlateau on "loss" decided per rank).
+        if not (tf.executing_eagerly() and _config().average_metrics
+                and runtime.current_grid().size > 1):
             return cls._get_metrics_result_or_logs(self, logs)
+        object.__setattr__(self, "_tfhybrid_logs_global", True)   # MetricAverageCallback
         sum_metric_states(self)
         out = cls._get_metrics_result_or_logs(self, logs)
         if out is logs and isinstance(logs, dict):   # custom test_step: its own logs

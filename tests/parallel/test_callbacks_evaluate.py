@@ -104,3 +104,39 @@ def test_fit_validation_metrics_are_global(grid_of):
     np.testing.assert_allclose(history.history["val_accuracy"][-1], reference["accuracy"],
                                rtol=1e-6)
     backend.barrier()
+
+
+def test_fit_epoch_logs_are_the_global_batches(grid_of):
+    """Without tfhybrid.callbacks.standard(): every rank's epoch logs (History,
+    EarlyStopping, ReduceLROnPlateau read them) equal single-process fit's on
+    the global batches (before: each rank logged its own rows, so a callback
+    monitoring "loss" could stop one rank and not the others)."""
+    import tensorflow as tf
+
+    from conftest import rng, world_size
+
+    def build():
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="relu", name="fc1")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(4, name="fc2")(hidden))
+
+    x, y = randn((32, 6), "epoch-logs-x"), rng("epoch-logs-y").integers(0, 4, 32)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = build()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=["accuracy"])
+    expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    for strategy, mp in (("d", 1), ("f", world_size())):
+        grid_of(mp)
+        model = tfhybrid.transform(build(), strategy)
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                      loss=loss, metrics=["accuracy"])
+        data = tfhybrid.data.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(8),
+                                   model=model)
+        got = model.fit(data, epochs=2, verbose=0).history
+        for key in ("loss", "accuracy"):
+            np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{strategy} {key}")
+        gathered = backend.allgather(tf.constant([got["loss"]], tf.float64),
+                                     tuple(range(backend.size())), f"logs.{strategy}").numpy()
+        assert (gathered == gathered[0]).all(), gathered

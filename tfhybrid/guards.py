@@ -59,6 +59,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfhybrid import runtime
+from tfhybrid.layers.spatial.output import full_labels_to_blocks, whole_predictions
 from tfhybrid.layout import layout_of
 from tfhybrid.watchdog import collective_api
 
@@ -766,6 +767,7 @@ def install(model, part=False):
         return cls.compile(*bound.args, **bound.kwargs)
 
     def train_step(self, data):
+        data = full_labels_to_blocks(self, data)     # fit(x, y) with whole-volume labels
         # Only where ranks of a model group must feed the same rows (nothing to
         # compare otherwise: pure data parallelism, one process), and only on
         # the steps the GuardCallback checks.
@@ -775,6 +777,9 @@ def install(model, part=False):
             rows = data[0] if split else data
             checksum.assign(tf.cond(due, lambda: batch_checksum(rows), checksum.read_value))
         return cls.train_step(self, data)
+
+    def test_step(self, data):
+        return cls.test_step(self, full_labels_to_blocks(self, data))
 
     def fit(self, *args, **kwargs):
         bound = _keras_signature(cls.fit).bind(self, *args, **kwargs)
@@ -834,7 +839,9 @@ def install(model, part=False):
 
     @collective_api("model.predict", _EVAL_HINT.format("predict"))
     def predict(self, *args, **kwargs):
-        return _call_with_callbacks(cls.predict, self, args, kwargs, _watchdog_callbacks())
+        out = _call_with_callbacks(cls.predict, self, args, kwargs, _watchdog_callbacks())
+        # whole volumes, as one process predicts them (s/ds outputs stay in blocks)
+        return whole_predictions(self, out) if not part else out
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -868,7 +875,8 @@ def install(model, part=False):
         "them; loading on rank 0 only is enough: transform broadcasts them), or resume a "
         "tfhybrid checkpoint with tfhybrid.load(path).")
 
-    methods = [("compile", compile), ("train_step", train_step), ("fit", fit),
+    methods = [("compile", compile), ("train_step", train_step), ("test_step", test_step),
+               ("fit", fit),
                ("make_train_function", make_train_function),
                ("evaluate", evaluate), ("predict", predict), ("summary", summary),
                ("save", save), ("save_weights", save_weights), ("load_weights", load_weights)]

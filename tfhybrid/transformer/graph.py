@@ -117,7 +117,10 @@ def as_functional(model):
             "tfhybrid.transform reads the layer graph of Sequential and Functional models "
             "only. Rewrite it with the functional API (keras.Input + layer calls + "
             "keras.Model(inputs, outputs)), or build the parallel model by hand from "
-            "tfhybrid.layers.")
+            "tfhybrid.layers. For data parallelism alone no transform is needed: compile "
+            "it with tfhybrid.DistributedOptimizer(optimizer), feed "
+            "tfhybrid.data.shard(dataset) and pass callbacks=tfhybrid.callbacks.standard() "
+            "to fit (as with Horovod).")
     return model
 
 

@@ -401,3 +401,103 @@ def _cut(value, spatial, flags, what, names=None):
         parts = [tf.nest.map_structure(cut, v) if split else v for v, split in zip(value, flags)]
         return type(value)(parts)
     return tf.nest.map_structure(cut, value)
+
+
+def full_labels_to_blocks(model, data):
+    """``data`` (a train/test step's element) with per-voxel labels and sample
+    weights given at the whole volume's size cut to this rank's block.
+
+    ``tfhybrid.data.shard(..., model=model)`` and ``tfhybrid.data.volumes``
+    cut them already; ``model.fit(x, y)`` / ``evaluate(x, y)`` on numpy
+    arrays or a dataset of whole volumes pass them whole (the input is split
+    by the model's SpatialScatter), which failed in Keras' loss with a shape
+    mismatch. A tensor is cut when its spatial sizes along the split axes
+    are the whole output's (block x blocks); tensors already at block size,
+    per-sample labels and broadcast weights pass unchanged. Static shapes
+    decide (at trace time).
+    """
+    split = split_outputs_of(model)
+    if split is None or not isinstance(data, (tuple, list)) or len(data) < 2:
+        return data
+    flags, spatial = split
+    outputs = [o for o, f in zip(model.outputs, flags) if f]
+    block = tuple(outputs[0].shape[1:1 + len(spatial)])
+    full = tuple(None if b is None else b * k for b, k in zip(block, spatial))
+
+    def whole(t):
+        shape = tuple(getattr(t, "shape", ()))
+        if len(shape) < len(spatial) + 1:
+            return False
+        axes = [d for d, k in enumerate(spatial) if k > 1]
+        return bool(axes) and all(shape[d + 1] == full[d] and full[d] != block[d]
+                                  for d in axes)
+
+    if not any(whole(t) for t in tf.nest.flatten(list(data[1:]))):
+        return data
+    names = list(getattr(model, "output_names", None) or [])
+    out = list(data)
+    for i, what in ((1, "labels"), (2, "sample weights")):
+        if i < len(out) and out[i] is not None:
+            value = out[i]
+            out[i] = _cut_where(value, spatial, flags, what, names, whole)
+    return type(data)(out) if isinstance(data, tuple) else out
+
+
+def _cut_where(value, spatial, flags, what, names, whole):
+    def cut(t):
+        return label_block(t, spatial, what) if whole(t) else t
+
+    if flags is not None and isinstance(value, dict) and names and len(names) == len(flags):
+        split = dict(zip(names, flags))
+        return {k: tf.nest.map_structure(cut, v) if split.get(k, True) else v
+                for k, v in value.items()}
+    if flags is not None and len(flags) > 1 and isinstance(value, (tuple, list)) and \
+            len(value) == len(flags):
+        return type(value)(tf.nest.map_structure(cut, v) if f else v
+                           for v, f in zip(value, flags))
+    return tf.nest.map_structure(cut, value)
+
+
+def whole_predictions(model, result):
+    """``model.predict``'s ``result`` with each split output's blocks put
+    together into whole volumes, as single-process ``predict`` returns them
+    (collective over the model group: one allgather per split output).
+    Outputs that are not split, and models without split outputs, are
+    returned unchanged."""
+    split = split_outputs_of(model)
+    if split is None:
+        return result
+    flags, spatial = split
+    from tfhybrid.comm import backend
+
+    group = runtime.current_grid().group("model")
+    coords = [_unravel_rank(r, spatial) for r in range(group.size)]
+
+    def whole(block, number):
+        block = np.asarray(block)
+        parts = backend.allgather(tf.convert_to_tensor(block[None]), group.ranks,
+                                  f"predict.whole.{number}").numpy()
+        out = np.empty((block.shape[0],) + tuple(n * k for n, k in zip(
+            block.shape[1:1 + len(spatial)], spatial)) + block.shape[1 + len(spatial):],
+            block.dtype)
+        for part, c in zip(parts, coords):
+            where = (slice(None),) + tuple(slice(i * n, (i + 1) * n) for i, n in zip(
+                c, block.shape[1:1 + len(spatial)]))
+            out[where] = part
+        return out
+
+    names = list(getattr(model, "output_names", None) or [])
+    if isinstance(result, dict) and names and len(names) == len(flags):
+        split_by_name = dict(zip(names, flags))
+        return {k: whole(v, i) if split_by_name.get(k) else v
+                for i, (k, v) in enumerate(result.items())}
+    if isinstance(result, (list, tuple)) and len(result) == len(flags) and len(flags) > 1:
+        return type(result)(whole(v, i) if f else v
+                            for i, (v, f) in enumerate(zip(result, flags)))
+    return whole(result, 0) if flags[0] else result
+
+
+def _unravel_rank(rank, spatial):
+    from tfhybrid.process_grid import _unravel
+
+    return _unravel(rank, tuple(spatial))

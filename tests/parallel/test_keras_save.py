@@ -77,6 +77,15 @@ def split_case(strategy):
             "ls": (1, {"fc_workers": world_size() // 2})}[strategy]
 
 
+def compiled_split(grid_of, strategy):
+    """(a compiled model of :func:`split_case`, x, y), untrained."""
+    mp, options = split_case(strategy)
+    grid_of(mp)
+    model = tfhybrid.transform(make_model(), strategy, **options)
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    return model, randn((8, 6, 6, 2), "ks", "x"), randn((8, 3), "ks", "y")
+
+
 class CountingCheckpoint(keras.callbacks.ModelCheckpoint):
     saves = 0
 
@@ -111,11 +120,7 @@ def test_keras_model_checkpoint_writes_on_rank_0_only_for_plain_layers(grid_of):
 @pytest.mark.parametrize("strategy", ["f", "p", "ls"])
 def test_keras_model_checkpoint_on_split_layers_is_refused_before_training(grid_of, tmp_path,
                                                                            strategy):
-    mp, options = split_case(strategy)
-    grid_of(mp)
-    model = tfhybrid.transform(make_model(), strategy, **options)
-    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
-    x, y = randn((8, 6, 6, 2), "ks", "x"), randn((8, 3), "ks", "y")
+    model, x, y = compiled_split(grid_of, strategy)
     callback = keras.callbacks.ModelCheckpoint(str(tmp_path / "w.weights.h5"),
                                                save_weights_only=True)
     with pytest.raises(ValueError, match=r"save_weights\(\).*tfhybrid.callbacks.Checkpoint\("
@@ -170,11 +175,7 @@ def test_keras_backup_and_restore_resumes_a_data_parallel_run(grid_of):
 @pytest.mark.parametrize("strategy", ["f", "p", "ls"])
 def test_keras_backup_and_restore_on_split_models_is_refused_before_training(grid_of, tmp_path,
                                                                              strategy):
-    mp, options = split_case(strategy)
-    grid_of(mp)
-    model = tfhybrid.transform(make_model(), strategy, **options)
-    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
-    x, y = randn((8, 6, 6, 2), "ks", "x"), randn((8, 3), "ks", "y")
+    model, x, y = compiled_split(grid_of, strategy)
     with pytest.raises(ValueError, match=r"BackupAndRestore.*tfhybrid.callbacks.Checkpoint\("
                                          r".*tfhybrid.load\("):
         model.fit(x, y, epochs=1, verbose=0,

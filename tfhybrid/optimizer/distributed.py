@@ -209,19 +209,21 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 self._delayed = {self._get_variable_index(v): self.add_variable_from_reference(
                     v, name="delayed_fc_grad") for v in var_list if is_delayed_fc(v)}
         link_slots(self.variables, var_list)   # an inner optimizer built before wrapping
-        self._agree_on_root(var_list)
 
     def _agree_on_root(self, var_list):
         """Horovod-style scripts (no transform, no broadcast callback) start from
-        each rank's own random weights: take rank 0's once, at build, and say so."""
+        each rank's own random weights: take rank 0's once, at the first
+        ``apply`` (a collective: every rank trains; not at ``build``, which
+        ``keras.saving.load_model`` on rank 0 alone also calls), and say so."""
         from tfhybrid.callbacks import agree_on_root
 
         if self.replicas_checked:
             return
+        self.replicas_checked = True
         if agree_on_root(var_list, f"{self.name}.initial") and runtime.is_root():
             warnings.warn(
-                "tfhybrid: the model's weights differed between ranks when the "
-                "DistributedOptimizer was built (each rank initialised its own); they "
+                "tfhybrid: the model's weights differed between ranks at the "
+                "DistributedOptimizer's first step (each rank initialised its own); they "
                 "were set to rank 0's so the replicas train as one. Pass "
                 "tfhybrid.callbacks.standard() to fit (it broadcasts rank 0's state at "
                 "the start), or transform the model with tfhybrid.transform(model, 'd').",
@@ -297,6 +299,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(variables)
+        self._agree_on_root(variables)
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
         if self.backward_passes_per_step == 1:
             self._reduce_and_apply(grads, variables)

@@ -387,9 +387,12 @@ def split_labels(element, spatial, flags=None, names=None):
     return type(element)(out) if isinstance(element, tuple) else out
 
 
-def _cut(value, spatial, flags, what, names=None):
+def _cut(value, spatial, flags, what, names=None, where=None):
+    """``value`` (labels or weights, maybe one entry per output) with the
+    entries of split outputs cut to this rank's block; ``where(t)``: cut only
+    the tensors it holds true for (default: all)."""
     def cut(t):
-        return label_block(t, spatial, what)
+        return label_block(t, spatial, what) if where is None or where(t) else t
 
     if flags is not None and isinstance(value, dict) and names and len(names) == len(flags):
         split = dict(zip(names, flags))
@@ -439,23 +442,8 @@ def full_labels_to_blocks(model, data):
     for i, what in ((1, "labels"), (2, "sample weights")):
         if i < len(out) and out[i] is not None:
             value = out[i]
-            out[i] = _cut_where(value, spatial, flags, what, names, whole)
+            out[i] = _cut(value, spatial, flags, what, names, where=whole)
     return type(data)(out) if isinstance(data, tuple) else out
-
-
-def _cut_where(value, spatial, flags, what, names, whole):
-    def cut(t):
-        return label_block(t, spatial, what) if whole(t) else t
-
-    if flags is not None and isinstance(value, dict) and names and len(names) == len(flags):
-        split = dict(zip(names, flags))
-        return {k: tf.nest.map_structure(cut, v) if split.get(k, True) else v
-                for k, v in value.items()}
-    if flags is not None and len(flags) > 1 and isinstance(value, (tuple, list)) and \
-            len(value) == len(flags):
-        return type(value)(tf.nest.map_structure(cut, v) if f else v
-                           for v, f in zip(value, flags))
-    return tf.nest.map_structure(cut, value)
 
 
 def whole_predictions(model, result):

@@ -499,6 +499,7 @@ class RootBackup(keras.callbacks.Callback):
     on_epoch_end = _root_only("on_epoch_end")
     on_train_batch_end = _root_only("on_train_batch_end")
     on_train_end = _root_only("on_train_end")
+    del _root_only
 
 
 def _keras_backups(model, bound):
@@ -724,7 +725,9 @@ def _holds_shards(model) -> bool:
     that exchange activations), or is one rank's part of the model (a pipeline
     stage, an ``ls`` worker), so that Keras' own save/load would see only this
     rank's part. A model of plain Keras layers (``d``, or nothing split) does not."""
-    return getattr(model, "_tfhybrid_part", False) or any(type(layer).__module__.startswith("tfhybrid.")
+    if getattr(model, "_tfhybrid_part", False):
+        return True
+    return any(type(layer).__module__.startswith("tfhybrid.")
                for layer in model._flatten_layers(include_self=False, recursive=True))
 
 

@@ -22,10 +22,8 @@ BATCH = 2
 
 
 def cases():
-    out = [("s", world_size())]
-    if world_size() >= 4:
-        out.append(("ds", 2))
-    return out
+    """-np 2: s over both ranks; -np 4: ds (2 data x 2 spatial; s is -np 2's path)."""
+    return [("ds", 2)] if world_size() >= 4 else [("s", world_size())]
 
 
 @pytest.mark.parametrize("strategy,mp", cases(), ids=[c[0] for c in cases()])

@@ -698,7 +698,8 @@ def _wrap_optimizer(optimizer):
 
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.replicas_checked = True     # the guards compare and broadcast at fit
-    if isinstance(optimizer, DistributedOptimizer) or runtime.current_grid().size == 1:
+        return optimizer
+    if runtime.current_grid().size == 1:
         return optimizer
     wrapped = DistributedOptimizer(optimizer)
     wrapped.replicas_checked = True

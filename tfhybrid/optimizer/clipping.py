@@ -81,6 +81,17 @@ def summed_over(squares, groups, name):
     return out
 
 
+def global_total_over(ranks, weights, name):
+    """``global_total`` for :func:`clip`: every rank of ``ranks`` adds its squared
+    norms times ``weights`` (one per gradient: 1 / the number of ranks of
+    ``ranks`` holding that same gradient), one scalar allreduce."""
+    def total(squares):
+        parts = [s * w for s, w in zip(squares, weights) if s is not None]
+        local = tf.add_n(parts) if parts else tf.constant(0.0)
+        return backend.allreduce(local, tuple(ranks), f"{name}.global")
+    return total
+
+
 def clip(grads, optimizer, per_variable, global_total, name):
     """``grads`` clipped as ``optimizer``'s ``clipnorm``/``global_clipnorm``
     ask, with whole-weight norms.
@@ -134,11 +145,7 @@ def apply_whole(optimizer, grads, variables, ranks, holders, name):
             optimizer.apply(grads, variables)
         return
 
-    def global_total(squares):
-        parts = [s for s in squares if s is not None]
-        local = tf.add_n(parts) / holders if parts else tf.constant(0.0)
-        return backend.allreduce(local, tuple(ranks), f"{name}.global")
-
+    global_total = global_total_over(ranks, [1.0 / holders] * len(variables), name)
     if not variables:   # joins the norm's allreduce only
         global_total([])
         return

@@ -339,13 +339,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         def per_variable(squares):
             return clipping.summed_over(squares, groups, name)
 
-        def global_total(squares):
-            # every rank of the model group adds its share; one scalar allreduce
-            parts = [s * w for s, w in zip(squares, weights) if s is not None]
-            local = tf.add_n(parts) if parts else tf.constant(0.0)
-            return backend.allreduce(local, model.ranks, f"{name}.global")
-
-        clipped = clipping.clip(grads, self.inner_optimizer, per_variable, global_total, name)
+        clipped = clipping.clip(grads, self.inner_optimizer, per_variable,
+                                clipping.global_total_over(model.ranks, weights, name), name)
         with clipping.keras_clipping_off(self.inner_optimizer):
             self.inner_optimizer.apply(clipped, variables)
 

@@ -289,6 +289,18 @@ def _batch_shared(model) -> bool:
             and not getattr(model, "_tfhybrid_block_input", False))
 
 
+def _data_replicas_checked(model) -> bool:
+    """True when the first step's batches are compared across the data axis:
+    more than one data-parallel rank (or block of ranks)."""
+    grid = runtime.current_grid()
+    return grid.size > 1 and grid.data_size > 1 and not getattr(model, "_tfhybrid_part", False)
+
+
+def _batch_checksummed(model) -> bool:
+    """Whether ``train_step`` computes its batch checksum (on the due steps)."""
+    return _batch_shared(model) or _data_replicas_checked(model)
+
+
 def check_batch(model, checksum, step):
     """The ranks of each model group fed the same rows (collective), else raise."""
     if _batch_shared(model):
@@ -299,14 +311,18 @@ def check_step(model, checksum, step, weights=True):
     """:func:`check_batch` and (with ``weights``) :func:`check_weights` after a step,
     in one collective (one allgather of the batch and weight checksums)."""
     grid = runtime.current_grid()
-    batch = _batch_shared(model)
+    shared = _batch_shared(model)
+    duplicates = step == 1 and _data_replicas_checked(model)
+    batch = shared or duplicates
     variables = model.trainable_variables if weights else []
     if grid.size == 1 or not (batch or variables):
         return
     values = ([checksum] if batch else []) + list(weight_checksums(variables))
     sums = _world_gather(values, "guard.step")
-    if batch:
+    if shared:
         _check_batch_sums(sums[:, 0], step)
+    if duplicates:
+        _warn_duplicate_rows(model, sums[:, 0])
     if variables:
         _check_weight_sums(model, sums[:, int(batch):], f"after step {step}")
 
@@ -328,6 +344,30 @@ def _check_batch_sums(sums, step):
                 "shuffle a seed (shuffle(n, seed=0)), feed it through "
                 "tfhybrid.data.shard(dataset, model=model), and pass shuffle=False to fit "
                 "with arrays.")
+
+
+def _warn_duplicate_rows(model, sums):
+    """Warn (rank 0, once per model) when every data-parallel rank fed the same
+    rows at step 1: training is still exact, but each rank computes the whole
+    batch, so the data axis does no work (e.g. ``fit(x, y)`` on whole arrays,
+    or one dataset not sharded per rank)."""
+    grid = runtime.current_grid()
+    if getattr(model, "_tfhybrid_duplicates_warned", False):
+        return
+    for m in range(grid.model_size):
+        vals = sums[list(grid.data_group_ranks(m))]
+        if np.max(vals) - np.min(vals) > 1e-12 * max(1.0, float(np.max(np.abs(vals)))):
+            return
+    object.__setattr__(model, "_tfhybrid_duplicates_warned", True)
+    if runtime.is_root():
+        warnings.warn(
+            f"tfhybrid: all {grid.data_size} data-parallel ranks fed identical rows at step 1 "
+            "of fit: each rank computes the whole batch, so the weights are right but data "
+            "parallelism saves no time (the global batch is the batch each rank feeds). "
+            "Give each rank its rows: tfhybrid.data.shard(dataset, model=model) for a "
+            "tf.data pipeline of global batches, or, for arrays under d, Horovod's way: "
+            "fit(x[tfhybrid.rank()::tfhybrid.size()], ...) with the per-rank batch size.",
+            UserWarning, stacklevel=2)
 
 
 class GuardCallback(keras.callbacks.Callback):
@@ -775,7 +815,7 @@ def install(model, part=False):
         # Only where ranks of a model group must feed the same rows (nothing to
         # compare otherwise: pure data parallelism, one process), and only on
         # the steps the GuardCallback checks.
-        if _config().guards and _batch_shared(self):
+        if _config().guards and _batch_checksummed(self):
             # split labels (per-voxel outputs under s/ds) differ within a model group
             split = any(getattr(self, "_tfhybrid_split_outputs", ())) and isinstance(data, tuple)
             rows = data[0] if split else data

@@ -324,3 +324,60 @@ def test_per_rank_data_of_different_lengths_is_refused_not_hung(grid_of):
         pmodel.evaluate(ds, verbose=0)
     pmodel.fit(x, y, batch_size=8, steps_per_epoch=2, verbose=0)     # the same steps: runs
     backend.barrier()
+
+
+def _warned_duplicates(record):
+    return [w for w in record if "fed identical rows" in str(w.message)]
+
+
+@pytest.mark.parametrize("strategy,mp", [("d", 1), ("df", 2)])
+def test_whole_arrays_on_every_data_rank_warn_once_and_stay_exact(grid_of, strategy, mp):
+    """fit(x, y) on whole arrays under d: every rank computes the whole batch.
+    The weights equal single-process training, but the data axis does no work;
+    rank 0 warns once (step 1 of the first fit), naming the per-rank way.
+    Horovod-style per-rank slices (and f, whose single model group must feed
+    the same rows) do not warn."""
+    grid = grid_of(mp)
+    if grid.data_size == 1:
+        pytest.skip("one data-parallel rank")
+    rng = np.random.RandomState(3)
+    x = rng.randn(32, 4).astype(np.float32)
+    y = rng.randint(0, 4, 32)
+
+    def make():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu",
+                                                                        name="fc0"),
+                                 keras.layers.Dense(4, name="fc1")])
+
+    def compiled(model):
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    ref = make()
+    ref.compile(optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    pmodel = compiled(tfhybrid.transform(make(), strategy=strategy))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pmodel.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        pmodel.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert len(_warned_duplicates(record)) == (1 if grid.rank == 0 else 0)
+    if grid.rank == 0:
+        assert "tfhybrid.data.shard" in str(_warned_duplicates(record)[0].message)
+    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    # each data-parallel rank its own rows (a d model splits the batch over every rank)
+    blocks, index = ((grid.size, grid.rank) if strategy == "d"
+                     else (grid.data_size, grid.data_rank))
+    pmodel = compiled(tfhybrid.transform(make(), strategy=strategy))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pmodel.fit(x[index::blocks], y[index::blocks], batch_size=8 // blocks, epochs=1,
+                   shuffle=False, verbose=0)
+    assert not _warned_duplicates(record)
+    backend.barrier()

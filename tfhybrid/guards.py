@@ -58,7 +58,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfhybrid import runtime
+from tfhybrid import batch_losses, runtime
 from tfhybrid.layers.spatial.output import full_labels_to_blocks, whole_predictions
 from tfhybrid.layout import layout_of
 from tfhybrid.watchdog import collective_api
@@ -810,8 +810,15 @@ def install(model, part=False):
             bound.arguments["auto_scale_loss"] = False     # done: no second LossScaleOptimizer
         return cls.compile(*bound.args, **bound.kwargs)
 
+    keras_compute_loss = model.compute_loss     # a split-output wrapper, or Keras'
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = keras_compute_loss(x, y, y_pred, sample_weight, training=training)
+        return batch_losses.whole_regularization(self, loss)
+
     def train_step(self, data):
         data = full_labels_to_blocks(self, data)     # fit(x, y) with whole-volume labels
+        batch_losses.wrap(self)                      # reduction="sum" losses: x row blocks
         # Only where ranks of a model group must feed the same rows (nothing to
         # compare otherwise: pure data parallelism, one process), and only on
         # the steps the GuardCallback checks.
@@ -823,6 +830,7 @@ def install(model, part=False):
         return cls.train_step(self, data)
 
     def test_step(self, data):
+        batch_losses.wrap(self)
         return cls.test_step(self, full_labels_to_blocks(self, data))
 
     def fit(self, *args, **kwargs):
@@ -873,6 +881,27 @@ def install(model, part=False):
             out = _average_step_logs(logs, metric_ranks(self))
         return out
 
+    def on_batch(name):
+        """Keras' ``train_on_batch``/``test_on_batch`` with the batch's logs of the
+        global batch, as one process computes them (Keras resets the metrics
+        before the step, so summing the states gives that batch's): before,
+        each rank returned its own rows' loss and metrics."""
+        keras_method = getattr(cls, name)
+
+        def method(self, *args, **kwargs):
+            bound = _keras_signature(keras_method).bind(self, *args, **kwargs)
+            return_dict = bound.arguments.get("return_dict", False)
+            bound.arguments["return_dict"] = True
+            logs = keras_method(*bound.args, **bound.kwargs)
+            if _config().average_metrics and runtime.current_grid().size > 1:
+                logs = {k: float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v)
+                        for k, v in self._get_metrics_result_or_logs(logs).items()}
+            return logs if return_dict else self._flatten_metrics_in_order(logs)
+        return collective_api(f"model.{name}", _EVAL_HINT.format(name))(method)
+
+    train_on_batch = on_batch("train_on_batch")
+    test_on_batch = on_batch("test_on_batch")
+
     def summary(self, *args, **kwargs):
         bound = inspect.signature(cls.summary).bind(self, *args, **kwargs)
         out = cls.summary(*bound.args, **bound.kwargs)
@@ -919,10 +948,12 @@ def install(model, part=False):
         "them; loading on rank 0 only is enough: transform broadcasts them), or resume a "
         "tfhybrid checkpoint with tfhybrid.load(path).")
 
-    methods = [("compile", compile), ("train_step", train_step), ("test_step", test_step),
+    methods = [("compile", compile), ("compute_loss", compute_loss),
+               ("train_step", train_step), ("test_step", test_step),
                ("fit", fit),
                ("make_train_function", make_train_function),
                ("evaluate", evaluate), ("predict", predict), ("summary", summary),
+               ("train_on_batch", train_on_batch), ("test_on_batch", test_on_batch),
                ("save", save), ("save_weights", save_weights), ("load_weights", load_weights)]
     if hasattr(cls, "_get_metrics_result_or_logs"):    # Keras 3 trainers (3.0 .. 3.15)
         methods.append(("_get_metrics_result_or_logs", _get_metrics_result_or_logs))

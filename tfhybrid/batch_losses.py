@@ -107,31 +107,46 @@ class BlockRowsLoss:
 
 
 def whole_regularization(model, loss):
-    """``loss`` plus, without gradient, the other blocks' weight regularisation.
+    """``loss`` with every weight penalty entering once, as in one process.
 
-    A rank holding a block of a regularised weight (f, c, df: filter/channel
-    parallel kernels) adds only its block's penalty to its loss: the block's
-    gradient is right, but the loss value (History, ``evaluate``) lacked the
-    other blocks' share (f, 2 ranks, L2 0.01 on two Dense kernels: 1.4225
-    logged vs 1.5201 in one process). One scalar allreduce per group of
-    blocks per step, only on models with such weights.
+    * A rank holding a block of a regularised weight (f, c, df:
+      filter/channel-parallel kernels) adds only its block's penalty to its
+      loss: the block's gradient is right, but the loss value (History,
+      ``evaluate``) lacked the other blocks' share (f, 2 ranks, L2 0.01 on two
+      Dense kernels: 1.4225 logged vs 1.5201 in one process). Added here
+      without gradient: one scalar allreduce per group of blocks per step.
+    * A *partial* weight (the spatial layers of s/ds: each rank holds the whole
+      kernel, the optimizer sums the ranks' gradients over the model group)
+      got its penalty's gradient once per rank, K times in all, on a model
+      whose output is gathered (s, 2 ranks, L2 0.05 on the convolutions:
+      weights 8e-3 off one process after 8 SGD steps, silently). Its penalty
+      now enters each rank's gradient x 1/K (the value is unchanged).
+      A split output's loss is the group mean already
+      (:mod:`tfhybrid.layers.spatial.output`), which weighs it 1/K.
     """
     grid = runtime.current_grid()
     if loss is None or grid.model_size == 1:
         return loss
     from tfhybrid.layout import layout_of
 
-    groups = {}
+    groups, partial = {}, []
+    split_outputs = any(getattr(model, "_tfhybrid_split_outputs", ()))
     for v in model.trainable_weights:
         regularizer = getattr(v, "regularizer", None)
         layout = layout_of(v)
-        if regularizer is None or layout.kind != "sharded":
+        if regularizer is None or layout.kind not in ("sharded", "partial"):
             continue
         ranks = tuple(layout.group.ranks if hasattr(layout.group, "ranks")
                       else grid.group(layout.group).ranks)
-        if len(ranks) > 1:
-            groups.setdefault(ranks, []).append(
-                tf.reduce_sum(tf.cast(regularizer(v), tf.float32)))
+        if len(ranks) == 1:
+            continue
+        penalty = tf.reduce_sum(tf.cast(regularizer(v), tf.float32))
+        if layout.kind == "sharded":
+            groups.setdefault(ranks, []).append(penalty)
+        elif not split_outputs:
+            partial.append((1.0 / len(ranks) - 1.0) * (penalty - tf.stop_gradient(penalty)))
+    if partial:
+        loss = loss + tf.cast(tf.add_n(partial), loss.dtype)
     if not groups:
         return loss
     from tfhybrid.comm import backend

@@ -119,3 +119,41 @@ def test_logged_loss_holds_every_block_of_regularised_split_weights(grid_of, str
     for a, b in zip(tfhybrid.gather(pmodel).get_weights(), ref.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     backend.barrier()
+
+
+def _conv_model():
+    keras.utils.set_random_seed(4)
+    l2 = keras.regularizers.L2(0.05)
+    inp = keras.Input((12, 12, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", kernel_regularizer=l2,
+                            name="conv0")(inp)
+    h = keras.layers.MaxPooling2D(2, name="pool0")(h)
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", kernel_regularizer=l2,
+                            bias_regularizer=l2, name="conv1")(h)
+    h = keras.layers.Flatten(name="flat")(h)
+    return keras.Model(inp, keras.layers.Dense(2, kernel_regularizer=l2, name="head")(h))
+
+
+@pytest.mark.parametrize("strategy,mp", [("s", "N")] + (
+    [("ds", 2)] if world_size() > 2 else []), ids=lambda c: str(c))
+def test_regularised_spatial_weights_enter_once(grid_of, strategy, mp):
+    """s/ds with a gathered output: each rank of a model group added the whole
+    penalty of the spatial kernels, whose gradients the optimizer sums over
+    the group (K times the penalty's gradient: 8e-3 off after 8 steps)."""
+    grid = grid_of(world_size() if mp == "N" else mp)
+    rng = np.random.RandomState(0)
+    x = rng.randn(32, 12, 12, 3).astype(np.float32)
+    y = rng.randn(32, 2).astype(np.float32)
+    ref = _conv_model()
+    ref.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    h_ref = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    blocks, index = grid.data_size, grid.data_rank
+    pmodel = tfhybrid.transform(_conv_model(), strategy=strategy)
+    pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)),
+                   loss="mse")
+    h = pmodel.fit(x[index::blocks], y[index::blocks], batch_size=8 // blocks, epochs=2,
+                   shuffle=False, verbose=0)
+    np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)
+    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    backend.barrier()

@@ -17,8 +17,9 @@ gradient was half the single-process one, and the logged loss half of it.
 
 Split outputs of ``s``/``ds`` models (per-voxel, in blocks) are handled by
 :mod:`tfhybrid.layers.spatial.output`, which scales by their blocks as well;
-this module leaves them alone. ``p`` and ``ls`` models compute their own
-losses.
+this module leaves them alone. ``p`` and ``ls`` models say their blocks
+themselves (``row_blocks()``: the pipelines; the FC workers for the FC loss,
+the CONV workers for the loss they log).
 """
 import copy
 
@@ -33,6 +34,9 @@ REDUCTIONS = ("sum", "mean_with_sample_weight")
 def row_blocks(model):
     """(number of row blocks of the global batch, the ranks that hold this
     rank's counterparts in the other blocks) for transformed ``model``."""
+    own = getattr(model, "row_blocks", None)
+    if callable(own):          # p, ls: their roles decide
+        return own()
     grid = runtime.current_grid()
     if getattr(model, "_tfhybrid_batch_split", "data") == "world":
         return grid.size, tuple(range(grid.size))

@@ -157,3 +157,59 @@ def test_regularised_spatial_weights_enter_once(grid_of, strategy, mp):
     for a, b in zip(tfhybrid.gather(pmodel).get_weights(), ref.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     backend.barrier()
+
+
+def _staged_model(regularized):
+    keras.utils.set_random_seed(5)
+    l2 = keras.regularizers.L2(0.05) if regularized else None
+    inp = keras.Input((10, 10, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", kernel_regularizer=l2,
+                            name="c0")(inp)
+    h = keras.layers.MaxPooling2D(2, name="p0")(h)
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(h)
+    h = keras.layers.Flatten(name="fl")(h)
+    h = keras.layers.Dense(16, activation="relu", name="fc0")(h)
+    h = keras.layers.Dense(16, activation="relu", kernel_regularizer=l2, name="fc1")(h)
+    return keras.Model(inp, keras.layers.Dense(4, activation="softmax", name="out")(h))
+
+
+STAGED = [("p", 2), ("ls", 1)] + ([("p", 4), ("ls", 1, 2)] if world_size() > 2 else [])
+
+
+@pytest.mark.parametrize("case", STAGED, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("reduction,regularized", [("sum_over_batch_size", True),
+                                                   ("sum", True), ("sum", False)])
+def test_pipeline_and_layer_separation_losses_equal_one_process(grid_of, case, reduction,
+                                                                regularized):
+    """p logged the penalties of the weights after the update; ls missed the CONV
+    part's penalty gradient (weights 10 % off with L2 0.05) and each role logged
+    its own part's penalties only."""
+    strategy, mp = case[0], case[1]
+    grid = grid_of(mp)
+    rng = np.random.RandomState(1)
+    x = rng.randn(48, 10, 10, 3).astype(np.float32)
+    y = rng.randint(0, 4, 48)
+    lr = 0.002 if reduction == "sum" else 0.05
+
+    def compiled(model, distributed):
+        opt = keras.optimizers.SGD(lr)
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(opt) if distributed else opt,
+                      loss=keras.losses.SparseCategoricalCrossentropy(reduction=reduction),
+                      metrics=["accuracy"])
+        return model
+
+    ref = compiled(_staged_model(regularized), False)
+    h_ref = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    kwargs = {"fc_workers": case[2]} if len(case) > 2 else {}
+    pmodel = compiled(tfhybrid.transform(_staged_model(regularized), strategy=strategy,
+                                         **kwargs), True)
+    local = tfhybrid.data.local_batch_size(8, pmodel)
+    xl, yl = tfhybrid.data.shard((x, y), model=pmodel, batch_size=8)
+    h = pmodel.fit(xl, yl, batch_size=local, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)
+    got = pmodel.evaluate(xl, yl, batch_size=local, verbose=0, return_dict=True)
+    np.testing.assert_allclose(got["loss"], ref.evaluate(x, y, batch_size=8, verbose=0)[0],
+                               rtol=1e-5)
+    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    backend.barrier()

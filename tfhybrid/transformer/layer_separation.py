@@ -44,7 +44,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import batch_losses
 from tfhybrid.comm import backend
+from tfhybrid.comm.p2p import anchored
 from tfhybrid.optimizer import clipping
 
 CUT_LAYERS = ("Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2D", "SeparableConv2D",
@@ -200,6 +202,9 @@ class LayerSeparatedModel(keras.Model):
         self.cut_shape = tuple(cut.shape[1:])
         self.out_shape = tuple(full.outputs[0].shape[1:])
         self.trainable_paths = frozenset(w.path for w in full.trainable_weights)
+        # Weight penalties of the weights that train in one process (kernel_regularizer...).
+        self.regularized = any(getattr(w, "regularizer", None) is not None
+                               for w in full.trainable_weights)
         # The part this rank does not run is frozen here (its optimizer sees only its part).
         (self.conv_part if self.is_fc else self.fc_part).trainable = False
 
@@ -251,6 +256,29 @@ class LayerSeparatedModel(keras.Model):
             value = value + tf.cast(tf.reduce_sum(t[:0]), value.dtype)
         return value
 
+    def _penalty(self, part):
+        """The weight penalties of ``part`` (those that train in one process), or None."""
+        terms = [tf.reduce_sum(tf.cast(w.regularizer(w), tf.float32)) for w in part.weights
+                 if getattr(w, "regularizer", None) is not None
+                 and w.path in self.trainable_paths]
+        return tf.add_n(terms) if terms else None
+
+    def _with_penalties(self, loss, x, name):
+        """``loss`` (compute_loss: this rank's part's penalties only, as the other part
+        is frozen here) with both parts' penalties, as one process logs it: one scalar
+        allreduce over the world (each CONV worker sends its part's penalty / n_c,
+        each FC worker its part's / n_f)."""
+        if not self.regularized:
+            return loss
+        own = self._penalty(self.fc_part if self.is_fc else self.conv_part)
+        own = tf.zeros([], loss.dtype) if own is None else tf.cast(own, loss.dtype)
+        share = own / (self.n_f if self.is_fc else self.n_c)
+        # never a constant input to a collective (Grappler would run it alone)
+        share = anchored(tf.reshape(tf.stop_gradient(share), [1]), [tf.nest.flatten(x)[0]])
+        world = tuple(sorted(set(self.conv_ranks) | set(self.fc_ranks)))
+        total = backend.allreduce(share, world, name)[0]
+        return loss - tf.stop_gradient(own) + total
+
     def _inner_optimizer(self):
         return getattr(self.optimizer, "inner_optimizer", self.optimizer)
 
@@ -261,7 +289,16 @@ class LayerSeparatedModel(keras.Model):
         clipping.apply_whole(self._inner_optimizer(), grads, variables, world, holders,
                              "ls.clip")
 
+    def row_blocks(self):
+        """(row blocks, the ranks holding the others) for this rank's loss: an FC
+        worker's loss is over its group's rows (n_f blocks), a CONV worker's logged
+        loss over its own (n_c blocks). See batch_losses."""
+        if self.is_fc:
+            return self.n_f, tuple(self.fc_ranks)
+        return self.n_c, tuple(self.conv_ranks)
+
     def train_step(self, data):
+        batch_losses.wrap(self)          # reduction="sum" etc. over the workers
         x, y, sw = self._unpack(data)
         if self.is_fc:
             _, gathered = self._exchange_forward(x, True)
@@ -279,22 +316,34 @@ class LayerSeparatedModel(keras.Model):
             if self.n_f > 1:
                 grads = backend.grouped_allreduce(grads, self.fc_ranks, "ls.fc_grads",
                                                   average=True)
-            loss = self._anchor(loss, [back, preds])
-            self._apply(grads, variables, self.n_f)
+            loss = self._with_penalties(self._anchor(loss, [back, preds]), x, "ls.fit.penalties")
+            with tf.control_dependencies([loss]):
+                self._apply(grads, variables, self.n_f)
             return self._log(x, y, y_pred, sw, loss)
         variables = list(self.conv_part.trainable_variables)
         with tf.GradientTape() as tape:
             h, gathered = self._exchange_forward(x, True)
+            penalty = self._penalty(self.conv_part)
         dh = self._receive(gathered, self.cut_shape, h.dtype, "ls.bwd")
         y_pred = self._receive(dh, self.out_shape, self.full.outputs[0].dtype, "ls.pred")
-        grads = tape.gradient(h, variables, output_gradients=tf.reshape(dh, tf.shape(h)))
+        targets, seeds = [h], [tf.reshape(dh, tf.shape(h))]
+        if penalty is not None:
+            # the penalties' gradient once in all: the CONV gradients are summed over
+            # the n_c workers, then / n_f
+            targets.append(penalty)
+            seeds.append(tf.constant(self.n_f / self.n_c, penalty.dtype))
+        grads = tape.gradient(targets, variables, output_gradients=seeds)
+        grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
         if self.n_c > 1:
             grads = backend.grouped_allreduce(list(grads), self.conv_ranks, "ls.conv_grads",
                                               postscale=1.0 / self.n_f)
         elif self.n_f > 1:
             grads = [g / self.n_f for g in grads]
-        self._apply(grads, variables, self.n_c)
+        # the loss of the weights this step started from, as Keras logs it
         loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=False)
+        loss = self._with_penalties(loss, x, "ls.fit.penalties")
+        with tf.control_dependencies([loss]):
+            self._apply(grads, variables, self.n_c)
         return self._log(x, y, y_pred, sw, loss)
 
     def _log(self, x, y, y_pred, sw, loss):
@@ -316,11 +365,13 @@ class LayerSeparatedModel(keras.Model):
         return y + tf.cast(tf.reduce_sum(t[:0]), y.dtype)
 
     def test_step(self, data):
+        batch_losses.wrap(self)
         x, y, sw = self._unpack(data)
         y_pred = self._forward(x)
         # FC workers log their group's rows (evaluate counts the CONV workers' states
         # only); using y_pred also keeps this rank's collectives in the graph.
         loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=False)
+        loss = self._with_penalties(loss, x, "ls.eval.penalties")
         return self._log(x, y, y_pred, sw, loss)
 
     def predict_step(self, data):
@@ -330,13 +381,21 @@ class LayerSeparatedModel(keras.Model):
     def evaluate(self, *args, **kwargs):
         """Collective: metrics of the global data set on every rank (summed over CONV workers)."""
         return_dict = kwargs.pop("return_dict", False)
-        super().evaluate(*args, **kwargs, return_dict=True)
-        self._sum_metrics()
+        super().evaluate(*args, **kwargs, return_dict=True)     # states summed at its end
         logs = {k: float(v) for k, v in self.get_metrics_result().items()}
         if return_dict:
             return logs
         values = list(logs.values())
         return values[0] if len(values) == 1 else values
+
+    def _get_metrics_result_or_logs(self, logs):
+        """Keras calls this eagerly, on every rank, at the end of ``evaluate`` and of each
+        ``fit`` epoch: the metric states become the global batch's first (summed over
+        the CONV workers), so History and callbacks see every worker's rows (before,
+        each CONV worker logged its own in ``fit``)."""
+        if tf.executing_eagerly():
+            self._sum_metrics()
+        return super()._get_metrics_result_or_logs(logs)
 
     def _sum_metrics(self):
         variables = [v for v in self.metrics_variables]

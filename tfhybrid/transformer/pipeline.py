@@ -50,6 +50,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import batch_losses
 from tfhybrid.comm import backend
 from tfhybrid.optimizer import clipping
 from tfhybrid.comm.p2p import anchored, receive_rows, send_rows
@@ -367,7 +368,13 @@ class PipelineModel(keras.Model):
         if rows is not None:
             check_micro_batches(self.micro_batches, int(rows))
 
+    def row_blocks(self):
+        """(row blocks of the global batch, the ranks holding the other blocks): the
+        pipelines, each computing its loss on its local batch (see batch_losses)."""
+        return len(self.spec.data_group), tuple(self.spec.data_group)
+
     def train_step(self, data):
+        batch_losses.wrap(self)          # reduction="sum" etc. over the pipelines
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         x0 = tf.nest.flatten(x)[0]
         self._check_rows(x0)
@@ -410,10 +417,13 @@ class PipelineModel(keras.Model):
         if len(self.spec.data_group) > 1 and grads:
             grads = backend.grouped_allreduce(grads, self.spec.data_group, "p.grads",
                                               average=True)
-        # every stage joins a global_clipnorm's norm, with or without weights
-        clipping.apply_whole(self._inner_optimizer(), grads, variables, self.spec.pipeline, 1,
-                             "p.clip")
+        # the loss of the weights this step started from, as Keras logs it (the
+        # penalties read after the update were 0.4 % off with L2 0.05)
         loss = self._logged_loss(x, y, y_log, sw, x0, "fit")
+        with tf.control_dependencies([loss]):
+            # every stage joins a global_clipnorm's norm, with or without weights
+            clipping.apply_whole(self._inner_optimizer(), grads, variables,
+                                 self.spec.pipeline, 1, "p.clip")
         loss = anchored(loss, moved)
         return self._log(x, y, y_log, sw, loss)
 
@@ -434,6 +444,7 @@ class PipelineModel(keras.Model):
         return self.compute_metrics(x, y, y_pred, sample_weight=sw)
 
     def test_step(self, data):
+        batch_losses.wrap(self)
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self._forward(x, False, "eval")
         loss = self._logged_loss(x, y, y_pred, sw, tf.nest.flatten(x)[0], "eval")
@@ -458,17 +469,30 @@ class PipelineModel(keras.Model):
         """Collective: metrics of the global data set on every rank (metric states summed
         over the pipelines)."""
         return_dict = kwargs.pop("return_dict", False)
-        super().evaluate(*args, **kwargs, return_dict=True)
-        variables = list(self.metrics_variables)
-        if variables and len(self.spec.data_group) > 1:
-            from tfhybrid.guards import sum_variables
-            sum_variables(variables, tuple(range(backend.size())), "p.metric_states",
-                          contribute=self.spec.stage == 0)
+        super().evaluate(*args, **kwargs, return_dict=True)     # states summed at its end
         logs = {k: float(v) for k, v in self.get_metrics_result().items()}
         if return_dict:
             return logs
         values = list(logs.values())
         return values[0] if len(values) == 1 else values
+
+    def _get_metrics_result_or_logs(self, logs):
+        """Keras calls this eagerly, on every rank, at the end of ``evaluate`` and of each
+        ``fit`` epoch: the metric states become the global batch's first (summed over
+        the pipelines), so History, callbacks and ``evaluate`` see every data group's
+        rows (before, each pipeline logged its own in ``fit``)."""
+        if tf.executing_eagerly():
+            self.sum_metric_states()
+        return super()._get_metrics_result_or_logs(logs)
+
+    def sum_metric_states(self):
+        """Sum the metric states over the pipelines (collective; every stage of a
+        pipeline holds the same states: the predictions are shared)."""
+        variables = list(self.metrics_variables)
+        if variables and len(self.spec.data_group) > 1:
+            from tfhybrid.guards import sum_variables
+            sum_variables(variables, tuple(range(backend.size())), "p.metric_states",
+                          contribute=self.spec.stage == 0)
 
     # -- gather / checkpoint -----------------------------------------------------------------
 

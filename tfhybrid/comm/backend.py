@@ -44,6 +44,7 @@ member (k times the bytes of a ring for a group of k), exact all the same.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import threading
@@ -320,6 +321,28 @@ def _world_grouped_allreduce(tensors, ranks, name, average, prescale, postscale)
     return out
 
 
+# Horovod 0.28.1's TensorFlow ops take no bfloat16 (mixed_bfloat16 activations
+# crossed by f/c/s layers failed with "DataType bfloat16 not in list of allowed
+# values"): such tensors travel as float32 (exact both ways) and come back cast.
+_CARRIERS = {tf.bfloat16: tf.float32}
+
+
+def _carried(function):
+    """Run collective ``function`` on ``x`` cast to a dtype Horovod carries."""
+    @functools.wraps(function)
+    def wrapper(x, *args, **kwargs):
+        x = tf.convert_to_tensor(x)
+        carrier = _CARRIERS.get(x.dtype)
+        if carrier is None:
+            return function(x, *args, **kwargs)
+        out = function(tf.cast(x, carrier), *args, **kwargs)
+        if isinstance(out, tuple):     # alltoall(received=True): (blocks, counts)
+            return (tf.cast(out[0], x.dtype),) + tuple(out[1:])
+        return tf.cast(out, x.dtype)
+    return wrapper
+
+
+@_carried
 def allgather(x, ranks, name):
     if _over_world(ranks):
         x = tf.convert_to_tensor(x)
@@ -332,6 +355,7 @@ def allgather(x, ranks, name):
         x, name=nm, ignore_name_scope=True, process_set=process_set(ranks)), (x,))
 
 
+@_carried
 def allreduce(x, ranks, name, average=False, prescale=1.0, postscale=1.0):
     if _over_world(ranks):
         return _world_allreduce(x, tuple(ranks), name, average, prescale, postscale)
@@ -343,6 +367,26 @@ def allreduce(x, ranks, name, average=False, prescale=1.0, postscale=1.0):
 
 
 def grouped_allreduce(tensors, ranks, name, average=False, prescale=1.0, postscale=1.0):
+    """One grouped allreduce per dtype (Horovod's takes one dtype: a model of
+    float32 and float64 layers failed with "types ... that don't all match")."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    dtypes = [t.dtype for t in tensors]
+    carried = [tf.cast(t, _CARRIERS[t.dtype]) if t.dtype in _CARRIERS else t for t in tensors]
+    kinds = list(dict.fromkeys(t.dtype for t in carried))
+    if len(kinds) <= 1:
+        out = _grouped_allreduce(carried, ranks, name, average, prescale, postscale)
+    else:
+        out = [None] * len(tensors)
+        for kind in kinds:
+            chosen = [i for i, t in enumerate(carried) if t.dtype == kind]
+            part = _grouped_allreduce([carried[i] for i in chosen], ranks,
+                                      f"{name}.{kind.name}", average, prescale, postscale)
+            for i, o in zip(chosen, part):
+                out[i] = o
+    return [o if o.dtype == d else tf.cast(o, d) for o, d in zip(out, dtypes)]
+
+
+def _grouped_allreduce(tensors, ranks, name, average, prescale, postscale):
     if _over_world(ranks):
         return _world_grouped_allreduce(tensors, tuple(ranks), name, average, prescale,
                                         postscale)
@@ -382,6 +426,7 @@ def reducescatter(x, ranks, name):
     return out
 
 
+@_carried
 def alltoall(x, splits, ranks, name, received=False):
     """Send rows ``splits[i]`` of ``x`` (consecutive blocks along axis 0) to group
     rank i; return the blocks received from every rank, concatenated along axis 0
@@ -433,6 +478,7 @@ def reduce_to(x, root, ranks, name):
     return out
 
 
+@_carried
 def broadcast(x, root, ranks, name):
     if _over_world(ranks):
         x = tf.convert_to_tensor(x)

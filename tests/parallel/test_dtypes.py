@@ -1,0 +1,78 @@
+"""Collectives of dtypes Horovod 0.28.1 does not take together or at all.
+
+* ``mixed_bfloat16``: the activations f/c layers exchange are bfloat16, which
+  Horovod's TensorFlow ops refuse ("DataType bfloat16 not in list of allowed
+  values"): fit crashed at the first step. They travel as float32 now.
+* A model of float64 and float32 layers: the gradient bucket's grouped
+  allreduce mixed dtypes ("types [float32, ..., float64] that don't all
+  match"): one grouped allreduce per dtype now.
+"""
+import keras
+import numpy as np
+import pytest
+
+import tfhybrid
+from tfhybrid.comm import backend
+
+from conftest import world_size
+
+
+def _data():
+    rng = np.random.RandomState(0)
+    return rng.randn(64, 8).astype(np.float32), rng.randint(0, 4, 64)
+
+
+def _model(output_dtype=None):
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu", name="fc0")(inp)
+    h = keras.layers.Dense(12, activation="relu", name="fc1")(h)
+    out = keras.layers.Dense(4, activation="softmax", name="out", dtype=output_dtype)(h)
+    return keras.Model(inp, out)
+
+
+def _train(model, distributed, x, y, blocks=1, index=0):
+    opt = keras.optimizers.SGD(0.1)
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(opt) if distributed else opt,
+                  loss="sparse_categorical_crossentropy")
+    return model.fit(x[index::blocks], y[index::blocks], batch_size=16 // blocks, epochs=2,
+                     shuffle=False, verbose=0).history["loss"]
+
+
+@pytest.fixture
+def policy():
+    yield keras.mixed_precision.set_global_policy
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("strategy", ["f", "c"])
+def test_mixed_bfloat16_split_layers_train_like_one_process(grid_of, policy, strategy):
+    grid_of(world_size())
+    policy("mixed_bfloat16")
+    x, y = _data()
+    ref = _model("float32")
+    want = _train(ref, False, x, y)
+    ref_weights = ref.get_weights()
+    pmodel = tfhybrid.transform(_model("float32"), strategy=strategy)
+    got = _train(pmodel, True, x, y)
+    # bfloat16 keeps ~3 significant digits: the partial sums add in another order
+    np.testing.assert_allclose(got, want, rtol=2e-3)
+    scale = max(float(np.max(np.abs(w))) for w in ref_weights)
+    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), ref_weights):
+        assert float(np.max(np.abs(a - b))) < 1e-2 * scale
+    backend.barrier()
+
+
+def test_float64_and_float32_layers_reduce_in_one_bucket_each(grid_of, policy):
+    grid = grid_of(1)
+    policy("float64")
+    x, y = _data()
+    ref = _model("float32")
+    want = _train(ref, False, x, y)
+    pmodel = tfhybrid.transform(_model("float32"), strategy="d")
+    got = _train(pmodel, True, x, y, grid.size, grid.rank)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), ref.get_weights()):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+    backend.barrier()

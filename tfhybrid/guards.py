@@ -289,11 +289,21 @@ def _batch_shared(model) -> bool:
             and not getattr(model, "_tfhybrid_block_input", False))
 
 
-def _data_replicas_checked(model) -> bool:
-    """True when the first step's batches are compared across the data axis:
-    more than one data-parallel rank (or block of ranks)."""
+def _row_block_groups(model):
+    """The groups of ranks that must feed different rows (one per position in the
+    model group; all ranks for d/gmp models, which split the batch over every rank)."""
     grid = runtime.current_grid()
-    return grid.size > 1 and grid.data_size > 1 and not getattr(model, "_tfhybrid_part", False)
+    if getattr(model, "_tfhybrid_batch_split", "data") == "world":
+        return [tuple(range(grid.size))]
+    return [tuple(grid.data_group_ranks(m)) for m in range(grid.model_size)]
+
+
+def _data_replicas_checked(model) -> bool:
+    """True when the first step's batches are compared across the ranks that
+    should feed different rows (more than one block of the global batch)."""
+    grid = runtime.current_grid()
+    return (grid.size > 1 and not getattr(model, "_tfhybrid_part", False)
+            and len(_row_block_groups(model)[0]) > 1)
 
 
 def _batch_checksummed(model) -> bool:
@@ -351,21 +361,21 @@ def _warn_duplicate_rows(model, sums):
     rows at step 1: training is still exact, but each rank computes the whole
     batch, so the data axis does no work (e.g. ``fit(x, y)`` on whole arrays,
     or one dataset not sharded per rank)."""
-    grid = runtime.current_grid()
     if getattr(model, "_tfhybrid_duplicates_warned", False):
         return
-    for m in range(grid.model_size):
-        vals = sums[list(grid.data_group_ranks(m))]
+    groups = _row_block_groups(model)
+    for ranks in groups:
+        vals = sums[list(ranks)]
         if np.max(vals) - np.min(vals) > 1e-12 * max(1.0, float(np.max(np.abs(vals)))):
             return
     object.__setattr__(model, "_tfhybrid_duplicates_warned", True)
     if runtime.is_root():
         warnings.warn(
-            f"tfhybrid: all {grid.data_size} data-parallel ranks fed identical rows at step 1 "
+            f"tfhybrid: all {len(groups[0])} data-parallel ranks fed identical rows at step 1 "
             "of fit: each rank computes the whole batch, so the weights are right but data "
             "parallelism saves no time (the global batch is the batch each rank feeds). "
             "Give each rank its rows: tfhybrid.data.shard(dataset, model=model) for a "
-            "tf.data pipeline of global batches, or, for arrays under d, Horovod's way: "
+            "tf.data pipeline of global batches, or, for arrays under d or gmp, Horovod's way: "
             "fit(x[tfhybrid.rank()::tfhybrid.size()], ...) with the per-rank batch size.",
             UserWarning, stacklevel=2)
 

@@ -330,7 +330,7 @@ def _warned_duplicates(record):
     return [w for w in record if "fed identical rows" in str(w.message)]
 
 
-@pytest.mark.parametrize("strategy,mp", [("d", 1), ("df", 2)])
+@pytest.mark.parametrize("strategy,mp", [("d", 1), ("df", 2), ("gmp", 2)])
 def test_whole_arrays_on_every_data_rank_warn_once_and_stay_exact(grid_of, strategy, mp):
     """fit(x, y) on whole arrays under d: every rank computes the whole batch.
     The weights equal single-process training, but the data axis does no work;
@@ -338,7 +338,7 @@ def test_whole_arrays_on_every_data_rank_warn_once_and_stay_exact(grid_of, strat
     Horovod-style per-rank slices (and f, whose single model group must feed
     the same rows) do not warn."""
     grid = grid_of(mp)
-    if grid.data_size == 1:
+    if grid.data_size == 1 and strategy != "gmp":      # gmp splits rows over every rank
         pytest.skip("one data-parallel rank")
     rng = np.random.RandomState(3)
     x = rng.randn(32, 4).astype(np.float32)
@@ -372,7 +372,7 @@ def test_whole_arrays_on_every_data_rank_warn_once_and_stay_exact(grid_of, strat
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
     # each data-parallel rank its own rows (a d model splits the batch over every rank)
-    blocks, index = ((grid.size, grid.rank) if strategy == "d"
+    blocks, index = ((grid.size, grid.rank) if strategy in ("d", "gmp")
                      else (grid.data_size, grid.data_rank))
     pmodel = compiled(tfhybrid.transform(make(), strategy=strategy))
     with warnings.catch_warnings(record=True) as record:

@@ -322,7 +322,8 @@ def check_step(model, checksum, step, weights=True):
     in one collective (one allgather of the batch and weight checksums)."""
     grid = runtime.current_grid()
     shared = _batch_shared(model)
-    duplicates = step == 1 and _data_replicas_checked(model)
+    # at the weight check's step: its allgather carries the batch checksum too
+    duplicates = step == FIRST_STEPS and weights and _data_replicas_checked(model)
     batch = shared or duplicates
     variables = model.trainable_variables if weights else []
     if grid.size == 1 or not (batch or variables):
@@ -358,7 +359,7 @@ def _check_batch_sums(sums, step):
 
 def _warn_duplicate_rows(model, sums):
     """Warn (rank 0, once per model) when every data-parallel rank fed the same
-    rows at step 1: training is still exact, but each rank computes the whole
+    rows at step 2 of a fit: training is still exact, but each rank computes the whole
     batch, so the data axis does no work (e.g. ``fit(x, y)`` on whole arrays,
     or one dataset not sharded per rank)."""
     if getattr(model, "_tfhybrid_duplicates_warned", False):
@@ -371,7 +372,7 @@ def _warn_duplicate_rows(model, sums):
     object.__setattr__(model, "_tfhybrid_duplicates_warned", True)
     if runtime.is_root():
         warnings.warn(
-            f"tfhybrid: all {len(groups[0])} data-parallel ranks fed identical rows at step 1 "
+            f"tfhybrid: all {len(groups[0])} data-parallel ranks fed identical rows at step 2 "
             "of fit: each rank computes the whole batch, so the weights are right but data "
             "parallelism saves no time (the global batch is the batch each rank feeds). "
             "Give each rank its rows: tfhybrid.data.shard(dataset, model=model) for a "

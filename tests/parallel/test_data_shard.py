@@ -334,7 +334,7 @@ def _warned_duplicates(record):
 def test_whole_arrays_on_every_data_rank_warn_once_and_stay_exact(grid_of, strategy, mp):
     """fit(x, y) on whole arrays under d: every rank computes the whole batch.
     The weights equal single-process training, but the data axis does no work;
-    rank 0 warns once (step 1 of the first fit), naming the per-rank way.
+    rank 0 warns once (step 2 of the first fit), naming the per-rank way.
     Horovod-style per-rank slices (and f, whose single model group must feed
     the same rows) do not warn."""
     grid = grid_of(mp)

@@ -88,13 +88,24 @@ def _wrap_flat(model, compiled, blocks, ranks):
 
 class BlockRowsLoss:
     """``fn`` on this rank's rows, as its share of the global batch's loss x ``blocks``
-    (the optimizer's average over the blocks divides by ``blocks``)."""
+    (the optimizer's average over the blocks divides by ``blocks``).
+
+    ``mean_with_sample_weight`` divides by the weight sum over :meth:`weight_ranks`
+    (one scalar allreduce without gradient). Subclassed for the split outputs of
+    s/ds models (:mod:`tfhybrid.layers.spatial.output`), whose blocks are also
+    spatial."""
+
+    collective = "batch_losses.weight_sum"
 
     def __init__(self, fn, reduction, blocks, ranks):
         self.fn, self.reduction, self.blocks, self.ranks = fn, reduction, blocks, ranks
         self.name = getattr(fn, "name", "loss")
         self.summed = copy.copy(fn)
         self.summed.reduction = "sum"
+
+    def weight_ranks(self, weights):
+        """The ranks whose rows' weights make up the divisor."""
+        return self.ranks
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         if self.reduction == "sum":
@@ -103,10 +114,12 @@ class BlockRowsLoss:
             return self.fn(y_true, y_pred, sample_weight)
         total = self.summed(y_true, y_pred, sample_weight)
         weights = tf.cast(tf.convert_to_tensor(sample_weight), total.dtype)
-        from tfhybrid.comm import backend
+        divisor = tf.reduce_sum(weights)
+        ranks = tuple(self.weight_ranks(weights))
+        if len(ranks) > 1:
+            from tfhybrid.comm import backend
 
-        divisor = backend.allreduce(tf.stop_gradient(tf.reduce_sum(weights)), self.ranks,
-                                    "batch_losses.weight_sum")
+            divisor = backend.allreduce(tf.stop_gradient(divisor), ranks, self.collective)
         return tf.math.divide_no_nan(total * self.blocks, divisor)
 
 

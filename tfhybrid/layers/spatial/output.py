@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfhybrid import runtime
+from tfhybrid.batch_losses import BlockRowsLoss
 
 SPLIT_OUTPUTS_ATTR = "_tfhybrid_split_outputs"
 SPATIAL_GRID_ATTR = "_tfhybrid_output_grid"
@@ -185,38 +186,25 @@ def _output_name(model, index):
     return names[index] if index < len(names) else index
 
 
-class _BlockLoss:
+class _BlockLoss(BlockRowsLoss):
     """A split output's ``sum``/``mean_with_sample_weight`` loss as the share of
     this rank's rows and block in the global batch's loss, times ``scale`` = ``K x D``
     (the group mean in ``compute_loss`` divides by ``K``, the optimizer's average
     over the ``D`` data groups by ``D``)."""
 
+    collective = "split_output.weight_sum"
+
     def __init__(self, fn, reduction, scale, spatial):
-        import copy
+        super().__init__(fn, reduction, scale, ())
+        self.spatial = tuple(spatial)
 
-        self.fn, self.reduction, self.k, self.spatial = fn, reduction, scale, tuple(spatial)
-        self.name = getattr(fn, "name", "loss")
-        self.summed = copy.copy(fn)
-        self.summed.reduction = "sum"
-
-    def __call__(self, y_true, y_pred, sample_weight=None):
-        if self.reduction == "sum" or sample_weight is None:
-            value = self.fn(y_true, y_pred, sample_weight)
-            return value * self.k if self.reduction == "sum" else value
-        total = self.summed(y_true, y_pred, sample_weight)
-        weights = tf.cast(tf.convert_to_tensor(sample_weight), total.dtype)
-        divisor = tf.reduce_sum(weights)
-        grid = runtime.current_grid()
+    def weight_ranks(self, weights):
         # per-voxel weights cut into blocks: every rank holds its own share; whole
         # (per-sample) weights: the same on the ranks of a model group
-        ranks = tuple(range(grid.size)) if _cut_into_blocks(weights.shape, self.spatial) \
-            else tuple(grid.data_group_ranks(grid.model_rank))
-        if len(ranks) > 1:
-            from tfhybrid.comm import backend
-
-            divisor = backend.allreduce(tf.stop_gradient(divisor), ranks,
-                                        "split_output.weight_sum")
-        return tf.math.divide_no_nan(total * self.k, divisor)
+        grid = runtime.current_grid()
+        if _cut_into_blocks(weights.shape, self.spatial):
+            return tuple(range(grid.size))
+        return tuple(grid.data_group_ranks(grid.model_rank))
 
 
 def _cut_into_blocks(shape, spatial):

@@ -186,6 +186,15 @@ D = tfhybrid.DistributedOptimizer
 L = tfhybrid.layers
 X = np.zeros((8, 2), "float32")
 
+def nested_model():
+    """Transfer-learning style: a model called as a layer of the outer model."""
+    base = keras.Sequential([keras.Input((8, 8, 2)), keras.layers.Conv2D(4, 3, name="b_c0")],
+                            name="base")
+    inp = keras.Input((8, 8, 2))
+    h = keras.layers.GlobalAveragePooling2D(name="gap")(base(inp))
+    return keras.Model(inp, keras.layers.Dense(2, name="head")(h))
+
+
 # (id, callable, exception type, regex found in the message)
 API = [
     # -- init -------------------------------------------------------------------------
@@ -225,6 +234,10 @@ API = [
     ("config-watchdog-seconds-0", lambda: tfhybrid.Config(watchdog_seconds=0), ValueError,
      r"watchdog_seconds=0"),
     # -- transform --------------------------------------------------------------------
+    ("transform-f-nested-model", lambda: tfhybrid.transform(nested_model(), "f"), ValueError,
+     r"'base' is a model used as a layer \(Sequential\).*Build the model flat"),
+    ("transform-s-nested-model", lambda: tfhybrid.transform(nested_model(), "s"), ValueError,
+     r"it is a nested model\. 'base' is a model used as a layer"),
     ("transform-unknown-strategy", lambda: tfhybrid.transform(mlp(), "dp"), ValueError,
      r"unknown strategy: strategy='dp'"),
     ("transform-unknown-option", lambda: tfhybrid.transform(mlp(), "d", shards=2), ValueError,

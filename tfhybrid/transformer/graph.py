@@ -168,6 +168,8 @@ def _node_spec(node, tid, seen):
                          "with one output.")
     config = layer.get_config() if hasattr(layer, "get_config") else {}
     attrs = {k: _plain(config[k]) for k in _ATTRS if k in config}
+    if isinstance(layer, keras.Model):     # a model used as a layer (transfer learning)
+        attrs["nested_model"] = True
     weights = list(layer.weights)
     return NodeSpec(
         name=layer.name, cls=type(layer).__name__,

@@ -229,7 +229,8 @@ def _check_rules(graph, kinds, opts, ctx):
             raise ValueError(
                 f"Layer {node.name!r} ({node.cls}) has weights but tfhybrid has no rule to "
                 f"partition a {node.cls} under strategy {ctx.strategy!r}. Use fallback="
-                f"'replicate' or layers={{{node.name!r}: 'replicate'}} to keep it replicated.")
+                f"'replicate' or layers={{{node.name!r}: 'replicate'}} to keep it replicated."
+                + rules.nested_model_hint(node))
 
 
 # -- pass 2: pair f -> c ------------------------------------------------------------

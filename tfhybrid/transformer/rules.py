@@ -425,3 +425,15 @@ _DEFAULT = FullInput()
 def rule_for(cls_name: str) -> Rule:
     """The rule of a Keras layer class (FullInput for unknown classes)."""
     return _RULES.get(cls_name, _DEFAULT)
+
+
+def nested_model_hint(node) -> str:
+    """The fix for a nested model (a Keras model called as a layer of the outer
+    one, as in transfer learning), which tfhybrid sees as one layer; '' otherwise."""
+    if not node.attr("nested_model"):
+        return ""
+    return (f" {node.name!r} is a model used as a layer ({node.cls}): tfhybrid partitions "
+            "the outer model's own layers and cannot look inside it. Build the model flat: "
+            "call the inner model's layers on your tensors (x = inp; for layer in "
+            f"{node.name}.layers: x = layer(x), for a Sequential), or for "
+            "keras.applications pass input_tensor=inp and build the head on its output.")

@@ -212,6 +212,8 @@ def _stop_reason(node, ctx):
     """Why a layer that is not a convolution cannot run on spatial blocks."""
     if node.cls in rules.SPATIAL_WINDOWED:
         return rules.spatial_problem(node, ctx.spatial)
+    if node.attr("nested_model"):
+        return "it is a nested model." + rules.nested_model_hint(node)
     return (f"a {node.cls} has no spatial rule (it needs the whole "
             f"{' and '.join(SPATIAL_AXES[len(ctx.spatial)])} of its input)")
 

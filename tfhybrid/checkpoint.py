@@ -461,6 +461,8 @@ def _load_sharded(directory, strategy, compile, options):
                          f"{len(variables)}: the architecture changed since it was saved.")
     for i, v in enumerate(variables):
         v.assign(own[f"var/{i}"])
+    from tfhybrid.transformer.source import finalize_states
+    finalize_states(model)      # an adapted Normalization's mean/variance
     if compile:
         _compile_from(model, manifest, directory)
         optimizer = model.optimizer

@@ -17,7 +17,7 @@ from tfhybrid.comm import backend
 from tfhybrid.watchdog import collective_api
 from tfhybrid.transformer.api import info_of
 from tfhybrid.transformer.rewrite import find_layer
-from tfhybrid.transformer.source import rebuild
+from tfhybrid.transformer.source import finalize_states, rebuild
 
 _SLICED = ("filter", "channel")
 
@@ -59,6 +59,7 @@ def gather(model):
         if np.kind in _SLICED:
             layer = layer.to_layer()
         target.set_weights(layer.get_weights())
+        finalize_states(target)
     # The allgathers above run in model groups; a group that finished first
     # must not move on (or exit, taking Horovod's process sets with it) while
     # another group is still gathering.

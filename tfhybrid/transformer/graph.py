@@ -170,6 +170,8 @@ def _node_spec(node, tid, seen):
     attrs = {k: _plain(config[k]) for k in _ATTRS if k in config}
     if isinstance(layer, keras.Model):     # a model used as a layer (transfer learning)
         attrs["nested_model"] = True
+    if any(base.__name__ == "DataLayer" for base in type(layer).__mro__):
+        attrs["preprocessing"] = True      # Rescaling, Normalization, RandomFlip, Resizing...
     weights = list(layer.weights)
     return NodeSpec(
         name=layer.name, cls=type(layer).__name__,

@@ -46,6 +46,7 @@ import tensorflow as tf
 
 from tfhybrid import batch_losses
 from tfhybrid.comm import backend
+from tfhybrid.transformer.source import finalize_states
 from tfhybrid.comm.p2p import anchored
 from tfhybrid.optimizer import clipping
 
@@ -416,6 +417,7 @@ class LayerSeparatedModel(keras.Model):
             for i, w in enumerate(part.weights):
                 w.assign(backend.broadcast(tf.convert_to_tensor(w.value), root, world,
                                            f"ls.sync.{part.name}.{i}"))
+            finalize_states(part)
 
     def gathered(self):
         """The plain original architecture with the trained weights (collective)."""
@@ -425,6 +427,7 @@ class LayerSeparatedModel(keras.Model):
         for layer in plain.layers:
             if layer.weights:
                 layer.set_weights(self.full.get_layer(layer.name).get_weights())
+        finalize_states(plain)
         backend.barrier()
         return plain
 
@@ -548,6 +551,7 @@ def build(model, grid, fc_workers=None, machine=None, batch_size=None):
     backend.register_groups([conv, fc] + list(groups))
     with root_weights(model):
         full.set_weights(functional.get_weights())
+    finalize_states(full)       # an adapted Normalization's mean/variance
     new = LayerSeparatedModel(full, cut_name, n_c, n_f)
     new.source, new.objects = record_source(model)
     object.__setattr__(new, "_tfhybrid_batch_blocks",

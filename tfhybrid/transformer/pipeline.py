@@ -54,6 +54,7 @@ from tfhybrid import batch_losses
 from tfhybrid.comm import backend
 from tfhybrid.optimizer import clipping
 from tfhybrid.comm.p2p import anchored, receive_rows, send_rows
+from tfhybrid.transformer.source import finalize_states
 
 
 # -- pure: where to cut ------------------------------------------------------------------
@@ -523,6 +524,7 @@ class PipelineModel(keras.Model):
             targets, values = self._stage_values(plain, s, lambda l: l.get_weights())
             for w, v in zip(targets, values):
                 w.assign(v)
+        finalize_states(plain)
         if backend.is_initialized():
             backend.barrier()
         return plain
@@ -678,6 +680,7 @@ def build(model, grid, stages=None, micro_batches=None, machine=None, batch_norm
     backend.register_groups(pairs)
     with root_weights(model):
         full.set_weights(functional.get_weights())
+    finalize_states(full)       # an adapted Normalization's mean/variance
     s = grid.model_rank
     bn = lambda names: any(isinstance(full.get_layer(n), keras.layers.BatchNormalization)  # noqa
                            for n in names)
@@ -694,6 +697,7 @@ def build(model, grid, stages=None, micro_batches=None, machine=None, batch_norm
             return layer.__class__.from_config(layer.get_config())
     stage = keras.models.clone_model(sub, clone_function=clone_fn)
     stage.set_weights(sub.get_weights())
+    finalize_states(stage)
     boundaries = [(tuple(full.inputs[0].shape[1:]), full.inputs[0].dtype)]
     stage_params = []
     for i in range(S):

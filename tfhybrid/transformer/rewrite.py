@@ -19,7 +19,7 @@ from tfhybrid import layers as P
 from tfhybrid.layers.partitioned import IO_PARTIAL_GRAD, IO_REPLICATED
 from tfhybrid.layout import VariableLayout, set_layout
 from tfhybrid.spatial_geometry import SPATIAL_AXES
-from tfhybrid.transformer.source import copy_layer
+from tfhybrid.transformer.source import copy_layer, finalize_states
 
 GROUP = "model"
 
@@ -179,6 +179,7 @@ class _Rewriter:
             object.__setattr__(new, "_tfhybrid_on_blocks", True)
         if np.kind in _COPIES_WEIGHTS_AFTER_CALL and layer.weights:
             new.set_weights(layer.get_weights())
+            finalize_states(new)             # an adapted Normalization's mean/variance
         if np.params.get("weights") == "partial":
             # a per-voxel layer (Dense head, local BatchNormalization) on a spatial block:
             # its weight gradients are the blocks' shares, summed over the group

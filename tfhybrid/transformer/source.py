@@ -229,3 +229,19 @@ def copy_layer(layer, config):
     _patch({"class_name": type(layer).__name__, "config": config}, objects, (layer.name,))
     with serialization_lib.SafeModeScope(False), keras.saving.custom_object_scope(objects):
         return type(layer).from_config(config)
+
+
+def finalize_states(model_or_layer):
+    """Recompute the derived state of layers whose weights were set directly
+    (``set_weights``/``assign``), as Keras' own loading does: an adapted
+    ``Normalization`` keeps its mean and variance as tensors computed from its
+    weights by ``finalize_state`` (without it, a transformed or gathered model
+    normalised with the freshly built layer's statistics: outputs 5e-3 off,
+    under every strategy). Returns its argument."""
+    layers = (model_or_layer._flatten_layers(include_self=True)
+              if hasattr(model_or_layer, "_flatten_layers") else [model_or_layer])
+    for layer in layers:
+        finalize = getattr(layer, "finalize_state", None)
+        if callable(finalize) and getattr(layer, "built", False):
+            finalize()
+    return model_or_layer

@@ -196,8 +196,11 @@ def _spatial_capable(node):
 
 
 def _before_region(node, region):
-    """Shape-only layers before the first spatial convolution run on the full input."""
-    return not region and node.cls in rules.CHANNELWISE and len(node.out_shape) in (4, 5)
+    """Shape-only layers and Keras preprocessing layers (Normalization, RandomFlip,
+    Resizing, ...: augmentation at the model's input) before the first spatial
+    convolution run on the full input; the blocks are cut after them."""
+    return (not region and (node.cls in rules.CHANNELWISE or node.attr("preprocessing"))
+            and len(node.out_shape) in (4, 5))
 
 
 def _conv_problem(node, ctx):

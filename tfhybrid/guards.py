@@ -301,9 +301,8 @@ def _row_block_groups(model):
 def _data_replicas_checked(model) -> bool:
     """True when the first step's batches are compared across the ranks that
     should feed different rows (more than one block of the global batch)."""
-    grid = runtime.current_grid()
-    return (grid.size > 1 and not getattr(model, "_tfhybrid_part", False)
-            and len(_row_block_groups(model)[0]) > 1)
+    return (runtime.current_grid().size > 1 and not getattr(model, "_tfhybrid_part", False)
+            and batch_losses.row_blocks(model)[0] > 1)
 
 
 def _batch_checksummed(model) -> bool:

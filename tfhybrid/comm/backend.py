@@ -345,7 +345,6 @@ def _carried(function):
 @_carried
 def allgather(x, ranks, name):
     if _over_world(ranks):
-        x = tf.convert_to_tensor(x)
         k = len(tuple(ranks))
         n = tf.shape(x, out_type=tf.int32)[0]
         out, _ = _world_alltoall(tf.concat([x] * k, 0), tf.fill([k], n), ranks, name)
@@ -481,7 +480,6 @@ def reduce_to(x, root, ranks, name):
 @_carried
 def broadcast(x, root, ranks, name):
     if _over_world(ranks):
-        x = tf.convert_to_tensor(x)
         copies = _copies_to_members(x, tuple(ranks), name, send=rank() == root)
         out = tf.reshape(copies, tf.shape(x))   # the one row, from root
         out.set_shape(x.shape)

@@ -440,13 +440,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         specs = [reduction_of(v, grid, self.op) for v in variables]
         grads = [None if g is None else g if isinstance(g, tf.IndexedSlices)
                  else tf.convert_to_tensor(g) for g in grads]
-        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        sparse = {i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)}
         items = [((), 0) if g is None or i in sparse else (s.ranks, self._wire_bytes(g, v))
                  for i, (g, s, v) in enumerate(zip(grads, specs, variables))]
         buckets = plan_buckets(items, self.bucket_bytes)
         communicated = {i for bucket in buckets for i in bucket.indices}
-        # only gradients reduced by no bucket are scaled here (no dead ops in the step)
-        out = [None if g is None or i in communicated else _scaled(g, s.factor)
+        # only dense gradients reduced by no bucket are scaled here (no dead ops in the
+        # step: scaling IndexedSlices would densify them; _reduce_slices scales them)
+        out = [None if g is None or i in communicated or i in sparse else _scaled(g, s.factor)
                for i, (g, s) in enumerate(zip(grads, specs))]
         for number, bucket in enumerate(buckets):
             reduced = self._reduce_bucket([grads[i] for i in bucket.indices],
@@ -454,7 +455,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                                           bucket.ranks, number)
             for i, g in zip(bucket.indices, reduced):
                 out[i] = g
-        for i in reversed(sparse):         # back-propagation order, as the buckets
+        for i in sorted(sparse, reverse=True):   # back-propagation order, as the buckets
             out[i] = self._reduce_slices(grads[i], specs[i], i)
         self._plan = buckets
         return out

@@ -4,6 +4,8 @@ import contextlib
 import ctypes
 import gc
 import os
+import shutil
+import tempfile
 import zlib
 
 import numpy as np
@@ -162,11 +164,29 @@ def pytest_sessionstart(session):
             plugin.logfile = os.path.normpath(os.path.abspath(path))
 
 
+def job_dir():
+    """A directory every rank of this horovodrun job names alike (the job's
+    rendezvous port), for files one rank writes and the others read.
+
+    Removed when the session ends (after the final barrier), so suites leave
+    nothing behind in the temp directory.
+    """
+    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", f"alone-{os.getpid()}")
+    path = os.path.join(tempfile.gettempdir(), f"tfhybrid-test-job-{port}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _world_barrier_at_session_end():
     """No rank ends the session before every rank is done: a rank that exits runs
     Horovod's shutdown, which removes the process sets under ranks still running a
-    test whose last collectives use only their own group."""
+    test whose last collectives use only their own group. Then the first rank of
+    the job removes the job's shared directory."""
     yield
     if backend.is_initialized():
         backend.barrier()
+    if os.environ.get("HOROVOD_RANK", "0") == "0":
+        port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", f"alone-{os.getpid()}")
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), f"tfhybrid-test-job-{port}"),
+                      ignore_errors=True)

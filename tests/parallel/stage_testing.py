@@ -8,6 +8,8 @@ import numpy as np
 
 import tfhybrid
 
+from conftest import job_dir
+
 B, STEPS, IMG, CLASSES = 12, 3, (8, 8, 2), 5
 
 
@@ -56,7 +58,7 @@ def check_evaluate(pmodel, reference, x, y, xl, yl, lb):
 def check_save(pmodel, reference, stem):
     """``tfhybrid.save`` writes the reference's weights and one momentum slot per
     trainable weight; returns the side file."""
-    path = f"/tmp/{stem}_{os.environ.get('HOROVOD_GLOO_RENDEZVOUS_PORT', 'x')}.keras"
+    path = os.path.join(job_dir(), f"{stem}.keras")
     tfhybrid.save(pmodel, path, epoch=1)
     saved = keras.saving.load_model(path, compile=False)
     for got, want in zip(saved.get_weights(), reference.get_weights()):

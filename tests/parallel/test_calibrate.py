@@ -13,6 +13,8 @@ from tfhybrid.cli import main
 from tfhybrid.comm import backend
 from tfhybrid.oracle import Machine, predict
 
+from conftest import job_dir
+
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
@@ -21,11 +23,10 @@ def spec(tmp_path_factory):
         pytest.skip("needs horovodrun -np >= 2")
     model = keras.Sequential([keras.Input((8, 8, 2)), keras.layers.Conv2D(4, 3, name="cv"),
                               keras.layers.Flatten(), keras.layers.Dense(3, name="fc")])
-    tag = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "0")   # same on every rank of the job
-    path = f"/tmp/tfh_calib_model_{tag}_{rank}.keras"
+    path = os.path.join(job_dir(), f"calib_model_{rank}.keras")
     model.save(path)
     from tfhybrid.oracle.calibration.fit import sync
-    out = f"/tmp/tfh_calib_{tag}.json"
+    out = os.path.join(job_dir(), "calib.json")
     assert main(["calibrate", "-o", out, "--quick", "--model", path, "--batch", "4"]) == 0
     sync(backend)
     with open(out, encoding="utf-8") as fh:

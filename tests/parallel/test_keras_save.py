@@ -18,7 +18,7 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid.comm import backend
 
-from conftest import randn, world_size
+from conftest import job_dir, randn, world_size
 
 
 def make_model():
@@ -95,11 +95,8 @@ class CountingCheckpoint(keras.callbacks.ModelCheckpoint):
 
 
 def shared_dir():
-    """A directory every rank of this job names alike (the job's rendezvous port)."""
-    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "alone")
-    path = os.path.join(tempfile.gettempdir(), f"tfhybrid-test-keras-save-{port}")
-    os.makedirs(path, exist_ok=True)
-    return path
+    """A directory every rank of this job names alike (removed after the session)."""
+    return job_dir()
 
 
 def test_keras_model_checkpoint_writes_on_rank_0_only_for_plain_layers(grid_of):

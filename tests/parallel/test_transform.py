@@ -20,7 +20,7 @@ import tfhybrid
 from tfhybrid.comm import backend
 from tfhybrid.transformer import describe, gather, transform
 
-from conftest import randn, rng, world_size
+from conftest import job_dir, randn, rng, world_size
 
 STEPS, BATCH, LR = 2, 8, 0.1
 N = world_size()
@@ -204,8 +204,7 @@ def test_gather_save_load_without_tfhybrid_and_resume_on_another_grid(grid_of, t
     first = train(transform(original, "df"), x[:BATCH], y[:BATCH])
     full = gather(first)
     # The same path on every rank of this job (a per-process id would differ per rank).
-    job = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "local")
-    path = os.path.join("/tmp", f"tfhybrid_transform_test_{job}.keras")
+    path = os.path.join(job_dir(), "transform_test.keras")
     if tfhybrid.is_root():
         full.save(path)
     barrier()

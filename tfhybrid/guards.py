@@ -349,11 +349,13 @@ def _check_batch_sums(sums, step):
                 f"fed different rows at step {step} (batch checksums {sums[ranks[0]]:.6g} and "
                 f"{sums[other]:.6g}), but the ranks of a model group must feed the same rows. "
                 "Likely an unseeded or per-rank shuffle (dataset.shuffle() built before "
-                "tfhybrid.init or with a rank-dependent seed, fit(shuffle=True) on arrays) or "
-                "data read per rank. Build the same global pipeline on every rank, give "
-                "shuffle a seed (shuffle(n, seed=0)), feed it through "
-                "tfhybrid.data.shard(dataset, model=model), and pass shuffle=False to fit "
-                "with arrays.")
+                "tfhybrid.init or with a rank-dependent seed, fit(shuffle=True) on arrays, "
+                "np.random or Python's random in a keras.utils.PyDataset or generator, which "
+                "tfhybrid.init does not seed) or data read per rank. Build the same global "
+                "pipeline on every rank, give shuffle a seed (shuffle(n, seed=0)), feed it "
+                "through tfhybrid.data.shard(dataset, model=model), and pass shuffle=False to "
+                "fit with arrays; for numpy/Python randomness call "
+                "keras.utils.set_random_seed(seed) with one seed on every rank.")
 
 
 def _warn_duplicate_rows(model, sums):

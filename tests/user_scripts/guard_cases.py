@@ -124,9 +124,37 @@ def late_rows(grid):
               callbacks=tfhybrid.callbacks.standard())
 
 
+def pydataset_shuffle(grid):
+    """The Keras tutorial's PyDataset, reshuffled with the unseeded np.random
+    (tfhybrid.init seeds TensorFlow only): each rank of a model group reads
+    other rows."""
+    x, y = data(B * 4)
+    np.random.seed(None)        # as a script that never seeds numpy
+
+    class Batches(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.order = np.arange(len(x))
+
+        def __len__(self):
+            return len(x) // B
+
+        def __getitem__(self, i):
+            rows = self.order[i * B:(i + 1) * B]
+            return x[rows], y[rows]
+
+        def on_epoch_end(self):
+            np.random.shuffle(self.order)
+
+    model = tfhybrid.transform(make_model(), "df")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=loss())
+    model.fit(Batches(), epochs=2, verbose=0)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", choices=["good", "per_rank_shuffle", "perturbed", "late_rows"])
+    ap.add_argument("case", choices=["good", "per_rank_shuffle", "perturbed", "late_rows",
+                                         "pydataset_shuffle"])
     args = ap.parse_args()
     every = 4 if args.case == "late_rows" else 1
     grid = tfhybrid.init(model_parallel=2, config=tfhybrid.Config(guard_every_steps=every))

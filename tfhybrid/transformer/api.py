@@ -113,13 +113,14 @@ def transform(model, strategy="d", **options):
     from tfhybrid import guards   # compile wraps plain optimizers; fit checks consistency
     if opts.strategy == "ls":     # ranks run different layers: tfhybrid/transformer/layer_separation.py
         from tfhybrid.transformer import layer_separation
-        return guards.install(layer_separation.build(model, grid, opts.fc_workers,
-                                                     opts.machine, opts.batch_size), part=True)
+        return _compiled_like(model, guards.install(
+            layer_separation.build(model, grid, opts.fc_workers, opts.machine, opts.batch_size),
+            part=True))
     if opts.strategy == "p":      # pipeline stages: tfhybrid/transformer/pipeline.py
         from tfhybrid.transformer import pipeline
-        return guards.install(pipeline.build(model, grid, opts.stages, opts.micro_batches,
-                                             opts.machine, getattr(opts, "batch_norm", "sync")),
-                              part=True)
+        return _compiled_like(model, guards.install(
+            pipeline.build(model, grid, opts.stages, opts.micro_batches, opts.machine,
+                           getattr(opts, "batch_norm", "sync")), part=True))
     functional = as_functional(model)
     graph = describe_graph(functional)
     auto_choice = None
@@ -141,7 +142,38 @@ def transform(model, strategy="d", **options):
     info.auto = auto_choice
     object.__setattr__(new, INFO_ATTR, info)
     object.__setattr__(new, BATCH_SPLIT_ATTR, plan.batch_split)
-    return guards.install(new)
+    return _compiled_like(model, guards.install(new))
+
+
+def _compiled_like(source, new):
+    """Compile ``new`` as ``source`` was compiled (a script that compiles first and
+    transforms just before ``fit`` keeps its loss, metrics and optimizer).
+
+    The optimizer goes through the transformed model's ``compile``, which wraps
+    a plain one in :class:`tfhybrid.DistributedOptimizer` (with its warning). An
+    optimizer that has already trained ``source`` holds slots for ``source``'s
+    variables: a fresh copy from its config is used (its step count and slots
+    are not carried, as with any newly compiled model).
+    """
+    holder = getattr(source, "_compile_config", None)
+    if not getattr(source, "compiled", False) or holder is None:
+        return new
+    config = dict(holder.config)
+    optimizer = config.get("optimizer")
+    if getattr(optimizer, "built", False):
+        try:
+            optimizer = type(optimizer).from_config(optimizer.get_config())
+        except Exception as err:  # noqa: BLE001 - any optimizer that cannot be copied
+            raise ValueError(
+                f"Model {source.name!r} was compiled and trained before tfhybrid.transform, "
+                f"and its optimizer ({type(optimizer).__name__}) cannot be copied for the "
+                f"transformed model ({type(err).__name__}: {err}). Call compile() on the "
+                "transformed model with a new optimizer.") from err
+    config["optimizer"] = optimizer
+    if config.get("jit_compile") is True:      # resolved from "auto" on the source
+        config["jit_compile"] = "auto"
+    new.compile(**config)
+    return new
 
 
 def _refuse_transformed(model):

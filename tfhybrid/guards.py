@@ -581,10 +581,21 @@ def _keras_backups(model, bound):
 
 def _call_with_callbacks(method, model, args, kwargs, extra):
     bound, callbacks = _callbacks_arg(method, model, args, kwargs)
+    _quiet_other_ranks(bound)
     # fit's validation passes its own CallbackList (which holds fit's watchdog): keep it.
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         bound.arguments["callbacks"] = list(callbacks or []) + extra
     return method(*bound.args, **bound.kwargs)
+
+
+def _quiet_other_ranks(bound):
+    """``verbose=0`` on every rank but global rank 0 when the script left
+    ``verbose`` at Keras' default ("auto": a progress bar): the logs are the
+    global batch's on every rank, so the other ranks' bars repeat rank 0's,
+    interleaved (one per rank at 64 ranks). An explicit ``verbose`` is kept
+    (Horovod's ``verbose=1 if hvd.rank() == 0 else 0`` works as before)."""
+    if "verbose" not in bound.arguments and runtime.current_grid().rank != 0:
+        bound.arguments["verbose"] = 0
 
 
 def metric_ranks(model):

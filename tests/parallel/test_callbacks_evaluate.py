@@ -140,3 +140,24 @@ def test_fit_epoch_logs_are_the_global_batches(grid_of):
         gathered = backend.allgather(tf.constant([got["loss"]], tf.float64),
                                      tuple(range(backend.size())), f"logs.{strategy}").numpy()
         assert (gathered == gathered[0]).all(), gathered
+
+
+def test_progress_bars_on_rank_0_only_unless_verbose_is_given(grid_of, capsys):
+    """Keras' default verbose ("auto") printed one progress bar per rank,
+    interleaved, each repeating rank 0's global logs; now the other ranks are
+    quiet. An explicit verbose is the script's choice on every rank."""
+    grid = grid_of(1)
+    keras.utils.set_random_seed(1)
+    model = tfhybrid.transform(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]), "d")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    x, y = randn((8, 3), "bar-x", grid.rank), randn((8, 2), "bar-y", grid.rank)
+    capsys.readouterr()
+    model.fit(x, y, batch_size=4, epochs=2)
+    model.evaluate(x, y, batch_size=4)
+    model.predict(x, batch_size=4)
+    default = capsys.readouterr().out
+    shown = default.count("Epoch 1/2") == 1 and default.count("step") >= 4
+    assert (shown, default == "") == (grid.rank == 0, grid.rank != 0), default
+    model.fit(x, y, batch_size=4, epochs=2, verbose=2)
+    assert "Epoch 1/2" in capsys.readouterr().out          # every rank: the script asked
+    backend.barrier()

@@ -9,7 +9,9 @@ already hold full weights, copies are read directly.
 """
 from __future__ import annotations
 
+import functools
 import json
+import os
 
 import keras
 
@@ -43,12 +45,11 @@ def gather(model):
         ValueError: if ``model`` was not returned by tfhybrid.transform.
 
     Example:
-        >>> tfhybrid.gather(pmodel).save("model.keras")   # on every rank
+        >>> tfhybrid.gather(pmodel).save("model.keras")   # on every rank (atomic)
     """
-    if hasattr(model, "gathered") and hasattr(model, "fc_part"):   # ls (layer_separation)
-        return model.gathered()
-    if hasattr(model, "gathered") and hasattr(model, "pipeline_state"):   # p (pipeline.py)
-        return model.gathered()
+    if hasattr(model, "gathered") and (hasattr(model, "fc_part")            # ls
+                                       or hasattr(model, "pipeline_state")):  # p
+        return atomic_saves(model.gathered())
     info = info_of(model)
     full = rebuild(info.source, getattr(info, "objects", None))
     for np in info.plan.nodes:
@@ -65,4 +66,44 @@ def gather(model):
     # another group is still gathering.
     if backend.is_initialized():
         backend.barrier()
-    return full
+    return atomic_saves(full)
+
+
+def atomic_saves(model):
+    """``model.save``/``save_weights`` to a local path write a file of their own
+    and rename it onto the path (``os.replace``, atomic).
+
+    Every rank holds the same gathered model, and scripts save it on every
+    rank (``gather(model).save("model.keras")``): Keras opens the path with
+    truncation in each process, so a rank truncating while another still
+    writes could leave a file mixing two writes (the zip's metadata carries
+    the save time). With the rename the path always holds one rank's whole
+    file. Saving on rank 0 only (``if tfhybrid.is_root():``) spares the
+    other ranks' writes.
+    """
+    for name in ("save", "save_weights"):
+        keras_method = getattr(model, name)
+        object.__setattr__(model, name, _renamed_onto_path(keras_method))
+    return model
+
+
+def _renamed_onto_path(keras_method):
+    @functools.wraps(keras_method)
+    def method(filepath, *args, **kwargs):
+        # file objects, remote paths, Keras' overwrite prompt, directories, shards: as Keras
+        if (not isinstance(filepath, (str, os.PathLike)) or "://" in os.fspath(filepath)
+                or args or kwargs.get("overwrite", True) is not True
+                or kwargs.get("zipped") is False or kwargs.get("max_shard_size") is not None):
+            return keras_method(filepath, *args, **kwargs)
+        path = os.fspath(filepath)
+        head, tail = os.path.split(path)
+        # Keras checks the suffix (.keras, .weights.h5): keep the whole name at the end
+        part = os.path.join(head, f".tfhybrid-{os.getpid()}-{tail}")
+        try:
+            out = keras_method(part, *args, **kwargs)
+            os.replace(part, path)
+        finally:
+            if os.path.exists(part):
+                os.remove(part)
+        return out
+    return method

@@ -584,8 +584,23 @@ def _call_with_callbacks(method, model, args, kwargs, extra):
     _quiet_other_ranks(bound)
     # fit's validation passes its own CallbackList (which holds fit's watchdog): keep it.
     if not isinstance(callbacks, keras.callbacks.CallbackList):
-        bound.arguments["callbacks"] = list(callbacks or []) + extra
+        bound.arguments["callbacks"] = _root_log_writers(list(callbacks or [])) + extra
     return method(*bound.args, **bound.kwargs)
+
+
+#: Keras callbacks that write the logs to files: rank 0's alone.
+LOG_WRITERS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
+
+
+def _root_log_writers(callbacks):
+    """``callbacks`` without Keras' ``CSVLogger``/``TensorBoard`` on ranks other
+    than global rank 0 (Horovod's rule: logs on rank 0 only). The logs are the
+    global batch's on every rank; every rank wrote them: one CSV opened by
+    every process, and one TensorBoard event file per rank in one run
+    directory, each epoch plotted once per rank."""
+    if runtime.current_grid().rank == 0:
+        return callbacks
+    return [cb for cb in callbacks if not isinstance(cb, LOG_WRITERS)]
 
 
 def _quiet_other_ranks(bound):

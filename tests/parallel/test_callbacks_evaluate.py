@@ -161,3 +161,26 @@ def test_progress_bars_on_rank_0_only_unless_verbose_is_given(grid_of, capsys):
     model.fit(x, y, batch_size=4, epochs=2, verbose=2)
     assert "Epoch 1/2" in capsys.readouterr().out          # every rank: the script asked
     backend.barrier()
+
+
+def test_csv_logger_and_tensorboard_write_on_rank_0_only(grid_of):
+    """Every rank wrote them: one CSV file opened by every process, one
+    TensorBoard event file per rank in one run directory (each epoch plotted
+    once per rank)."""
+    import os
+
+    from conftest import job_dir
+    grid = grid_of(1)
+    keras.utils.set_random_seed(1)
+    model = tfhybrid.transform(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]), "d")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    x, y = randn((8, 3), "log-x", grid.rank), randn((8, 2), "log-y", grid.rank)
+    csv = os.path.join(job_dir(), "log.csv")
+    board = os.path.join(job_dir(), "board")
+    model.fit(x, y, batch_size=4, epochs=3, verbose=0,
+              callbacks=[keras.callbacks.CSVLogger(csv), keras.callbacks.TensorBoard(board)])
+    backend.barrier()
+    with open(csv, encoding="utf-8") as fh:
+        assert len(fh.read().strip().splitlines()) == 1 + 3
+    assert len(os.listdir(os.path.join(board, "train"))) == 1
+    backend.barrier()

@@ -581,6 +581,8 @@ def _keras_backups(model, bound):
 
 def _call_with_callbacks(method, model, args, kwargs, extra):
     bound, callbacks = _callbacks_arg(method, model, args, kwargs)
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        refuse_horovod_callbacks(callbacks)
     _quiet_other_ranks(bound)
     # fit's validation passes its own CallbackList (which holds fit's watchdog): keep it.
     if not isinstance(callbacks, keras.callbacks.CallbackList):
@@ -771,8 +773,47 @@ def _loss_scale_inside(model, optimizer, auto_scale_loss) -> bool:
     return True
 
 
+def _from_horovod_keras(obj) -> bool:
+    return type(obj).__module__.startswith(("horovod.", "horovod._keras"))
+
+
+def refuse_horovod_optimizer(optimizer):
+    """Horovod's Keras ``DistributedOptimizer`` is written for tf.keras 2 (it
+    failed inside ``fit`` with "'list' object is not callable" under Keras 3)
+    and averages every gradient over the world, which is wrong for the blocks
+    of split layers."""
+    if _from_horovod_keras(optimizer):
+        inner = next((c.__name__ for c in type(optimizer).__mro__[1:]
+                      if not c.__module__.startswith("horovod")), "the optimizer")
+        raise ValueError(
+            f"Received horovod.tensorflow.keras.DistributedOptimizer ({inner}) for a model "
+            "returned by tfhybrid.transform. Horovod 0.28's Keras optimizer does not run with "
+            "Keras 3 optimizers, and it would average the gradients of split layers' blocks "
+            f"over every rank. Use tfhybrid.DistributedOptimizer(keras.optimizers.{inner}(...)) "
+            "(it takes Horovod's compression, backward_passes_per_step and op options).")
+
+
+def refuse_horovod_callbacks(callbacks):
+    """Horovod's Keras callbacks expect tf.keras 2 variables (its broadcast failed
+    with "'Variable' object has no attribute 'ref'") and know nothing of split
+    layers; tfhybrid.callbacks has each of them, layout-aware."""
+    import tfhybrid.callbacks as ours
+
+    for cb in callbacks or ():
+        if _from_horovod_keras(cb):
+            name = type(cb).__name__
+            fix = (f"tfhybrid.callbacks.{name}(...) (same arguments)" if hasattr(ours, name)
+                   else "tfhybrid.callbacks.standard() for the broadcast and metric averaging")
+            raise ValueError(
+                f"Received Horovod's Keras callback {name} for a model returned by "
+                "tfhybrid.transform. Horovod 0.28's Keras callbacks do not run with Keras 3 "
+                f"variables and know nothing of split layers. Use {fix}.")
+
+
 def _wrap_optimizer(optimizer):
     from tfhybrid.optimizer import DistributedOptimizer
+
+    refuse_horovod_optimizer(optimizer)
 
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.replicas_checked = True     # the guards compare and broadcast at fit

@@ -59,6 +59,11 @@ def on_filter_split(method, *args):
         tfhybrid.shutdown()
 
 
+def horovod_keras():
+    import horovod.tensorflow.keras as hvd_keras
+    return hvd_keras
+
+
 class Subclassed(keras.Model):
     def __init__(self):
         super().__init__()
@@ -463,6 +468,16 @@ API = [
     ("keras-load-weights-into-split-model",
      lambda: on_filter_split("load_weights", "/tmp/never.weights.h5"), ValueError,
      r"Load full weights into the original model before tfhybrid.transform.*tfhybrid.load"),
+    # -- Horovod's Keras API (written for tf.keras 2) on a transformed model ------------
+    ("horovod-keras-optimizer", lambda: on_filter_split(
+        "compile", horovod_keras().DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse"),
+     ValueError, r"horovod.tensorflow.keras.DistributedOptimizer \(SGD\).*"
+     r"Use tfhybrid.DistributedOptimizer\(keras.optimizers.SGD\(...\)\)"),
+    ("horovod-keras-callback", lambda: on_filter_split(
+        "fit", np.zeros((2, 8), "float32"), np.zeros((2, 4), "float32"), 2, 1, 0,
+        [horovod_keras().callbacks.BroadcastGlobalVariablesCallback(0)]), ValueError,
+     r"Horovod's Keras callback BroadcastGlobalVariablesCallback.*"
+     r"Use tfhybrid.callbacks.BroadcastGlobalVariablesCallback\(...\)"),
     # -- oracle and ParaDL files (API) ------------------------------------------------
     ("oracle-unknown-strategy",
      lambda: oracle.rank(oracle.profile(mlp()), 4, 64, MACHINE, strategies=("dp",)),

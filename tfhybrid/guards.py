@@ -434,6 +434,41 @@ class GuardCallback(keras.callbacks.Callback):
         self._set_due(True)     # a later train_step outside fit computes its checksum
 
 
+class AgreeOnStop(keras.callbacks.Callback):
+    """Every rank stops at the end of an epoch when one rank's callbacks set
+    ``model.stop_training`` (one scalar allreduce per epoch boundary; none
+    after the last epoch).
+
+    A callback deciding on this rank's own state (a wall-clock budget read
+    from each rank's clock, a file flag, a rank-local check) stopped some
+    ranks only: the others went on into the next epoch's first collective
+    and waited there until the watchdog ended the job. Keras' own stopping
+    callbacks read the logs, which are the same on every rank, and need no
+    agreement. A stop set inside an epoch (``on_train_batch_end``) on some
+    ranks only still diverges; the watchdog names it.
+    """
+
+    def on_epoch_end(self, epoch, logs=None):
+        last = (self.params or {}).get("epochs")
+        if last is not None and epoch + 1 >= last:
+            return                                  # fit ends here on every rank anyway
+        from tfhybrid.comm import backend
+
+        grid = runtime.current_grid()
+        mine = 1.0 if self.model.stop_training else 0.0
+        votes = backend.allgather(tf.constant([[mine]], tf.float64), tuple(range(grid.size)),
+                                  "guard.stop").numpy()[:, 0]
+        if votes.any() and not self.model.stop_training:
+            self.model.stop_training = True
+        if votes.any() and not votes.all() and grid.rank == 0:
+            ranks = [int(r) for r in np.flatnonzero(votes)]
+            warnings.warn(
+                f"tfhybrid: rank(s) {ranks} of {grid.size} set model.stop_training at the end "
+                f"of epoch {epoch + 1} and the others did not; every rank stops here (a "
+                "rank stopping alone would leave the others waiting in the next epoch's "
+                "collectives).", UserWarning, stacklevel=2)
+
+
 # -- the hook on transformed models ----------------------------------------
 
 def _broadcasts(callbacks) -> bool:
@@ -930,6 +965,8 @@ def install(model, part=False):
             else:       # before the first collective of the fit
                 check.run_alone()
             extra.append(GuardCallback(checksum, config.guard_every_steps, due))
+        if runtime.current_grid().size > 1:
+            extra.append(AgreeOnStop())          # last: after every callback's on_epoch_end
         return _call_with_callbacks(cls.fit, self, bound.args[1:], bound.kwargs, extra)
 
     @collective_api("model.evaluate", _EVAL_HINT.format("evaluate"))

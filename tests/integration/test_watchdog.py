@@ -113,12 +113,14 @@ def test_extra_collective_on_one_rank(runs):
 
 
 def test_stop_training_on_one_rank(runs):
-    """Rank 1 leaves fit early; rank 0 waits in its next step and ends the job.
+    """Rank 1 stops inside an epoch; rank 0 waits in its next step and ends the job.
     This model's ranks feed the same rows, so its epoch logs need no collective
-    (the metric states are counted on one rank): rank 1 does not wait at all."""
+    (the metric states are counted on one rank): rank 1 waits at the epoch's
+    end, where the ranks agree on stopping (guards.AgreeOnStop, which makes a
+    stop set at an epoch's end on some ranks stop every rank)."""
     reports = _ended_by_watchdog(runs["stop_one_rank"], SHORT)
     assert "train step 6 (epoch 1, batch 5)" in reports[0]
-    assert 1 not in reports or "collective 'tfh.metric_states.sum'" in reports[1], reports
+    assert 1 not in reports or "collective 'tfh.guard.stop'" in reports[1], reports
 
 
 def test_terminate_on_nan_on_one_rank(runs):

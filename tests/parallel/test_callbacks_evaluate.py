@@ -184,3 +184,30 @@ def test_csv_logger_and_tensorboard_write_on_rank_0_only(grid_of):
         assert len(fh.read().strip().splitlines()) == 1 + 3
     assert len(os.listdir(os.path.join(board, "train"))) == 1
     backend.barrier()
+
+
+def test_a_stop_set_on_one_rank_at_epoch_end_stops_every_rank(grid_of):
+    """A callback deciding on this rank's own state (a wall-clock budget read
+    from each rank's clock) stopped the last rank only: the others waited in
+    the next epoch's collectives until the watchdog ended the job."""
+    import warnings
+
+    grid = grid_of(1)
+    keras.utils.set_random_seed(1)
+    model = tfhybrid.transform(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]), "d")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    x, y = randn((8, 3), "stop-x", grid.rank), randn((8, 2), "stop-y", grid.rank)
+
+    class OwnClock(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if grid.rank == grid.size - 1 and epoch == 1:
+                self.model.stop_training = True
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=4, epochs=5, verbose=0, callbacks=[OwnClock()])
+    assert history.epoch == [0, 1]
+    warned = any("set model.stop_training at the end of epoch 2" in str(w.message)
+                 for w in caught)
+    assert warned == (grid.rank == 0)
+    backend.barrier()

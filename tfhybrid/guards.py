@@ -436,7 +436,7 @@ class GuardCallback(keras.callbacks.Callback):
 
 class AgreeOnStop(keras.callbacks.Callback):
     """Every rank stops at the end of an epoch when one rank's callbacks set
-    ``model.stop_training`` (one scalar allreduce per epoch boundary; none
+    ``model.stop_training`` (one scalar allgather per epoch boundary; none
     after the last epoch).
 
     A callback deciding on this rank's own state (a wall-clock budget read
@@ -809,7 +809,7 @@ def _loss_scale_inside(model, optimizer, auto_scale_loss) -> bool:
 
 
 def _from_horovod_keras(obj) -> bool:
-    return type(obj).__module__.startswith(("horovod.", "horovod._keras"))
+    return type(obj).__module__.startswith("horovod.")
 
 
 def refuse_horovod_optimizer(optimizer):

@@ -924,6 +924,13 @@ def install(model, part=False):
             bound.arguments["auto_scale_loss"] = False     # done: no second LossScaleOptimizer
         return cls.compile(*bound.args, **bound.kwargs)
 
+    def part_compile(self, *args, **kwargs):
+        # p/ls apply their own optimizer step (no wrapping), but Horovod's Keras
+        # optimizer fails inside their step as it does in Keras'.
+        bound = inspect.signature(cls.compile).bind(self, *args, **kwargs)
+        refuse_horovod_optimizer(bound.arguments.get("optimizer"))
+        return cls.compile(*bound.args, **bound.kwargs)
+
     keras_compute_loss = model.compute_loss     # a split-output wrapper, or Keras'
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
@@ -1076,6 +1083,7 @@ def install(model, part=False):
     if part:     # p/ls: their own steps, reductions and metrics
         keep = ("fit", "evaluate", "predict", "save", "save_weights", "load_weights")
         methods = [(name, fn) for name, fn in methods if name in keep]
+        methods.append(("compile", part_compile))
         object.__setattr__(model, "_tfhybrid_part", True)
     for name, fn in methods:
         object.__setattr__(model, name, types.MethodType(fn, model))

@@ -96,3 +96,18 @@ def test_uncompiled_source_stays_uncompiled(grid_of):
     grid_of(1)
     model = tfhybrid.transform(_model(), "d")
     assert not model.compiled
+
+
+@pytest.mark.parametrize("strategy", ["p", "ls"])
+def test_pipeline_and_ls_refuse_horovods_keras_optimizer(grid_of, strategy):
+    """p/ls run their own optimizer step (no wrapping compile): Horovod's Keras
+    optimizer failed inside it with a tf.keras 2 error; it is refused at compile."""
+    import horovod.tensorflow.keras as hvd_keras
+
+    grid_of(2 if strategy == "p" else world_size())
+    model = tfhybrid.transform(_model(), strategy)
+    with pytest.raises(ValueError, match=r"horovod.tensorflow.keras.DistributedOptimizer "
+                                         r"\(SGD\).*tfhybrid.DistributedOptimizer"):
+        model.compile(hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse")
+    _compile(model)        # a Keras optimizer still compiles
+    assert model.compiled

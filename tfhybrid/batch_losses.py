@@ -10,7 +10,9 @@ number of blocks ``D`` for the others. Measured before this module (``d``,
 gradient was half the single-process one, and the logged loss half of it.
 
 * ``reduction="sum"``: the block's loss is multiplied by ``D``, so the
-  average over the blocks is the global batch's sum (the logged loss too).
+  average over the blocks is the global batch's sum (the logged loss too);
+  by ``D / D`` when every rank fed the same rows (whole arrays on every rank:
+  the guards set ``copies``), so that each row counts once.
 * ``reduction="mean_with_sample_weight"`` with sample weights: ``D x``
   (the block's weighted sum) / (the sum of the weights over every block's
   rows, one scalar allreduce without gradient).
@@ -82,8 +84,9 @@ def _wrap_flat(model, compiled, blocks, ranks):
         if reduction not in REDUCTIONS or isinstance(fn, BlockRowsLoss) \
                 or _split_output(model, entry.path):
             continue
-        compiled._flat_losses[i] = entry._replace(
-            loss=BlockRowsLoss(fn, reduction, blocks, ranks))
+        loss = BlockRowsLoss(fn, reduction, blocks, ranks)
+        loss.copies = getattr(model, "_tfhybrid_row_copies", None)
+        compiled._flat_losses[i] = entry._replace(loss=loss)
 
 
 class BlockRowsLoss:
@@ -96,6 +99,10 @@ class BlockRowsLoss:
     spatial."""
 
     collective = "batch_losses.weight_sum"
+    # The number of ranks of each row-block group that fed the very same rows
+    # (a variable the guards set: 1, or the group's size for whole arrays fed on
+    # every rank), so that a ``sum`` counts each row once. None: 1.
+    copies = None
 
     def __init__(self, fn, reduction, blocks, ranks):
         self.fn, self.reduction, self.blocks, self.ranks = fn, reduction, blocks, ranks
@@ -109,7 +116,10 @@ class BlockRowsLoss:
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         if self.reduction == "sum":
-            return self.fn(y_true, y_pred, sample_weight) * self.blocks
+            loss = self.fn(y_true, y_pred, sample_weight)
+            if self.copies is None:
+                return loss * self.blocks
+            return loss * (self.blocks / tf.cast(self.copies, loss.dtype))
         if sample_weight is None:          # the plain mean over the rows
             return self.fn(y_true, y_pred, sample_weight)
         total = self.summed(y_true, y_pred, sample_weight)

@@ -136,6 +136,99 @@ def batch_checksum(data):
     return total
 
 
+def input_fingerprint(*sources) -> float:
+    """A cheap digest of in-memory inputs (numpy arrays or eager tensors, nested in
+    lists, tuples or dicts): shapes, dtypes and up to 64 evenly spaced rows of
+    each, as a float64 holding 48 bits of BLAKE2b. NaN when any source is
+    something else (a dataset, a generator, a PyDataset): not known before a step.
+    ``None`` sources are skipped."""
+    flat = [a for a in tf.nest.flatten([s for s in sources if s is not None])
+            if a is not None]
+    if not flat:
+        return float("nan")
+    h = hashlib.blake2b(digest_size=6)
+    for a in flat:
+        if not (isinstance(a, np.ndarray) or (tf.is_tensor(a) and tf.executing_eagerly())):
+            return float("nan")
+        shape = tuple(int(d) for d in a.shape)
+        h.update(f"{shape}|{a.dtype}|".encode())
+        if shape and shape[0]:
+            rows = np.unique(np.linspace(0, shape[0] - 1, min(shape[0], 64)).astype(np.int64))
+            sample = a[rows] if isinstance(a, np.ndarray) else tf.gather(a, rows).numpy()
+            h.update(np.ascontiguousarray(sample).tobytes())
+        elif not shape:
+            h.update(np.asarray(a).tobytes())
+    return float(int.from_bytes(h.digest(), "little"))
+
+
+def copies_of_rows(model, values):
+    """How many ranks of each row-block group fed the very same rows, from each
+    rank's ``values`` (fingerprints or batch checksums, world-long): the group's
+    size when every group's members agree (whole arrays or one unsharded
+    dataset on every rank), 1 when they differ, None when unknown (NaN)."""
+    values = np.asarray(values, np.float64)
+    if not np.all(np.isfinite(values)):
+        return None
+    groups = _row_block_groups(model)
+    if len(groups[0]) < 2:
+        return 1
+    for ranks in groups:
+        vals = values[list(ranks)]
+        if np.max(vals) - np.min(vals) > 1e-12 * max(1.0, float(np.max(np.abs(vals)))):
+            return 1
+    return len(groups[0])
+
+
+def row_copies(model) -> int:
+    """The copies of each row the ranks of ``model`` feed now (1: each its own rows)."""
+    copies = getattr(model, "_tfhybrid_row_copies", None)
+    return 1 if copies is None else int(round(float(copies.numpy())))
+
+
+def set_row_copies(model, copies):
+    variable = getattr(model, "_tfhybrid_row_copies", None)
+    if variable is not None and row_copies(model) != int(copies):
+        variable.assign(float(copies))
+
+
+def _sum_losses(model):
+    """The names of ``model``'s compiled losses of reduction ``sum`` (row-block wrapped)."""
+    compiled = getattr(model, "_compile_loss", None)
+    return [getattr(entry.loss, "name", "loss")
+            for entry in getattr(compiled, "_flat_losses", None) or ()
+            if isinstance(entry.loss, batch_losses.BlockRowsLoss)
+            and entry.loss.reduction == "sum"]
+
+
+def _refuse_late_copies(model, copies, where):
+    """Duplicate rows found after a ``sum`` loss already counted them ``copies`` times."""
+    names = _sum_losses(model)
+    if names:
+        raise ConsistencyError(
+            f"tfhybrid guard: all {copies} data-parallel ranks fed identical rows {where}, "
+            f"and loss {names[0]!r} has reduction='sum': each row was counted {copies} "
+            f"times (loss and gradients {copies}x those of one process). tfhybrid finds "
+            "whole numpy arrays before the first step, but not an unsharded dataset. Give "
+            "each rank its rows with tfhybrid.data.shard(dataset, model=model), or pass the "
+            "arrays themselves.")
+
+
+def _warn_copies(model, copies, where):
+    if getattr(model, "_tfhybrid_duplicates_warned", False):
+        return
+    object.__setattr__(model, "_tfhybrid_duplicates_warned", True)
+    if runtime.is_root():
+        warnings.warn(
+            f"tfhybrid: all {copies} data-parallel ranks fed identical rows {where}: each "
+            "rank computes the whole batch, so data parallelism saves no time. The numbers "
+            "are still those of one process (tfhybrid counts each row once in losses, "
+            "gradients and metrics). Give each rank its rows: "
+            "tfhybrid.data.shard(dataset, model=model) for a tf.data pipeline of global "
+            "batches, or, for arrays under d or gmp, Horovod's way: "
+            "fit(x[tfhybrid.rank()::tfhybrid.size()], ...) with the per-rank batch size.",
+            UserWarning, stacklevel=3)
+
+
 # -- the checks ---------------------------------------------------------------
 
 def planned_steps(arguments, steps_key) -> int:
@@ -184,6 +277,20 @@ def check_structure(model, steps=-1):
     check.run_alone()
 
 
+def _fit_fingerprints(arguments):
+    """:func:`input_fingerprint` of fit's training and validation inputs (NaN
+    where not in-memory arrays; a ``validation_split`` shares the training's)."""
+    train = input_fingerprint(arguments.get("x"), arguments.get("y"))
+    validation = arguments.get("validation_data")
+    if validation is None:
+        val = train if arguments.get("validation_split") else float("nan")
+    elif isinstance(validation, (tuple, list)) and len(validation) in (2, 3):
+        val = input_fingerprint(validation[0], validation[1])
+    else:
+        val = input_fingerprint(validation)
+    return train, val
+
+
 class StartCheck:
     """The start-of-fit structure and step-count check, to gather with another
     collective: ``riders`` (this rank's values) travel in the
@@ -191,13 +298,25 @@ class StartCheck:
     allgather, which calls ``verify(gathered)`` before its first broadcast; the
     :class:`GuardCallback` runs it alone when no broadcast callback took it."""
 
-    def __init__(self, model, steps):
+    def __init__(self, model, steps, fingerprints=None):
         self.model = model
         self.riders = [structure_digest(model), float(steps)]
+        if fingerprints is not None:     # fit's (training, validation) inputs
+            self.riders += [float(f) for f in fingerprints]
 
     def verify(self, gathered):
-        """Raise :class:`ConsistencyError` when ``gathered`` (world x 2) disagree."""
-        _verify_structure(self.model, np.asarray(gathered, np.float64))
+        """Raise :class:`ConsistencyError` when ``gathered`` (world x riders) disagree;
+        with fingerprints, set the model's row copies for training and validation."""
+        gathered = np.asarray(gathered, np.float64)
+        _verify_structure(self.model, gathered)
+        if gathered.shape[1] >= 4:
+            copies = copies_of_rows(self.model, gathered[:, 2])
+            if copies:
+                set_row_copies(self.model, copies)
+            if copies and copies > 1:
+                _warn_copies(self.model, copies, "in fit")
+            object.__setattr__(self.model, "_tfhybrid_validation_copies",
+                               copies_of_rows(self.model, gathered[:, 3]))
 
     def run_alone(self):
         """Gather ``riders`` in a world allgather of their own and verify them."""
@@ -221,14 +340,19 @@ def _verify_structure(model, gathered):
         raise ConsistencyError(problem)
 
 
-def check_steps(model, steps, method):
-    """Every rank plans the same number of steps (collective), else raise."""
+def check_steps(model, steps, method, fingerprint=None):
+    """Every rank plans the same number of steps (collective), else raise.
+
+    With ``fingerprint`` (:func:`input_fingerprint` of this rank's inputs, in
+    the same allgather): return :func:`copies_of_rows` of the ranks' inputs."""
     if runtime.current_grid().size == 1:
-        return
-    problem = _steps_problem(model, _world_gather([steps], f"guard.steps.{method}")[:, 0],
-                             method)
+        return 1
+    riders = [steps] if fingerprint is None else [steps, fingerprint]
+    gathered = _world_gather(riders, f"guard.steps.{method}")
+    problem = _steps_problem(model, gathered[:, 0], method)
     if problem:
         raise ConsistencyError(problem)
+    return None if fingerprint is None else copies_of_rows(model, gathered[:, 1])
 
 
 def check_weights(model, when):
@@ -332,7 +456,7 @@ def check_step(model, checksum, step, weights=True):
     if shared:
         _check_batch_sums(sums[:, 0], step)
     if duplicates:
-        _warn_duplicate_rows(model, sums[:, 0])
+        _found_duplicate_rows(model, sums[:, 0])
     if variables:
         _check_weight_sums(model, sums[:, int(batch):], f"after step {step}")
 
@@ -358,28 +482,27 @@ def _check_batch_sums(sums, step):
                 "keras.utils.set_random_seed(seed) with one seed on every rank.")
 
 
-def _warn_duplicate_rows(model, sums):
-    """Warn (rank 0, once per model) when every data-parallel rank fed the same
-    rows at step 2 of a fit: training is still exact, but each rank computes the whole
-    batch, so the data axis does no work (e.g. ``fit(x, y)`` on whole arrays,
-    or one dataset not sharded per rank)."""
-    if getattr(model, "_tfhybrid_duplicates_warned", False):
+def _found_duplicate_rows(model, sums):
+    """Every data-parallel rank fed the same rows at step 2 of a fit (an unsharded
+    dataset; whole arrays are found before step 1): count each row once from here
+    (the epoch's metrics are summed at its end), warn once, and refuse a ``sum``
+    loss, whose first steps counted the rows several times."""
+    copies = copies_of_rows(model, sums)
+    if not copies or row_copies(model) == copies:
         return
-    groups = _row_block_groups(model)
-    for ranks in groups:
-        vals = sums[list(ranks)]
-        if np.max(vals) - np.min(vals) > 1e-12 * max(1.0, float(np.max(np.abs(vals)))):
-            return
-    object.__setattr__(model, "_tfhybrid_duplicates_warned", True)
-    if runtime.is_root():
-        warnings.warn(
-            f"tfhybrid: all {len(groups[0])} data-parallel ranks fed identical rows at step 2 "
-            "of fit: each rank computes the whole batch, so the weights are right but data "
-            "parallelism saves no time (the global batch is the batch each rank feeds). "
-            "Give each rank its rows: tfhybrid.data.shard(dataset, model=model) for a "
-            "tf.data pipeline of global batches, or, for arrays under d or gmp, Horovod's way: "
-            "fit(x[tfhybrid.rank()::tfhybrid.size()], ...) with the per-rank batch size.",
-            UserWarning, stacklevel=2)
+    if copies == 1:     # same arrays, rows in other orders (per-rank shuffles): not copies
+        if _sum_losses(model):
+            raise ConsistencyError(
+                f"tfhybrid guard: every rank was given the same arrays, but fed other rows at "
+                f"step {FIRST_STEPS} (a shuffle seeded per rank), with loss "
+                f"{_sum_losses(model)[0]!r} of reduction='sum', so the first steps counted "
+                "rows as copies. Shard the arrays per rank (x[tfhybrid.rank()::"
+                "tfhybrid.size()]) or pass shuffle=False.")
+        set_row_copies(model, 1)
+        return
+    _refuse_late_copies(model, copies, f"at step {FIRST_STEPS} of fit")
+    set_row_copies(model, copies)
+    _warn_copies(model, copies, f"at step {FIRST_STEPS} of fit")
 
 
 class GuardCallback(keras.callbacks.Callback):
@@ -432,6 +555,39 @@ class GuardCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._set_due(True)     # a later train_step outside fit computes its checksum
+
+
+class EvaluateRows(keras.callbacks.Callback):
+    """Whether every data-parallel rank evaluates the same rows, from the first
+    batch's checksums (one allgather, at the first batch of an ``evaluate``
+    whose inputs are not in-memory arrays): then each row counts once in the
+    metrics (:func:`sum_metric_states`), as in one process. Keras' ``Mean``
+    of a loss and ratio metrics such as accuracy were already right; counts
+    (``TruePositives``, ``Sum``) were multiplied by the ranks."""
+
+    def __init__(self, checksum_variable, due_variable):
+        super().__init__()
+        self._checksum, self._due = checksum_variable, due_variable
+        self._done = False
+
+    def on_test_begin(self, logs=None):
+        self._done = False
+        self._due.assign(True)
+
+    def on_test_batch_end(self, batch, logs=None):
+        if self._done:
+            return
+        self._done = True
+        self._due.assign(False)
+        sums = _world_gather([float(self._checksum.numpy())], "guard.evaluate_rows")[:, 0]
+        copies = copies_of_rows(self.model, sums)
+        if copies and copies > 1:
+            _refuse_late_copies(self.model, copies, "in evaluate")
+            set_row_copies(self.model, copies)
+            _warn_copies(self.model, copies, "in evaluate")
+
+    def on_test_end(self, logs=None):
+        self._due.assign(False)
 
 
 class AgreeOnStop(keras.callbacks.Callback):
@@ -693,7 +849,7 @@ def sum_metric_states(model):
         # group holds the same rows): counted once, by the model group's first rank
         for v in _replicated_output_metric_variables(model):
             v.assign(tf.zeros_like(v))
-    sum_variables(variables, ranks, "metric_states.sum")
+    sum_variables(variables, ranks, "metric_states.sum", copies=row_copies(model))
 
 
 def _replicated_output_metric_variables(model):
@@ -713,15 +869,18 @@ def _replicated_output_metric_variables(model):
     return out
 
 
-def sum_variables(variables, ranks, name, contribute=True):
+def sum_variables(variables, ranks, name, contribute=True, copies=1):
     """Replace each variable by its sum over ``ranks`` (collective; float64 sums,
-    rounded for integer variables). ``contribute=False``: this rank adds zeros."""
+    rounded for integer variables). ``contribute=False``: this rank adds zeros.
+    ``copies``: each rank's rows were fed by that many ranks; the sum counts them once."""
     from tfhybrid.comm import backend
 
     flat = tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in variables], 0)
     if not contribute:
         flat = tf.zeros_like(flat)
     total = backend.allreduce(flat, ranks, name).numpy()
+    if copies > 1:
+        total = total / copies
     start = 0
     for v in variables:
         n = int(np.prod(v.shape))
@@ -914,6 +1073,10 @@ def install(model, part=False):
     # True before the steps whose batch the GuardCallback compares (set by it):
     # the traced step skips the checksum's work on the other steps.
     due = tf.Variable(True, trainable=False, name="tfhybrid_batch_checksum_due")
+    # True for the first step of an evaluate whose rows are compared (EvaluateRows)
+    evaluate_due = tf.Variable(False, trainable=False, name="tfhybrid_evaluate_checksum_due")
+    # ranks of a row-block group feeding the very same rows (batch_losses' sum)
+    copies = tf.Variable(1.0, trainable=False, name="tfhybrid_row_copies")
 
     def compile(self, *args, **kwargs):   # noqa: A001 - Keras' name
         bound = inspect.signature(cls.compile).bind(self, *args, **kwargs)
@@ -952,7 +1115,13 @@ def install(model, part=False):
 
     def test_step(self, data):
         batch_losses.wrap(self)
-        return cls.test_step(self, full_labels_to_blocks(self, data))
+        data = full_labels_to_blocks(self, data)
+        if _config().guards and _data_replicas_checked(self):     # EvaluateRows' batch
+            split = any(getattr(self, "_tfhybrid_split_outputs", ())) and isinstance(data, tuple)
+            rows = data[0] if split else data
+            checksum.assign(tf.cond(evaluate_due, lambda: batch_checksum(rows),
+                                    checksum.read_value))
+        return cls.test_step(self, data)
 
     def fit(self, *args, **kwargs):
         bound = _keras_signature(cls.fit).bind(self, *args, **kwargs)
@@ -963,8 +1132,11 @@ def install(model, part=False):
         extra = _watchdog_callbacks()
         config = _config()
         object.__setattr__(self, "_tfhybrid_start_check", None)
+        object.__setattr__(self, "_tfhybrid_validation_copies", None)
         if config.guards and runtime.current_grid().size > 1 and not part:   # 1 process: no peers
-            check = StartCheck(self, planned_steps(bound.arguments, "steps_per_epoch"))
+            set_row_copies(self, 1)      # until the inputs are compared
+            check = StartCheck(self, planned_steps(bound.arguments, "steps_per_epoch"),
+                               _fit_fingerprints(bound.arguments))
             if _broadcasts(bound.arguments.get("callbacks")):
                 # rides in the broadcast callback's allgather, before its broadcasts
                 # (the GuardCallback runs it if that callback does not)
@@ -974,20 +1146,39 @@ def install(model, part=False):
             extra.append(GuardCallback(checksum, config.guard_every_steps, due))
         if runtime.current_grid().size > 1:
             extra.append(AgreeOnStop())          # last: after every callback's on_epoch_end
-        return _call_with_callbacks(cls.fit, self, bound.args[1:], bound.kwargs, extra)
+        try:
+            return _call_with_callbacks(cls.fit, self, bound.args[1:], bound.kwargs, extra)
+        finally:
+            set_row_copies(self, 1)              # this fit's inputs only
 
     @collective_api("model.evaluate", _EVAL_HINT.format("evaluate"))
     def evaluate(self, *args, **kwargs):
         bound = _keras_signature(cls.evaluate).bind(self, *args, **kwargs)
-        if _config().guards and not part and not isinstance(
-                bound.arguments.get("callbacks"), keras.callbacks.CallbackList):   # not fit's
-            check_steps(self, planned_steps(bound.arguments, "steps"), "evaluate")
+        in_fit = isinstance(bound.arguments.get("callbacks"), keras.callbacks.CallbackList)
+        compare = (_config().guards and not part and runtime.current_grid().size > 1
+                   and _data_replicas_checked(self))
+        fit_copies = row_copies(self)
+        extra = _watchdog_callbacks()
+        if _config().guards and not part and not in_fit:      # fit's validation: fit checked
+            copies = check_steps(self, planned_steps(bound.arguments, "steps"), "evaluate",
+                                 input_fingerprint(bound.arguments.get("x"),
+                                                   bound.arguments.get("y")) if compare else None)
+        else:
+            copies = getattr(self, "_tfhybrid_validation_copies", None) if compare else None
+        if compare:
+            set_row_copies(self, copies or 1)
+            if copies is None:         # a dataset: its first batches tell
+                extra.append(EvaluateRows(checksum, evaluate_due))
+            elif copies > 1:
+                _warn_copies(self, copies, "in evaluate")
         outer = getattr(self, "_tfhybrid_evaluating", False)
         object.__setattr__(self, "_tfhybrid_evaluating", True)
         try:
-            return _call_with_callbacks(cls.evaluate, self, args, kwargs, _watchdog_callbacks())
+            return _call_with_callbacks(cls.evaluate, self, args, kwargs, extra)
         finally:
             object.__setattr__(self, "_tfhybrid_evaluating", outer)
+            if compare:
+                set_row_copies(self, fit_copies if in_fit else 1)
 
     def _get_metrics_result_or_logs(self, logs):
         # Called eagerly, on every rank, at the end of evaluate and of each fit
@@ -1089,6 +1280,8 @@ def install(model, part=False):
         object.__setattr__(model, name, types.MethodType(fn, model))
     object.__setattr__(model, "_tfhybrid_batch_checksum", checksum)
     object.__setattr__(model, "_tfhybrid_batch_checksum_due", due)
+    if not part:
+        object.__setattr__(model, "_tfhybrid_row_copies", copies)
     object.__setattr__(model, "_tfhybrid_guarded", True)
     return model
 

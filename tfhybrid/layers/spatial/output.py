@@ -177,8 +177,9 @@ def _wrap_flat_losses(model, compiled, flags):
                 f"{_output_name(model, out)!r} has reduction={reduction!r}, which tfhybrid "
                 "cannot reduce over spatial blocks. Use 'sum_over_batch_size', 'mean', 'sum' "
                 "or 'mean_with_sample_weight'.")
-        compiled._flat_losses[i] = entry._replace(
-            loss=_BlockLoss(fn, reduction, k * grid.data_size, spatial))
+        loss = _BlockLoss(fn, reduction, k * grid.data_size, spatial)
+        loss.copies = getattr(model, "_tfhybrid_row_copies", None)   # data groups' copies
+        compiled._flat_losses[i] = entry._replace(loss=loss)
 
 
 def _output_name(model, index):

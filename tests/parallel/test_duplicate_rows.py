@@ -1,0 +1,123 @@
+"""Every rank fed the very same rows (whole arrays, or one unsharded dataset).
+
+The commonest Horovod-style script evaluates ``model.evaluate(x_test,
+y_test)`` on every rank. Keras' mean loss and accuracy came out right, but
+the guards summed every metric's states over the data-parallel ranks, so
+counts (``TruePositives``) were multiplied by the ranks, and a
+``reduction="sum"`` loss was too, in ``fit`` as well: gradients 2x those of
+one process at np2 (weights 3x off after 2 epochs), with a warning that said
+the weights were right. Whole arrays are now found before the first step
+(a fingerprint in the start-of-fit / evaluate allgather) and each row counts
+once; an unsharded dataset is found at its first batches (evaluate: counts
+exact; a ``sum`` loss is refused, its first steps having counted rows twice).
+Each case: the numbers of one process training the unmodified model.
+"""
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid import runtime
+from tfhybrid.guards import ConsistencyError
+
+from conftest import rng, world_size
+
+N, BATCH = 48, 16
+CASES = [("d", 1), ("f", world_size()), ("df", 2)]
+
+
+def _data(key="train"):
+    x = rng("dup-x", key).standard_normal((N, 6)).astype(np.float32)
+    y = (x[:, 0] + 0.3 * x[:, 1] > 0).astype(np.float32)[:, None]
+    return x, y
+
+
+def _model(reduction="sum"):
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((6,)),
+                              keras.layers.Dense(8, activation="relu", name="fc0"),
+                              keras.layers.Dense(1, activation="sigmoid", name="fc1")])
+    return model, dict(optimizer=keras.optimizers.SGD(0.05),
+                       loss=keras.losses.BinaryCrossentropy(reduction=reduction),
+                       metrics=[keras.metrics.TruePositives(name="tp"), "accuracy"])
+
+
+def _pair(grid_of, strategy, mp, reduction="sum"):
+    grid_of(mp)
+    reference, args = _model(reduction)
+    reference.compile(**args)
+    source, args = _model(reduction)
+    model = tfhybrid.transform(source, strategy, fallback="replicate")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(args.pop("optimizer")), **args)
+    return reference, model
+
+
+def _same(got, want):
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=2e-5, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("strategy,mp", CASES, ids=lambda c: str(c))
+def test_whole_arrays_on_every_rank_count_each_row_once(grid_of, strategy, mp):
+    reference, model = _pair(grid_of, strategy, mp)
+    x, y = _data()
+    xv, yv = _data("validation")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                            validation_data=(xv, yv))
+    want = reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    _same(got, want)
+    assert want["tp"] > 0
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(xv, yv))
+    _same(history.history, expected.history)
+    for a, b in zip(tfhybrid.gather(model).get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    if runtime.current_grid().data_size > 1 or strategy == "d":
+        warned = any("fed identical rows" in str(w.message) for w in caught)
+        assert warned == (tfhybrid.rank() == 0)
+
+
+@pytest.mark.parametrize("strategy,mp", CASES[:1] + CASES[2:], ids=lambda c: str(c))
+def test_sharded_training_with_whole_validation_arrays(grid_of, strategy, mp):
+    reference, model = _pair(grid_of, strategy, mp)
+    x, y = _data()
+    xv, yv = _data("validation")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    history = model.fit(tfhybrid.data.shard(ds, model=model), epochs=2, verbose=0,
+                        validation_data=(xv, yv), validation_batch_size=BATCH)
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(xv, yv))
+    _same(history.history, expected.history)
+    # and a sharded evaluate after it counts each rank's rows (copies back to 1)
+    got = model.evaluate(tfhybrid.data.shard(ds, model=model), verbose=0, return_dict=True)
+    _same(got, reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True))
+
+
+@pytest.mark.parametrize("strategy,mp", CASES[:1] + CASES[2:], ids=lambda c: str(c))
+def test_unsharded_dataset_in_evaluate_counts_each_row_once(grid_of, strategy, mp):
+    reference, model = _pair(grid_of, strategy, mp, reduction="sum_over_batch_size")
+    x, y = _data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    got = model.evaluate(ds, verbose=0, return_dict=True)
+    _same(got, reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True))
+    history = model.fit(ds, epochs=2, verbose=0)      # mean loss: exact, counts once
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    _same(history.history, expected.history)
+
+
+def test_unsharded_dataset_with_sum_loss_is_refused(grid_of):
+    _, model = _pair(grid_of, "d", 1)
+    x, y = _data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    with pytest.raises(ConsistencyError, match=r"identical rows in evaluate.*reduction='sum'"
+                                               r".*tfhybrid.data.shard"):
+        model.evaluate(ds, verbose=0)
+    with pytest.raises(ConsistencyError, match=r"identical rows at step 2 of fit.*"
+                                               r"reduction='sum'"):
+        model.fit(ds, epochs=1, verbose=0)

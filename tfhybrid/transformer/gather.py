@@ -57,6 +57,9 @@ def gather(model):
         if not target.weights:
             continue
         layer = find_layer(model, np.name)
+        # frozen or unfrozen since transform (fine-tuning): the source recorded the
+        # flags of that moment; a frozen BatchNormalization also runs in inference
+        target.trainable = layer.trainable
         if np.kind in _SLICED:
             layer = layer.to_layer()
         target.set_weights(layer.get_weights())

@@ -43,6 +43,15 @@ def test_quickstart_df_and_gmp_at_4_ranks():
     assert worst < RTOL, found
 
 
+def test_hvd_init_before_tfhybrid_init():
+    """A script migrating from Horovod keeps its ``hvd.init()`` before
+    ``tfhybrid.init``: tfhybrid restarts Horovod with dynamic process sets."""
+    run = launch("safe_quickstart.py", np=4, args=["--hvd-init-first", "df"])
+    found = _check_ok(run, expected=4)
+    assert "HOROVOD_DYNAMIC_PROCESS_SETS" not in run.out, run
+    assert max(r["weights_max_rel"] for r in found) < RTOL, found
+
+
 @pytest.mark.parametrize("np_, strategy", [(2, "f"), (4, "df")])
 def test_second_fit_keeps_sharded_optimizer_slots(np_, strategy):
     run = launch("safe_second_fit.py", np=np_, args=[strategy, 2])

@@ -1,6 +1,6 @@
 """Issue 13, bugs 1, 2 and 4: the README quick start, as a user writes it.
 
-    horovodrun -np 4 --gloo python safe_quickstart.py [df gmp ...]
+    horovodrun -np 4 --gloo python safe_quickstart.py [--hvd-init-first] [df gmp ...]
 
 For each strategy: ``init(model_parallel=2)``, every rank builds the model
 with its own random initial weights (an unseeded script), rank 0 alone
@@ -10,6 +10,9 @@ restores pretrained weights, ``transform``, compile with a
 ``gather``, and the script ends right after the last ``gather``: no barrier
 anywhere. Each rank prints the largest relative difference between its
 gathered weights and single-process training from the pretrained weights.
+``--hvd-init-first``: the script calls ``hvd.init()`` before ``tfhybrid.init``
+(Horovod then had no dynamic process sets, and tfhybrid's first group failed
+with Horovod's "Set HOROVOD_DYNAMIC_PROCESS_SETS=1 ...").
 """
 import os
 import sys
@@ -27,6 +30,10 @@ OPTIONS = {"gmp": {"ccr_threshold": 0}}
 
 
 def main(strategies):
+    if "--hvd-init-first" in strategies:      # a script migrating from Horovod keeps it
+        strategies = [s for s in strategies if s != "--hvd-init-first"]
+        import horovod.tensorflow as hvd
+        hvd.init()
     grid = tfhybrid.init(model_parallel=2)
     x, y = data()
     # The single-process references first: the script must end right after gather.

@@ -97,6 +97,12 @@ def init():
             Config().apply()
             hvd, mpi_ops = _import_horovod()
             if hvd is not None:
+                if hvd.is_initialized() and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
+                    # The script called hvd.init() first (a Horovod habit): without
+                    # dynamic process sets tfhybrid's groups cannot be added ("Set
+                    # HOROVOD_DYNAMIC_PROCESS_SETS=1 ..." from add_process_set).
+                    # Horovod starts again with them; hvd.rank()/size() are unchanged.
+                    hvd.shutdown()
                 hvd.init(process_sets="dynamic")
             _STATE.update(hvd=hvd, mpi_ops=mpi_ops, initialized=True,
                           over_world=hvd is not None and _groups_over_world_env())

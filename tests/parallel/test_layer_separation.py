@@ -80,3 +80,14 @@ def test_ls_bad_input():
     bad = 3 if world_size() == 4 else 2
     with pytest.raises(ValueError, match=f"fc_workers={bad}"):
         tfhybrid.transform(vgg_fc_head(), "ls", fc_workers=bad)
+
+
+def test_ls_get_layer_finds_layers_of_both_parts():
+    """model.get_layer('conv1') on an ls model failed with Keras' "No such layer"
+    (its layers are 'functional', 'ls_conv_part' and 'ls_fc_part')."""
+    tfhybrid.init()
+    model = tfhybrid.transform(vgg_fc_head(), "ls", fc_workers=1)
+    for name in ("conv1", "fc0", "logits"):
+        assert model.get_layer(name).name == name
+    with pytest.raises(ValueError, match="nope"):
+        model.get_layer("nope")

@@ -98,3 +98,20 @@ def test_p_bad_input(grid_of):
     with pytest.raises(ValueError, match="micro_batches=4, which does not divide the local "
                                          "batch of 6"):
         pmodel.fit(x[:6], y[:6], batch_size=6, epochs=1, verbose=0)
+
+
+def test_p_get_layer_finds_this_stages_layers_and_names_the_others(grid_of):
+    """model.get_layer('conv1') on a p model failed with Keras' "No such layer:
+    conv1. Existing layers are: ['p_stage_0']" on every rank."""
+    grid_of(2)
+    pmodel = tfhybrid.transform(cnn_fc_head(), "p", stages=2)
+    mine = pmodel.local_layer_names
+    assert mine and set(mine) <= {l.name for l in cnn_fc_head().layers}
+    for name in mine:
+        assert pmodel.get_layer(name).name == name
+    other = next(n for n in ("conv1", "logits") if n not in mine)
+    with pytest.raises(ValueError, match=rf"Layer '{other}' runs on pipeline stage \d .*"
+                                         r"local_layer_names.*tfhybrid.gather"):
+        pmodel.get_layer(other)
+    with pytest.raises(ValueError, match="No such layer: 'nope'"):
+        pmodel.get_layer("nope")

@@ -210,6 +210,19 @@ class LayerSeparatedModel(keras.Model):
         (self.conv_part if self.is_fc else self.fc_part).trainable = False
 
     # The Functional graph of the whole model answers shape questions.
+    def get_layer(self, name=None, index=None):
+        """A layer of the original model by ``name`` (every rank holds both parts;
+        the part a rank does not run is frozen, and stays frozen whatever its
+        layers' ``trainable`` says)."""
+        if name is None or index is not None:
+            return super().get_layer(name, index)
+        for part in (self, self.full):
+            try:
+                return keras.Model.get_layer(part, name)
+            except ValueError:
+                pass
+        return super().get_layer(name, index)      # Keras' "No such layer" message
+
     def call(self, inputs, training=False):
         return self.full(inputs, training=training)
 

@@ -275,6 +275,38 @@ class PipelineModel(keras.Model):
         self.built = True
 
     # -- facts
+    def get_layer(self, name=None, index=None):
+        """A layer of the original model by ``name``, from this rank's stage (the
+        stage model itself is ``"p_stage_<s>"``). A layer of another stage does
+        not exist on this rank: ValueError naming the stage that runs it."""
+        if name is None or index is not None:
+            return super().get_layer(name, index)
+        if name == self.stage.name:
+            return self.stage
+        try:
+            return self.stage.get_layer(name)
+        except ValueError:
+            pass
+        owner = next((s for s, names in enumerate(self.spec.plan.stages) if name in names),
+                     None)
+        if owner is None:
+            raise ValueError(f"No such layer: {name!r} in the pipelined model "
+                             f"{self.name!r} (its stages hold "
+                             f"{[n for names in self.spec.plan.stages for n in names]}).")
+        raise ValueError(
+            f"Layer {name!r} runs on pipeline stage {owner} (ranks "
+            f"{self.spec.pipeline[owner]} of this pipeline); this rank runs stage "
+            f"{self.stage_index}, whose layers are {list(self.spec.plan.stages[self.stage_index])}"
+            ". A p model holds each layer on its stage's ranks only: change the layer before "
+            "tfhybrid.transform (e.g. trainable), act where it lives (`if name in "
+            "model.local_layer_names:`), or read it from tfhybrid.gather(model) (on every "
+            "rank).")
+
+    @property
+    def local_layer_names(self):
+        """The names of the original model's layers this rank's stage runs."""
+        return tuple(self.spec.plan.stages[self.stage_index])
+
     @property
     def stage_index(self):
         return self.spec.stage

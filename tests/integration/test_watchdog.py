@@ -41,6 +41,8 @@ JOBS = {
     "save_on_root": (2, ["save_on_root", "--watchdog-seconds", SHORT, "--epochs", 1, "--steps", 4]),
     "evaluate_on_root": (2, ["evaluate_on_root", "--watchdog-seconds", SHORT, "--epochs", 1,
                              "--steps", 4]),
+    "call_on_root": (2, ["call_on_root", "--watchdog-seconds", SHORT, "--epochs", 1,
+                         "--steps", 4]),
     "default_bound": (2, ["stop_one_rank"]),
     "slow_rank": (2, ["slow_rank", "--pause", 75, "--epochs", 1, "--steps", 10]),
 }
@@ -164,6 +166,18 @@ def test_evaluate_on_rank_0_only_names_the_call_and_the_fix(runs):
     assert "inside model.evaluate()" in reports[0], reports
     assert "model.evaluate() of a transformed model is collective" in reports[0], reports
     assert "tfhybrid.gather(model)" in reports[0], reports
+
+
+def test_model_called_on_rank_0_only_names_the_cause_and_the_fix(runs):
+    """``if is_root(): model(x)`` on split layers: rank 0's first activation
+    collective met the other rank's exit barrier, and Horovod said only
+    "Mismatched ALLREDUCE tensor shapes" (or rank 0 waited for the watchdog)."""
+    run = runs["call_on_root"]
+    assert run.rc not in (0, "timeout"), run
+    assert run.fault is not None and run.end - run.fault <= SHORT + MARGIN, run
+    assert ("the ranks reached different collectives" in run.out
+            or "diverged" in run.out), run
+    assert "full = tfhybrid.gather(model)" in run.out or "tfhybrid.gather(model)" in run.out, run
 
 
 def test_default_bound_ends_hang_within_two_minutes(runs):

@@ -15,6 +15,8 @@ CASE (the fault happens at train step ``--fault-step`` on one rank):
   collective) under ``if tfhybrid.is_root():``, as Horovod scripts save on
   rank 0; the others end their scripts;
 - ``evaluate_on_root``: likewise with ``model.evaluate``;
+- ``call_on_root``: likewise rank 0 alone calls the model, ``model(x[:4])``
+  (split layers exchange activations);
 - ``slow_rank``: the last rank pauses ``--pause`` seconds inside one step (a
   healthy job that must finish);
 - ``none``: no fault.
@@ -38,7 +40,7 @@ import tensorflow as tf  # noqa: E402
 import tfhybrid  # noqa: E402
 
 CASES = ("extra_collective", "stop_one_rank", "terminate_nan", "layer_names", "save_on_root",
-         "evaluate_on_root", "slow_rank", "none")
+         "evaluate_on_root", "call_on_root", "slow_rank", "none")
 
 
 def fault(text):
@@ -152,6 +154,9 @@ def main():
     if args.case == "evaluate_on_root" and tfhybrid.is_root():
         fault("model.evaluate on rank 0 only")
         model.evaluate(data, verbose=0)
+    if args.case == "call_on_root" and tfhybrid.is_root():
+        fault("model(x) on rank 0 only")
+        model(x[:4])
     print("RESULT " + json.dumps({"rank": grid.rank, "case": args.case,
                                   "epochs_run": len(history.epoch),
                                   "fit_seconds": round(time.time() - start, 1)}), flush=True)

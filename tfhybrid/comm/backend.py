@@ -261,10 +261,30 @@ def _watched(op, name, ranks, run, inputs=(), splits=None):
     if _RECORDERS:
         _RECORDERS[-1].append((op, name, tuple(ranks), tuple(inputs), splits))
     if tf.executing_eagerly():
-        with watchdog.collective(op, name, ranks):
-            return run(name)
+        try:
+            with watchdog.collective(op, name, ranks):
+                return run(name)
+        except tf.errors.OpError as err:
+            raise _explained(err, op, name) from err
     watchdog.traced(op, name, ranks)
     return run(name)
+
+
+_MISMATCH = "Mismatched"     # Horovod's coordinator: "Mismatched ALLREDUCE tensor shapes" ...
+
+
+def _explained(err, op, name):
+    """``err`` with the usual cause said first when Horovod found the ranks in
+    different collectives (a rank sent another tensor under this op)."""
+    if _MISMATCH not in (err.message or ""):
+        return err
+    hint = (f"tfhybrid: the ranks reached different collectives: this rank ran {op} "
+            f"{name!r} while another rank ran another one. Usually a collective call made on "
+            "some ranks only, e.g. under `if tfhybrid.is_root():`: calling a transformed model "
+            "whose layers are split (model(x): its layers exchange activations), predict, "
+            "evaluate, tfhybrid.gather or tfhybrid.save. Call it on every rank, or call "
+            "full = tfhybrid.gather(model) on every rank and run full(x) on one. Horovod: ")
+    return type(err)(err.node_def, err.op, hint + err.message)
 
 
 # -- group collectives as world alltoalls (elastic runs, no process sets) ------

@@ -571,8 +571,11 @@ class EvaluateRows(keras.callbacks.Callback):
         self._done = False
 
     def on_test_begin(self, logs=None):
-        self._done = False
-        self._due.assign(True)
+        # fit lists one for its validations: it acts when the evaluate wrapper
+        # found the inputs unknown (a dataset), not for validation arrays
+        self._done = not getattr(self.model, "_tfhybrid_rows_unknown", False)
+        if not self._done:
+            self._due.assign(True)
 
     def on_test_batch_end(self, batch, logs=None):
         if self._done:
@@ -587,7 +590,9 @@ class EvaluateRows(keras.callbacks.Callback):
             _warn_copies(self.model, copies, "in evaluate")
 
     def on_test_end(self, logs=None):
-        self._due.assign(False)
+        if not self._done:
+            self._due.assign(False)
+        self._done = True
 
 
 class AgreeOnStop(keras.callbacks.Callback):
@@ -1144,6 +1149,8 @@ def install(model, part=False):
             else:       # before the first collective of the fit
                 check.run_alone()
             extra.append(GuardCallback(checksum, config.guard_every_steps, due))
+        if config.guards and runtime.current_grid().size > 1 and not part:
+            extra.append(EvaluateRows(checksum, evaluate_due))   # validation on a dataset
         if runtime.current_grid().size > 1:
             extra.append(AgreeOnStop())          # last: after every callback's on_epoch_end
         try:
@@ -1165,11 +1172,12 @@ def install(model, part=False):
                                                    bound.arguments.get("y")) if compare else None)
         else:
             copies = getattr(self, "_tfhybrid_validation_copies", None) if compare else None
+        object.__setattr__(self, "_tfhybrid_rows_unknown", compare and copies is None)
         if compare:
             set_row_copies(self, copies or 1)
-            if copies is None:         # a dataset: its first batches tell
-                extra.append(EvaluateRows(checksum, evaluate_due))
-            elif copies > 1:
+            if copies is None and not in_fit:   # a dataset: its first batch tells (fit
+                extra.append(EvaluateRows(checksum, evaluate_due))   # lists its own)
+            elif copies is not None and copies > 1:
                 _warn_copies(self, copies, "in evaluate")
         outer = getattr(self, "_tfhybrid_evaluating", False)
         object.__setattr__(self, "_tfhybrid_evaluating", True)

@@ -83,14 +83,21 @@ def test_whole_arrays_on_every_rank_count_each_row_once(grid_of, strategy, mp):
         assert warned == (tfhybrid.rank() == 0)
 
 
+@pytest.mark.parametrize("validation", ["arrays", "dataset"])
 @pytest.mark.parametrize("strategy,mp", CASES[:1] + CASES[2:], ids=lambda c: str(c))
-def test_sharded_training_with_whole_validation_arrays(grid_of, strategy, mp):
-    reference, model = _pair(grid_of, strategy, mp)
+def test_sharded_training_with_whole_validation_data(grid_of, strategy, mp, validation):
+    """Validation on every rank's whole arrays or one unsharded dataset (fit's
+    own evaluate: its CallbackList, so fit lists the EvaluateRows callback)."""
+    reference, model = _pair(grid_of, strategy, mp,
+                             "sum" if validation == "arrays" else "sum_over_batch_size")
     x, y = _data()
     xv, yv = _data("validation")
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    val = ((xv, yv) if validation == "arrays"
+           else tf.data.Dataset.from_tensor_slices((xv, yv)).batch(BATCH))
     history = model.fit(tfhybrid.data.shard(ds, model=model), epochs=2, verbose=0,
-                        validation_data=(xv, yv), validation_batch_size=BATCH)
+                        validation_data=val, validation_batch_size=BATCH
+                        if validation == "arrays" else None)
     expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                              validation_data=(xv, yv))
     _same(history.history, expected.history)

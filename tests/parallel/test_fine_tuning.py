@@ -20,7 +20,7 @@ from conftest import rng, world_size
 
 BATCH = 16
 FROZEN = ("c0", "bn0", "fc0")
-CASES = [("d", 1), ("f", world_size()), ("s", world_size()), ("df", 2), ("ds", 2)]
+CASES = [("d", 1), ("f", world_size()), ("s", world_size()), ("p", 2), ("df", 2), ("ds", 2)]
 
 
 def _model():
@@ -38,6 +38,10 @@ def _model():
     return model
 
 
+def _options(strategy):
+    return {"stages": 2} if strategy == "p" else {"fallback": "replicate"}
+
+
 def _compile(model, optimizer, wrap):
     model.compile(optimizer=tfhybrid.DistributedOptimizer(optimizer) if wrap else optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -47,7 +51,8 @@ def _fine_tune(model, fit, wrap):
     _compile(model, keras.optimizers.Adam(0.01), wrap)
     fit(model, 1)
     for name in FROZEN[:2]:                  # the base; fc0 stays frozen
-        model.get_layer(name).trainable = True
+        if name in getattr(model, "local_layer_names", (name,)):   # p: where it runs
+            model.get_layer(name).trainable = True
     _compile(model, keras.optimizers.SGD(0.01, momentum=0.9), wrap)
     fit(model, 2)
 
@@ -62,7 +67,7 @@ def test_unfreezing_after_transform_trains_like_one_process(grid_of, strategy, m
     reference = _model()
     _fine_tune(reference, lambda m, epochs: m.fit(x, y, batch_size=BATCH, epochs=epochs,
                                                   shuffle=False, verbose=0), wrap=False)
-    model = tfhybrid.transform(_model(), strategy, fallback="replicate")
+    model = tfhybrid.transform(_model(), strategy, **_options(strategy))
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     _fine_tune(model, lambda m, epochs: m.fit(tfhybrid.data.shard(ds, model=m),
                                               epochs=epochs, verbose=0), wrap=True)
@@ -79,7 +84,7 @@ def test_unfreezing_after_transform_trains_like_one_process(grid_of, strategy, m
     assert moved > 1e-3          # the unfrozen base did train
 
 
-@pytest.mark.parametrize("strategy,mp", CASES[:3], ids=lambda c: str(c))
+@pytest.mark.parametrize("strategy,mp", CASES[:4], ids=lambda c: str(c))
 def test_checkpoint_after_unfreezing_resumes_like_one_process(grid_of, strategy, mp):
     """tfhybrid.save after unfreezing: the slots of the unfrozen weights were
     lined up against the frozen flags recorded at transform (4 trainable
@@ -93,12 +98,12 @@ def test_checkpoint_after_unfreezing_resumes_like_one_process(grid_of, strategy,
     _fine_tune(reference, lambda m, epochs: m.fit(x, y, batch_size=BATCH, epochs=epochs,
                                                   shuffle=False, verbose=0), wrap=False)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    model = tfhybrid.transform(_model(), strategy, fallback="replicate")
+    model = tfhybrid.transform(_model(), strategy, **_options(strategy))
     _fine_tune(model, lambda m, epochs: m.fit(tfhybrid.data.shard(ds, model=m), epochs=1,
                                               verbose=0), wrap=True)      # 1 of the 2 epochs
     path = os.path.join(job_dir(), f"fine_tune_{strategy}.keras")
     tfhybrid.save(model, path, epoch=1)
-    resumed = tfhybrid.load(path, fallback="replicate")
+    resumed = tfhybrid.load(path, **_options(strategy))
     resumed.fit(tfhybrid.data.shard(ds, model=resumed), epochs=2, verbose=0)
     want = reference.get_weights()
     scale = max(float(np.max(np.abs(w))) for w in want)

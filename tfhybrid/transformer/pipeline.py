@@ -548,10 +548,28 @@ class PipelineModel(keras.Model):
                                          f"p.gather.{s}.{i}").numpy())
         return targets, out
 
-    def gathered(self):
-        """The plain original architecture with the trained weights (collective)."""
+    def _plain(self):
+        """The original architecture rebuilt, each layer ``trainable`` as its stage's
+        owner in pipeline 0 holds it now (collective: one broadcast per stage): the
+        source recorded the flags of transform time, before any unfreezing."""
         from tfhybrid.transformer.source import rebuild
         plain = rebuild(self.source, self.objects)
+        world = tuple(range(backend.size())) if backend.is_initialized() else (0,)
+        for s, names in enumerate(self.spec.plan.stages):
+            if self.spec.stage == s and self.spec.pipeline[0] == 0:
+                flags = [int(self.stage.get_layer(n).trainable) for n in names]
+            else:
+                flags = [0] * len(names)
+            if len(world) > 1:
+                flags = backend.broadcast(tf.constant(flags, tf.int32), s, world,
+                                          f"p.trainable.{s}").numpy().tolist()
+            for n, flag in zip(names, flags):
+                plain.get_layer(n).trainable = bool(flag)
+        return plain
+
+    def gathered(self):
+        """The plain original architecture with the trained weights (collective)."""
+        plain = self._plain()
         for s in range(self.stages):
             targets, values = self._stage_values(plain, s, lambda l: l.get_weights())
             for w, v in zip(targets, values):
@@ -566,7 +584,6 @@ class PipelineModel(keras.Model):
         stage's slots from its owner in pipeline 0. Returns ``{"iterations",
         "slots": {name: [array per trainable weight of the plain model]}}``, or None."""
         from tfhybrid.checkpoint import _inner, _slot_names, slots_of
-        from tfhybrid.transformer.source import rebuild
         optimizer = getattr(self, "optimizer", None)
         if optimizer is None or not _inner(optimizer).built:
             return None
@@ -575,7 +592,7 @@ class PipelineModel(keras.Model):
         names = sorted(_slot_names(slots))
         by_path = {v.path: s for v, s in zip(mine, slots)}
         names = backend_names(names)
-        plain = rebuild(self.source, self.objects)
+        plain = self._plain()
         out = {name: [] for name in names}
         for name in names:
             def values_of(layer, name=name):

@@ -91,3 +91,18 @@ def test_ls_get_layer_finds_layers_of_both_parts():
         assert model.get_layer(name).name == name
     with pytest.raises(ValueError, match="nope"):
         model.get_layer("nope")
+
+
+def test_ls_refuses_trainable_changed_after_transform():
+    """Unfreezing after transform under ls: the frozen part's flags are reset by
+    Keras and the trained set is fixed at transform (checkpoint slots, gather)."""
+    tfhybrid.init()
+    model = tfhybrid.transform(vgg_fc_head(), "ls", fc_workers=1)
+    compile_sgd(model, True)
+    x, y = data()
+    model.get_layer("conv1").trainable = False      # on every rank, as scripts do
+    with pytest.raises(ValueError, match=r"Layers .* of ls model .* frozen or unfrozen "
+                                         r"after tfhybrid.transform.*tfhybrid.gather"):
+        model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=r"frozen or unfrozen after tfhybrid.transform"):
+        tfhybrid.gather(model)

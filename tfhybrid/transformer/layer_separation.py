@@ -432,9 +432,42 @@ class LayerSeparatedModel(keras.Model):
                                            f"ls.sync.{part.name}.{i}"))
             finalize_states(part)
 
+    def check_trainable_unchanged(self):
+        """Raise when the script froze or unfroze layers after ``transform``: ``ls``
+        freezes the part a rank does not run (Keras then resets that part's
+        flags) and records which weights train at transform, for the weight
+        penalties, ``gather`` and the checkpoint's optimizer slots. Collective
+        (one allgather): each rank sees its own part's changes, every rank raises."""
+        mine = self.fc_part if self.is_fc else self.conv_part
+        other = self.conv_part if self.is_fc else self.fc_part
+        now = {w.path for w in mine.trainable_weights}
+        then = {w.path for w in mine.weights if w.path in self.trainable_paths}
+        thawed = [l.name for l in other._flatten_layers(include_self=False) if l.trainable
+                  and l.weights]
+        changed = sorted({path.split("/")[0] for path in now ^ then}) or thawed
+        world = tuple(range(backend.size())) if backend.is_initialized() else (0,)
+        if len(world) > 1:
+            votes = backend.allgather(tf.constant([[float(bool(changed))]], tf.float32), world,
+                                      "ls.trainable_check").numpy()[:, 0]
+            if votes.any() and not changed:
+                changed = f"(on rank(s) {[int(r) for r in np.flatnonzero(votes)]})"
+        if changed:
+            raise ValueError(
+                f"Layers {changed} of ls model {self.name!r} were frozen or unfrozen after "
+                "tfhybrid.transform. Under ls the part a rank does not run is frozen and "
+                "which weights train is fixed at transform (penalties, gather, checkpoint "
+                "slots). Set trainable before transform: full = tfhybrid.gather(model) on "
+                "every rank, change full's layers, then tfhybrid.transform(full, 'ls') and "
+                "compile again (or use p, d, f: they follow later changes).")
+
+    def fit(self, *args, **kwargs):
+        self.check_trainable_unchanged()
+        return super().fit(*args, **kwargs)
+
     def gathered(self):
         """The plain original architecture with the trained weights (collective)."""
         from tfhybrid.transformer.source import rebuild
+        self.check_trainable_unchanged()
         self.sync_weights()
         plain = rebuild(self.source, self.objects)
         for layer in plain.layers:
@@ -457,6 +490,7 @@ class LayerSeparatedModel(keras.Model):
         the plain model]}}`` like ``checkpoint.gather_optimizer_state``, or None.
         """
         from tfhybrid.checkpoint import _inner, _slot_names, slots_of
+        self.check_trainable_unchanged()
         optimizer = getattr(self, "optimizer", None)
         if optimizer is None or not _inner(optimizer).built:   # ls applies the inner one
             return None

@@ -442,8 +442,10 @@ class LayerSeparatedModel(keras.Model):
         other = self.conv_part if self.is_fc else self.fc_part
         now = {w.path for w in mine.trainable_weights}
         then = {w.path for w in mine.weights if w.path in self.trainable_paths}
+        # the other part: frozen here, so only a layer frozen at transform and thawed
+        # since then shows (setting trainable=True on a layer that trained is no change)
         thawed = [l.name for l in other._flatten_layers(include_self=False) if l.trainable
-                  and l.weights]
+                  and any(w.path not in self.trainable_paths for w in l.trainable_weights)]
         changed = sorted({path.split("/")[0] for path in now ^ then}) or thawed
         world = tuple(range(backend.size())) if backend.is_initialized() else (0,)
         if len(world) > 1:

@@ -1186,7 +1186,7 @@ def install(model, part=False):
         finally:
             object.__setattr__(self, "_tfhybrid_evaluating", outer)
             if compare:
-                set_row_copies(self, fit_copies if in_fit else 1)
+                set_row_copies(self, fit_copies)    # a callback's evaluate inside fit too
 
     def _get_metrics_result_or_logs(self, logs):
         # Called eagerly, on every rank, at the end of evaluate and of each fit

@@ -128,3 +128,23 @@ def test_unsharded_dataset_with_sum_loss_is_refused(grid_of):
     with pytest.raises(ConsistencyError, match=r"identical rows at step 2 of fit.*"
                                                r"reduction='sum'"):
         model.fit(ds, epochs=1, verbose=0)
+
+
+def test_callback_evaluate_inside_fit_keeps_fits_copies(grid_of):
+    """A callback evaluating sharded data at each epoch's end, inside a fit on
+    whole arrays: the evaluate set the copies back to 1, so the fit's next
+    steps counted each row twice (reduction='sum')."""
+    reference, model = _pair(grid_of, "d", 1)
+    x, y = _data()
+    xv, yv = _data("validation")
+    grid = runtime.current_grid()
+    shard = (xv[grid.rank::grid.size], yv[grid.rank::grid.size])
+
+    class EvaluateEachEpoch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.evaluate(*shard, batch_size=4, verbose=0)
+
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[EvaluateEachEpoch()])
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    _same(history.history, expected.history)

@@ -313,8 +313,8 @@ class StartCheck:
             copies = copies_of_rows(self.model, gathered[:, 2])
             if copies:
                 set_row_copies(self.model, copies)
-            if copies and copies > 1:
-                _warn_copies(self.model, copies, "in fit")
+                if copies > 1:
+                    _warn_copies(self.model, copies, "in fit")
             object.__setattr__(self.model, "_tfhybrid_validation_copies",
                                copies_of_rows(self.model, gathered[:, 3]))
 
@@ -491,11 +491,12 @@ def _found_duplicate_rows(model, sums):
     if not copies or row_copies(model) == copies:
         return
     if copies == 1:     # same arrays, rows in other orders (per-rank shuffles): not copies
-        if _sum_losses(model):
+        summed = _sum_losses(model)
+        if summed:
             raise ConsistencyError(
                 f"tfhybrid guard: every rank was given the same arrays, but fed other rows at "
                 f"step {FIRST_STEPS} (a shuffle seeded per rank), with loss "
-                f"{_sum_losses(model)[0]!r} of reduction='sum', so the first steps counted "
+                f"{summed[0]!r} of reduction='sum', so the first steps counted "
                 "rows as copies. Shard the arrays per rank (x[tfhybrid.rank()::"
                 "tfhybrid.size()]) or pass shuffle=False.")
         set_row_copies(model, 1)

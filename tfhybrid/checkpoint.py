@@ -50,6 +50,24 @@ def _inner(optimizer):
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
+def step_count(optimizer) -> int:
+    """The optimizer's count of applied gradients (Keras' ``_iterations``).
+
+    With ``gradient_accumulation_steps=k``, Keras' ``iterations`` is that
+    count floor-divided by k, a read-only tensor: a checkpoint records (and
+    restores into) the raw count, so a resume keeps the position inside an
+    accumulation cycle (the accumulators are saved as the slot
+    ``gradient_accumulator``)."""
+    inner = _inner(optimizer)
+    return int(getattr(inner, "_iterations", inner.iterations).numpy())
+
+
+def set_step_count(optimizer, count: int) -> None:
+    """Set what :func:`step_count` reads."""
+    inner = _inner(optimizer)
+    getattr(inner, "_iterations", inner.iterations).assign(count)
+
+
 def slots_of(optimizer, variables) -> list:
     """Per variable of ``variables``, ``{slot name: optimizer variable}``.
 
@@ -117,7 +135,7 @@ def gather_optimizer_state(model) -> dict:
     finally:
         for v, value in zip(variables, backup):
             v.assign(value)
-    return {"iterations": int(_inner(optimizer).iterations.numpy()), "slots": gathered}
+    return {"iterations": step_count(optimizer), "slots": gathered}
 
 
 # -- random-generator state --------------------------------------------------
@@ -418,7 +436,7 @@ def _restore_slots(model, full, saved, iterations, strategy, options):
         for per_var, value in zip(slots, sharded):
             if name in per_var:
                 per_var[name].assign(value)
-    _inner(optimizer).iterations.assign(iterations)
+    set_step_count(optimizer, iterations)
 
 
 def read_meta(path) -> dict:
@@ -474,7 +492,7 @@ def _load_sharded(directory, strategy, compile, options):
                 key = f"slot/{name}/{index[id(v)]}"
                 if key in own:
                     slot.assign(own[key])
-        _inner(optimizer).iterations.assign(manifest["iterations"])
+        set_step_count(optimizer, manifest["iterations"])
     return model
 
 
@@ -698,7 +716,7 @@ def _shard_arrays(model):
                               slots_of(optimizer, model.trainable_variables)):
             for name, slot in per_var.items():
                 arrays[f"slot/{name}/{index[id(v)]}"] = slot.numpy()
-        iterations = int(_inner(optimizer).iterations.numpy())
+        iterations = step_count(optimizer)
     return arrays, iterations
 
 

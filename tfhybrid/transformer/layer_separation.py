@@ -491,7 +491,7 @@ class LayerSeparatedModel(keras.Model):
         Returns ``{"iterations", "slots": {name: [array per trainable weight of
         the plain model]}}`` like ``checkpoint.gather_optimizer_state``, or None.
         """
-        from tfhybrid.checkpoint import _inner, _slot_names, slots_of
+        from tfhybrid.checkpoint import _inner, _slot_names, slots_of, step_count
         self.check_trainable_unchanged()
         optimizer = getattr(self, "optimizer", None)
         if optimizer is None or not _inner(optimizer).built:   # ls applies the inner one
@@ -512,7 +512,7 @@ class LayerSeparatedModel(keras.Model):
                     values.append(backend.broadcast(tf.constant(value), root, world,
                                                     f"ls.slot.{name}.{part.name}.{i}").numpy())
             out[name] = values
-        iterations = int(backend.broadcast(tf.constant(int(_inner(optimizer).iterations.numpy())),
+        iterations = int(backend.broadcast(tf.constant(step_count(optimizer)),
                                            0, world, "ls.iterations").numpy())
         return {"iterations": iterations, "slots": out}
 

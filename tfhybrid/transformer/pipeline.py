@@ -583,7 +583,7 @@ class PipelineModel(keras.Model):
         """The optimizer state at full shapes for ``tfhybrid.save`` (collective): each
         stage's slots from its owner in pipeline 0. Returns ``{"iterations",
         "slots": {name: [array per trainable weight of the plain model]}}``, or None."""
-        from tfhybrid.checkpoint import _inner, _slot_names, slots_of
+        from tfhybrid.checkpoint import _inner, _slot_names, slots_of, step_count
         optimizer = getattr(self, "optimizer", None)
         if optimizer is None or not _inner(optimizer).built:
             return None
@@ -608,7 +608,7 @@ class PipelineModel(keras.Model):
         slots_out = {name: [v for _, v in sorted(pairs, key=lambda p: order[id(p[0])])]
                      for name, pairs in out.items()}
         world = tuple(range(backend.size()))
-        iterations = int(_inner(optimizer).iterations.numpy())
+        iterations = step_count(optimizer)
         if len(world) > 1:
             iterations = int(backend.broadcast(tf.constant(iterations), 0, world,
                                                "p.iterations").numpy())

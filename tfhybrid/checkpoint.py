@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 
 import keras
 import numpy as np
@@ -68,6 +69,28 @@ def set_step_count(optimizer, count: int) -> None:
     getattr(inner, "_iterations", inner.iterations).assign(count)
 
 
+# DistributedOptimizer's scalar counters: the micro-step inside a
+# backward_passes_per_step cycle and gmp's applied steps (its averaging period).
+_COUNTERS = ("_micro_step", "_applied_steps")
+
+
+def optimizer_counters(model) -> dict:
+    """``{name: int}`` of the DistributedOptimizer's own counters (same on every rank)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not getattr(optimizer, "built", False):
+        return {}
+    return {name: int(getattr(optimizer, name).numpy()) for name in _COUNTERS
+            if getattr(optimizer, name, None) is not None}
+
+
+def set_optimizer_counters(optimizer, counters) -> None:
+    """Restore what :func:`optimizer_counters` recorded (names the optimizer lacks are skipped)."""
+    for name, value in (counters or {}).items():
+        variable = getattr(optimizer, name, None) if name in _COUNTERS else None
+        if variable is not None:
+            variable.assign(value)
+
+
 def slots_of(optimizer, variables) -> list:
     """Per variable of ``variables``, ``{slot name: optimizer variable}``.
 
@@ -80,7 +103,10 @@ def slots_of(optimizer, variables) -> list:
     from tfhybrid.layout import slot_owner
     from tfhybrid.optimizer.slots import link_slots, slot_prefix
 
-    slots = _inner(optimizer).variables
+    slots = list(_inner(optimizer).variables)
+    if optimizer is not _inner(optimizer):   # DistributedOptimizer's own per-variable state:
+        seen = {id(s) for s in slots}          # backward_passes_per_step accumulators,
+        slots += [s for s in optimizer.variables if id(s) not in seen]   # delayed FC grads
     link_slots(slots, variables)
     index = {id(v): i for i, v in enumerate(variables)}
     out = [dict() for _ in variables]
@@ -92,6 +118,20 @@ def slots_of(optimizer, variables) -> list:
         prefix = slot_prefix(owner)
         if slot.name.startswith(prefix):
             out[i][slot.name[len(prefix):]] = slot
+    return out
+
+
+def _saved_values(optimizer, variables, slots) -> dict:
+    """``{(slot name, id(variable)): value}`` where a checkpoint records a slot
+    other than its live value: DistributedOptimizer's backward_passes_per_step
+    accumulators, averaged over the replicas (see ``saved_accumulators``).
+    Collective when there are such accumulators."""
+    means = getattr(optimizer, "saved_accumulators", lambda variables: {})(variables)
+    out = {}
+    for v, per_var in zip(variables, slots):
+        for name, slot in per_var.items():
+            if id(v) in means and any(slot is a for a in optimizer._accumulators):
+                out[(name, id(v))] = means[id(v)]
     return out
 
 
@@ -119,12 +159,14 @@ def gather_optimizer_state(model) -> dict:
         return None
     variables = model.trainable_variables
     slots = slots_of(optimizer, variables)
+    saved = _saved_values(optimizer, variables, slots)
     backup = [v.numpy() for v in variables]
     gathered = {}
     try:
         for name in _slot_names(slots):
             for v, per_var in zip(variables, slots):
-                v.assign(per_var[name] if name in per_var else np.zeros(v.shape, v.dtype))
+                v.assign(saved.get((name, id(v)), per_var[name]) if name in per_var
+                         else np.zeros(v.shape, v.dtype))
             values = [w.numpy() for w in gather(model).trainable_variables]
             # A variable without this slot gathered zeros: record None for it (the
             # full and transformed variables line up one to one when counts agree).
@@ -197,12 +239,22 @@ def _serializable(obj):
 
 
 def _compile_config(model):
-    """The optimizer (unwrapped) and loss of a compiled model, if serializable."""
+    """The optimizer (unwrapped) and loss of a compiled model, if serializable,
+    and under ``"full"`` Keras' whole compile configuration (the
+    DistributedOptimizer with its options, metrics, loss weights,
+    steps_per_execution...) when it serializes to JSON."""
     optimizer = getattr(model, "optimizer", None)
     if not getattr(model, "compiled", False) or optimizer is None:
         return None
-    return {"optimizer": _serializable(_inner(optimizer)),
-            "loss": _serializable(getattr(model, "loss", None))}
+    config = {"optimizer": _serializable(_inner(optimizer)),
+              "loss": _serializable(getattr(model, "loss", None))}
+    try:
+        full = model.get_compile_config()
+        json.dumps(full)
+        config["full"] = full
+    except Exception:  # noqa: BLE001 - a custom metric or loss without a config
+        pass
+    return config
 
 
 def _meta(model, state, epoch, step):
@@ -220,6 +272,7 @@ def _meta(model, state, epoch, step):
         "iterations": state["iterations"] if state else 0,
         "slot_names": sorted(state["slots"]) if state else [],
         "compile": _compile_config(model),
+        "counters": optimizer_counters(model),
     }
 
 
@@ -406,6 +459,7 @@ def load(path, strategy: str | None = None, compile: bool = True, **options):
     if compile:
         _compile_from(model, meta, path)
         _restore_slots(model, full, _read_slots(path, meta), meta["iterations"], strategy, options)
+        set_optimizer_counters(model.optimizer, meta.get("counters"))
     return resume_fit_at(model, meta)
 
 
@@ -416,6 +470,22 @@ def _compile_from(model, meta, where):
                          "load with compile=False and compile the model yourself.")
     from tfhybrid.optimizer import DistributedOptimizer
 
+    if config.get("full"):
+        from keras.src.saving import serialization_lib
+
+        try:
+            args = serialization_lib.deserialize_keras_object(config["full"])
+        except Exception as e:  # noqa: BLE001 - e.g. a custom metric not registered here
+            warnings.warn(f"tfhybrid.load: the compile configuration of {where!r} does not "
+                          f"deserialize here ({type(e).__name__}: {e}); compiling with its "
+                          "optimizer and loss only (no metrics). Register your custom objects "
+                          "(keras.saving.register_keras_serializable) to restore them.",
+                          stacklevel=3)
+        else:
+            if not isinstance(args.get("optimizer"), DistributedOptimizer):
+                args["optimizer"] = DistributedOptimizer(args["optimizer"])
+            model.compile(**args)
+            return
     inner = keras.saving.deserialize_keras_object(config["optimizer"])
     loss = keras.saving.deserialize_keras_object(config["loss"])
     model.compile(optimizer=DistributedOptimizer(inner), loss=loss)
@@ -468,6 +538,7 @@ def _load_sharded(directory, strategy, compile, options):
         if compile:
             _compile_from(model, manifest, directory)
             _restore_slots(model, full, slots, manifest["iterations"], strategy, options)
+            set_optimizer_counters(model.optimizer, manifest.get("counters"))
         return model
     full = keras.saving.deserialize_keras_object(json.loads(manifest["source"]))
     model = transform(full, strategy)
@@ -493,6 +564,7 @@ def _load_sharded(directory, strategy, compile, options):
                 if key in own:
                     slot.assign(own[key])
         set_step_count(optimizer, manifest["iterations"])
+        set_optimizer_counters(optimizer, manifest.get("counters"))
     return model
 
 
@@ -528,7 +600,6 @@ def resume_fit_at(model, meta):
     """
     import inspect
     import types
-    import warnings
 
     import tensorflow as tf
 
@@ -712,10 +783,12 @@ def _shard_arrays(model):
     iterations = 0
     if optimizer is not None and optimizer.built:
         index = {id(v): i for i, v in enumerate(model.variables)}
-        for v, per_var in zip(model.trainable_variables,
-                              slots_of(optimizer, model.trainable_variables)):
+        variables = model.trainable_variables
+        slots = slots_of(optimizer, variables)
+        saved = _saved_values(optimizer, variables, slots)
+        for v, per_var in zip(variables, slots):
             for name, slot in per_var.items():
-                arrays[f"slot/{name}/{index[id(v)]}"] = slot.numpy()
+                arrays[f"slot/{name}/{index[id(v)]}"] = saved.get((name, id(v)), slot).numpy()
         iterations = step_count(optimizer)
     return arrays, iterations
 
@@ -792,7 +865,7 @@ def save_sharded(model, directory, epoch=None, step=None, redundant=False):
             "epoch": epoch, "step": step, "iterations": iterations, "slot_names": slot_names,
             "redundant": bool(redundant), "source": info.source,
             "variables": _variable_records(model),
-            "compile": _compile_config(model),
+            "compile": _compile_config(model), "counters": optimizer_counters(model),
         }
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f)
@@ -887,6 +960,7 @@ def consolidate(directory, path):
                        for name, by_index in slots.items()}}
     meta = {k: manifest[k] for k in ("format", "strategy", "world_size", "model_parallel",
                                       "epoch", "step", "iterations", "slot_names", "compile")}
+    meta["counters"] = manifest.get("counters", {})
     _write_side_file(path, meta, state)
     full.save(path)
     return path

@@ -993,6 +993,35 @@ def refuse_horovod_optimizer(optimizer):
             "(it takes Horovod's compression, backward_passes_per_step and op options).")
 
 
+# DistributedOptimizer options with their defaults, and what p/ls users do instead:
+# p and ls reduce their stage's/part's gradients in their own step (a plain
+# average over the data-parallel replicas) and apply the inner optimizer.
+_PART_OPTIONS = (
+    ("backward_passes_per_step", 1, "pass gradient_accumulation_steps=k to the Keras optimizer "
+     "instead (keras.optimizers.SGD(..., gradient_accumulation_steps=k)): it runs under p/ls "
+     "and equals one process"),
+    ("op", "average", "keep op='average' and scale the learning rate"),
+    ("compression", "none", "pass compression='none' (p/ls send gradients uncompressed)"),
+    ("replicate_fc_gradients", 0, "drop the option (it applies to d/f/c/df models)"),
+    ("delay_fc_update", False, "drop the option (it applies to d/f/c/df models)"),
+)
+
+
+def refuse_part_options(optimizer, strategy):
+    """``p``/``ls`` models apply their own gradient step: a DistributedOptimizer
+    option that changes the numbers there (``backward_passes_per_step``, ``op``,
+    ``compression``, the FC options) would be ignored silently (measured:
+    ``backward_passes_per_step=3`` under p trained 2.3 relative off one
+    process accumulating 3 batches), so it is refused at compile."""
+    for name, default, fix in _PART_OPTIONS:
+        value = getattr(optimizer, name, default)
+        if value != default:
+            raise ValueError(
+                f"Received tfhybrid.DistributedOptimizer({name}={value!r}) for a model of "
+                f"strategy {strategy!r}: {strategy!r} reduces gradients in its own step and "
+                f"does not apply {name}. To fix: {fix}.")
+
+
 def refuse_horovod_callbacks(callbacks):
     """Horovod's Keras callbacks expect tf.keras 2 variables (its broadcast failed
     with "'Variable' object has no attribute 'ref'") and know nothing of split
@@ -1097,7 +1126,12 @@ def install(model, part=False):
         # p/ls apply their own optimizer step (no wrapping), but Horovod's Keras
         # optimizer fails inside their step as it does in Keras'.
         bound = inspect.signature(cls.compile).bind(self, *args, **kwargs)
-        refuse_horovod_optimizer(bound.arguments.get("optimizer"))
+        optimizer = bound.arguments.get("optimizer")
+        refuse_horovod_optimizer(optimizer)
+        from tfhybrid.optimizer import DistributedOptimizer
+
+        if isinstance(optimizer, DistributedOptimizer):
+            refuse_part_options(optimizer, "ls" if hasattr(self, "fc_part") else "p")
         return cls.compile(*bound.args, **bound.kwargs)
 
     keras_compute_loss = model.compute_loss     # a split-output wrapper, or Keras'

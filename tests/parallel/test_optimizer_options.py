@@ -1,7 +1,8 @@
 """Keras optimizer options as users pass them, inside ``DistributedOptimizer``:
 ``gradient_accumulation_steps`` and ``use_ema`` (exponential moving average
 of the weights, written into the model every ``ema_overwrite_frequency``
-steps and at the end of ``fit``).
+steps and at the end of ``fit``), and the DistributedOptimizer's own
+``backward_passes_per_step`` (Horovod's local accumulation).
 
 Each case trains one epoch, checkpoints with ``tfhybrid.save`` (one file or
 ``sharded=True``), loads and trains a second epoch, and must equal one
@@ -44,6 +45,9 @@ OPTIMIZERS = {
     "ema_every_5": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.8,
                                                  ema_overwrite_frequency=5),
 }
+# Horovod's backward_passes_per_step on the DistributedOptimizer: local
+# accumulation, one reduction per 3 batches; one process accumulates with Keras.
+PASSES = 3
 
 
 def _cases():
@@ -53,8 +57,43 @@ def _cases():
     return [("f", 4, True), ("p", 2, False), ("df", 2, True)]
 
 
+def _passes_cases():
+    if world_size() == 2:
+        return [("d", 1, False), ("f", 2, True)]
+    return [("d", 1, False), ("df", 2, False)]
+
+
 def _options(strategy):
     return {"stages": 2} if strategy == "p" else {"fallback": "replicate"}
+
+
+def _train_save_resume(strategy, mp, sharded, tag, reference_optimizer, distributed):
+    """One process: two fits. Transformed: fit, tfhybrid.save mid-cycle, load,
+    fit. Returns (reference, resumed model, the resumed fit's History)."""
+    x = rng("opt-options-x").standard_normal((ROWS, 8, 8, 3)).astype(np.float32)
+    y = rng("opt-options-y").integers(0, 4, ROWS)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    reference = _model()
+    reference.compile(reference_optimizer, loss, metrics=["accuracy"])
+    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=BATCH, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    model = tfhybrid.transform(_model(), strategy, **_options(strategy))
+    model.compile(distributed, loss, metrics=["accuracy"])
+    model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0)
+    path = os.path.join(job_dir(), f"opt_{tag}_{strategy}{'_sharded' if sharded else '.keras'}")
+    tfhybrid.save(model, path, epoch=1, sharded=sharded)
+    resumed = tfhybrid.load(path, **_options(strategy))
+    history = resumed.fit(tfhybrid.data.shard(ds, model=resumed), epochs=2, verbose=0)
+
+    want = reference.get_weights()
+    for got, expected, v in zip(tfhybrid.gather(resumed).get_weights(), want, reference.weights):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6, err_msg=v.path)
+    moved = np.max(np.abs(want[0] - _model().get_weights()[0]))
+    assert moved > 1e-3
+    return resumed, history
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
@@ -62,29 +101,36 @@ def _options(strategy):
 def test_optimizer_option_trains_and_resumes_like_one_process(grid_of, kind, strategy, mp,
                                                               sharded):
     grid_of(mp)
-    x = rng("opt-options-x").standard_normal((ROWS, 8, 8, 3)).astype(np.float32)
-    y = rng("opt-options-y").integers(0, 4, ROWS)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    reference = _model()
-    reference.compile(OPTIMIZERS[kind](), loss)
-    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    reference.fit(x, y, batch_size=BATCH, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
-
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    model = tfhybrid.transform(_model(), strategy, **_options(strategy))
-    model.compile(tfhybrid.DistributedOptimizer(OPTIMIZERS[kind]()), loss)
-    model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0)
-    path = os.path.join(job_dir(), f"opt_{kind}_{strategy}{'_sharded' if sharded else '.keras'}")
-    tfhybrid.save(model, path, epoch=1, sharded=sharded)
-    resumed = tfhybrid.load(path, **_options(strategy))
+    resumed, history = _train_save_resume(strategy, mp, sharded, kind, OPTIMIZERS[kind](),
+                                          tfhybrid.DistributedOptimizer(OPTIMIZERS[kind]()))
     inner = getattr(resumed.optimizer, "inner_optimizer", resumed.optimizer)
     assert inner.gradient_accumulation_steps == OPTIMIZERS[kind]().gradient_accumulation_steps
     assert inner.use_ema == (kind != "accumulate")
-    resumed.fit(tfhybrid.data.shard(ds, model=resumed), epochs=2, verbose=0)
+    assert "accuracy" in history.history        # the compiled metrics came back
 
-    want = reference.get_weights()
-    for got, expected, v in zip(tfhybrid.gather(resumed).get_weights(), want, reference.weights):
-        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6, err_msg=v.path)
-    moved = np.max(np.abs(want[0] - _model().get_weights()[0]))
-    assert moved > 1e-3
+
+@pytest.mark.parametrize("strategy,mp,sharded", _passes_cases(), ids=lambda c: str(c))
+def test_backward_passes_per_step_resumes_mid_cycle_like_one_process(grid_of, strategy, mp,
+                                                                     sharded):
+    """The load compiled a DistributedOptimizer without the saved options
+    (backward_passes_per_step back to 1: 0.93 relative off) and without the
+    metrics; the accumulators, which differ per replica, were not saved."""
+    grid_of(mp)
+    distributed = tfhybrid.DistributedOptimizer(keras.optimizers.Adam(0.01),
+                                                backward_passes_per_step=PASSES)
+    resumed, history = _train_save_resume(
+        strategy, mp, sharded, "passes",
+        keras.optimizers.Adam(0.01, gradient_accumulation_steps=PASSES), distributed)
+    assert resumed.optimizer.backward_passes_per_step == PASSES
+    assert "accuracy" in history.history
+
+
+@pytest.mark.parametrize("strategy", ["p", "ls"] if world_size() == 2 else ["p"])
+@pytest.mark.parametrize("option,value", [("backward_passes_per_step", 2), ("op", "sum"),
+                                          ("compression", "fp16")])
+def test_part_strategies_refuse_options_they_would_ignore(grid_of, strategy, option, value):
+    grid_of(2)
+    model = tfhybrid.transform(_model(), strategy, **_options(strategy))
+    optimizer = tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1), **{option: value})
+    with pytest.raises(ValueError, match=f"{option}.*gradient|{option}=.*{strategy}"):
+        model.compile(optimizer, "mse")

@@ -424,6 +424,33 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
         tf.cond(tf.equal(self._micro_step.value % n, 0), reduce_and_apply, lambda: None)
 
+    def saved_accumulators(self, variables):
+        """``{id(variable): value}`` of the ``backward_passes_per_step``
+        accumulators as a checkpoint records them (collective: every rank, same
+        ``variables``; empty without accumulation).
+
+        Each accumulator holds this rank's local gradients since the last
+        reduction, so the replicas of a variable differ. The reduction is a
+        sum times a factor, linear in the accumulators: recording their mean
+        over the ranks the gradient is reduced over (the replicas) and
+        resuming every replica from it gives the same reduced gradient at
+        the end of the cycle, and the recorded value is the same whichever
+        replica a checkpoint reads. The live accumulators are not changed.
+        """
+        if self.backward_passes_per_step == 1 or not self._accumulators:
+            return {}
+        grid = runtime.current_grid()
+        out = {}
+        for i, v in enumerate(variables):
+            slot = self._accumulators[self._get_variable_index(v)]
+            ranks = reduction_of(v, grid).ranks
+            value = tf.convert_to_tensor(slot)
+            if ranks:
+                value = backend.allreduce(value, ranks, f"{self.name}.saved_acc{i}",
+                                          average=True)
+            out[id(v)] = value
+        return out
+
     # -- reduction ------------------------------------------------------------
 
     def reduce_gradients(self, grads, variables):

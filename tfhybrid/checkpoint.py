@@ -51,6 +51,16 @@ def _inner(optimizer):
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
+def _applying(optimizer):
+    """The Keras optimizer that counts the applied steps: inside a
+    DistributedOptimizer, and inside a LossScaleOptimizer (mixed_float16),
+    whose ``iterations`` is its inner optimizer's."""
+    inner = _inner(optimizer)
+    while isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        inner = inner.inner_optimizer
+    return inner
+
+
 def step_count(optimizer) -> int:
     """The optimizer's count of applied gradients (Keras' ``_iterations``).
 
@@ -59,36 +69,45 @@ def step_count(optimizer) -> int:
     restores into) the raw count, so a resume keeps the position inside an
     accumulation cycle (the accumulators are saved as the slot
     ``gradient_accumulator``)."""
-    inner = _inner(optimizer)
+    inner = _applying(optimizer)
     return int(getattr(inner, "_iterations", inner.iterations).numpy())
 
 
 def set_step_count(optimizer, count: int) -> None:
     """Set what :func:`step_count` reads."""
-    inner = _inner(optimizer)
+    inner = _applying(optimizer)
     getattr(inner, "_iterations", inner.iterations).assign(count)
 
 
-# DistributedOptimizer's scalar counters: the micro-step inside a
-# backward_passes_per_step cycle and gmp's applied steps (its averaging period).
-_COUNTERS = ("_micro_step", "_applied_steps")
+def _counter_variables(optimizer) -> dict:
+    """The optimizer's scalar state a checkpoint records beside its slots:
+    DistributedOptimizer's micro-step inside a backward_passes_per_step cycle
+    and gmp's applied steps (its averaging period), and a LossScaleOptimizer's
+    (mixed_float16) dynamic loss scale and its steps since the last change."""
+    out = {name: getattr(optimizer, name) for name in ("_micro_step", "_applied_steps")
+           if getattr(optimizer, name, None) is not None}
+    inner = _inner(optimizer)
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer) and inner.built:
+        out["loss_scale.dynamic_scale"] = inner.dynamic_scale
+        out["loss_scale.step_counter"] = inner.step_counter
+    return out
 
 
 def optimizer_counters(model) -> dict:
-    """``{name: int}`` of the DistributedOptimizer's own counters (same on every rank)."""
+    """``{name: number}`` of :func:`_counter_variables` (the same on every rank)."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or not getattr(optimizer, "built", False):
         return {}
-    return {name: int(getattr(optimizer, name).numpy()) for name in _COUNTERS
-            if getattr(optimizer, name, None) is not None}
+    return {name: np.asarray(v.numpy()).item()
+            for name, v in _counter_variables(optimizer).items()}
 
 
 def set_optimizer_counters(optimizer, counters) -> None:
     """Restore what :func:`optimizer_counters` recorded (names the optimizer lacks are skipped)."""
+    variables = _counter_variables(optimizer)
     for name, value in (counters or {}).items():
-        variable = getattr(optimizer, name, None) if name in _COUNTERS else None
-        if variable is not None:
-            variable.assign(value)
+        if name in variables:
+            variables[name].assign(value)
 
 
 def slots_of(optimizer, variables) -> list:

@@ -74,3 +74,37 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(grid_of, strategy):
     assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
     for a, e in zip(full.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, e, rtol=2e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize("strategy,sharded", [("d", False), ("f", True)])
+def test_checkpoint_keeps_the_loss_scale_and_the_step_count(grid_of, strategy, sharded):
+    """tfhybrid.load started the scaler again at 2^15 with its growth counter at 0
+    (its scalars are no slots), and an earlier fix had made it record the
+    scaler's own unused step count (the resumed iterations read 4 for 8)."""
+    import os
+
+    from conftest import job_dir
+
+    grid_of(1 if strategy == "d" else world_size())
+    x, y = data()
+    path = os.path.join(job_dir(), f"mp16_{strategy}" + ("" if sharded else ".keras"))
+    with mixed_float16():
+        reference = make_model()
+        reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        reference.fit(batches(x, y), epochs=1, verbose=0)
+        reference.fit(batches(x, y), epochs=2, initial_epoch=1, verbose=0)
+        model = tfhybrid.transform(make_model(), strategy, fallback="replicate")
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                      loss="mse")
+        model.fit(tfhybrid.data.shard(batches(x, y), model=model), epochs=1, verbose=0)
+        tfhybrid.save(model, path, epoch=1, sharded=sharded)
+        resumed = tfhybrid.load(path, fallback="replicate")
+        resumed.fit(tfhybrid.data.shard(batches(x, y), model=resumed), epochs=2, verbose=0)
+        full = tfhybrid.gather(resumed)
+    scaler = resumed.optimizer.inner_optimizer
+    assert isinstance(scaler, keras.optimizers.LossScaleOptimizer)
+    assert float(scaler.dynamic_scale.numpy()) == float(reference.optimizer.dynamic_scale.numpy())
+    assert int(scaler.step_counter.numpy()) == int(reference.optimizer.step_counter.numpy())
+    assert int(resumed.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+    for a, e in zip(full.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, e, rtol=2e-3, atol=2e-4)

@@ -273,7 +273,61 @@ def _compile_config(model):
         config["full"] = full
     except Exception:  # noqa: BLE001 - a custom metric or loss without a config
         pass
+    exclusions = _weight_decay_exclusions(model, optimizer)
+    if exclusions:
+        config["weight_decay_exclusions"] = exclusions
     return config
+
+
+def _weight_decay_exclusions(model, optimizer):
+    """``exclude_from_weight_decay``'s variables (as paths) and name pattern,
+    which Keras' optimizer config leaves out. Under p/ls, the paths of this
+    rank's variables."""
+    from tfhybrid.guards import _keras_optimizer
+
+    inner = _keras_optimizer(optimizer)
+    ids = getattr(inner, "_exclude_from_weight_decay", None) or set()
+    pattern = getattr(inner, "_exclude_from_weight_decay_pattern", None)
+    if not ids and pattern is None:
+        return None
+    return {"paths": sorted(v.path for v in model.variables if inner._var_key(v) in ids),
+            "pattern": pattern.pattern if pattern is not None else None}
+
+
+def _part_exclusions(model):
+    """:func:`_weight_decay_exclusions` over every rank of a p/ls model, whose
+    ranks hold different layers (collective when the optimizer has exclusions;
+    ``exclude_from_weight_decay`` ran on every rank, as scripts do)."""
+    import tensorflow as tf
+
+    from tfhybrid.comm import backend
+    from tfhybrid.guards import _keras_optimizer
+
+    optimizer = getattr(model, "optimizer", None)
+    inner = _keras_optimizer(optimizer) if optimizer is not None else None
+    if inner is None or not hasattr(inner, "_exclude_from_weight_decay"):
+        return None
+    mine = _weight_decay_exclusions(model, optimizer) or {"paths": [], "pattern": None}
+    world = tuple(range(runtime.current_grid().size))
+    if len(world) > 1:
+        text = (json.dumps(mine["paths"]) + "\n").encode()
+        joined = backend.allgather(tf.constant(np.frombuffer(text, np.uint8)), world,
+                                   "checkpoint.decay_exclusions").numpy().tobytes()
+        mine["paths"] = sorted({p for line in joined.decode().splitlines() if line
+                                for p in json.loads(line)})
+    return mine
+
+
+def _exclude_again(model, optimizer, exclusions):
+    from tfhybrid.guards import _keras_optimizer
+
+    if not exclusions:
+        return
+    paths = set(exclusions.get("paths") or ())
+    pattern = exclusions.get("pattern")
+    _keras_optimizer(optimizer).exclude_from_weight_decay(
+        var_list=[v for v in model.variables if v.path in paths] or None,
+        var_names=[pattern] if pattern else None)
 
 
 def _meta(model, state, epoch, step):
@@ -367,8 +421,11 @@ def save(model, path, epoch: int | None = None, step: int | None = None,
     ls = getattr(model, "layer_separation_state", None) or getattr(model, "pipeline_state", None)
     state = ls() if ls is not None else gather_optimizer_state(model)   # ls / p: own gather
     rng = gather_rng_state(model)
+    exclusions = _part_exclusions(model) if ls is not None else None
     if runtime.is_root():
         meta = _meta(model, state, epoch, step)
+        if exclusions and meta.get("compile"):
+            meta["compile"]["weight_decay_exclusions"] = exclusions
         meta["global_seed"] = rng["global_seed"]
         _write_side_file(path, meta, state, rng)
         directory = os.path.dirname(os.path.abspath(path))
@@ -503,10 +560,12 @@ def _compile_from(model, meta, where):
         else:
             if not isinstance(args.get("optimizer"), DistributedOptimizer):
                 args["optimizer"] = DistributedOptimizer(args["optimizer"])
+            _exclude_again(model, args["optimizer"], config.get("weight_decay_exclusions"))
             model.compile(**args)
             return
     inner = keras.saving.deserialize_keras_object(config["optimizer"])
     loss = keras.saving.deserialize_keras_object(config["loss"])
+    _exclude_again(model, inner, config.get("weight_decay_exclusions"))
     model.compile(optimizer=DistributedOptimizer(inner), loss=loss)
 
 

@@ -60,7 +60,7 @@ def _cases():
 def _passes_cases():
     if world_size() == 2:
         return [("d", 1, False), ("f", 2, True)]
-    return [("d", 1, False), ("df", 2, False)]
+    return [("df", 2, False)]
 
 
 def _options(strategy):
@@ -69,18 +69,25 @@ def _options(strategy):
 
 def _train_save_resume(strategy, mp, sharded, tag, reference_optimizer, distributed):
     """One process: two fits. Transformed: fit, tfhybrid.save mid-cycle, load,
-    fit. Returns (reference, resumed model, the resumed fit's History)."""
+    fit. The optimizers are given, or made from the model by a callable (the
+    model before transform for ``distributed``). Returns (resumed model, the
+    resumed fit's History)."""
     x = rng("opt-options-x").standard_normal((ROWS, 8, 8, 3)).astype(np.float32)
     y = rng("opt-options-y").integers(0, 4, ROWS)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     reference = _model()
+    if callable(reference_optimizer):
+        reference_optimizer = reference_optimizer(reference)
     reference.compile(reference_optimizer, loss, metrics=["accuracy"])
     reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     reference.fit(x, y, batch_size=BATCH, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
 
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    model = tfhybrid.transform(_model(), strategy, **_options(strategy))
+    source = _model()
+    if callable(distributed):
+        distributed = distributed(source)
+    model = tfhybrid.transform(source, strategy, **_options(strategy))
     model.compile(distributed, loss, metrics=["accuracy"])
     model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0)
     path = os.path.join(job_dir(), f"opt_{tag}_{strategy}{'_sharded' if sharded else '.keras'}")
@@ -89,8 +96,11 @@ def _train_save_resume(strategy, mp, sharded, tag, reference_optimizer, distribu
     history = resumed.fit(tfhybrid.data.shard(ds, model=resumed), epochs=2, verbose=0)
 
     want = reference.get_weights()
+    # absolute to the model's scale: Adam's step divides by sqrt(v), so an entry
+    # whose gradients are rounding error moves by rounding error times the rate
+    scale = max(float(np.max(np.abs(w))) for w in want)
     for got, expected, v in zip(tfhybrid.gather(resumed).get_weights(), want, reference.weights):
-        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6, err_msg=v.path)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5 * scale, err_msg=v.path)
     moved = np.max(np.abs(want[0] - _model().get_weights()[0]))
     assert moved > 1e-3
     return resumed, history
@@ -134,3 +144,35 @@ def test_part_strategies_refuse_options_they_would_ignore(grid_of, strategy, opt
     optimizer = tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1), **{option: value})
     with pytest.raises(ValueError, match=f"{option}.*gradient|{option}=.*{strategy}"):
         model.compile(optimizer, "mse")
+
+
+def _adamw_without_decay_on_biases(model):
+    optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.5)
+    optimizer.exclude_from_weight_decay(
+        var_list=[v for v in model.trainable_variables if v.path.endswith("bias")],
+        var_names=["fc1"])        # matches no variable name (Keras: "kernel", "bias")
+    return optimizer
+
+
+@pytest.mark.parametrize("strategy,mp,sharded", _passes_cases() + [("p", 2, False)],
+                         ids=lambda c: str(c))
+def test_weight_decay_exclusions_of_the_model_before_transform(grid_of, strategy, mp,
+                                                               sharded):
+    """AdamW told to skip the biases of the model before ``transform`` (Keras
+    keys them by variable object): the transformed model's variables are new
+    objects, so the exclusion matched nothing (4.3e-2 relative off under d and
+    f); a checkpoint dropped it too (Keras' optimizer config leaves it out)."""
+    grid_of(mp)
+    resumed, _ = _train_save_resume(
+        strategy, mp, sharded, "decay", _adamw_without_decay_on_biases,
+        lambda source: tfhybrid.DistributedOptimizer(_adamw_without_decay_on_biases(source)))
+
+
+def test_weight_decay_exclusion_of_another_model_is_refused(grid_of):
+    grid_of(1)
+    other = _model()
+    optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.5)
+    optimizer.exclude_from_weight_decay(var_list=other.trainable_variables[:1])
+    model = tfhybrid.transform(_model(), "d")
+    with pytest.raises(ValueError, match="belong neither to the model"):
+        model.compile(tfhybrid.DistributedOptimizer(optimizer), "mse")

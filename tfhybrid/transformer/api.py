@@ -113,14 +113,14 @@ def transform(model, strategy="d", **options):
     from tfhybrid import guards   # compile wraps plain optimizers; fit checks consistency
     if opts.strategy == "ls":     # ranks run different layers: tfhybrid/transformer/layer_separation.py
         from tfhybrid.transformer import layer_separation
-        return _compiled_like(model, guards.install(
-            layer_separation.build(model, grid, opts.fc_workers, opts.machine, opts.batch_size),
-            part=True))
+        return _compiled_like(model, guards.install(_remember_source_variables(
+            model, layer_separation.build(model, grid, opts.fc_workers, opts.machine,
+                                          opts.batch_size)), part=True))
     if opts.strategy == "p":      # pipeline stages: tfhybrid/transformer/pipeline.py
         from tfhybrid.transformer import pipeline
-        return _compiled_like(model, guards.install(
-            pipeline.build(model, grid, opts.stages, opts.micro_batches, opts.machine,
-                           getattr(opts, "batch_norm", "sync")), part=True))
+        return _compiled_like(model, guards.install(_remember_source_variables(
+            model, pipeline.build(model, grid, opts.stages, opts.micro_batches, opts.machine,
+                                  getattr(opts, "batch_norm", "sync"))), part=True))
     functional = as_functional(model)
     graph = describe_graph(functional)
     auto_choice = None
@@ -142,7 +142,20 @@ def transform(model, strategy="d", **options):
     info.auto = auto_choice
     object.__setattr__(new, INFO_ATTR, info)
     object.__setattr__(new, BATCH_SPLIT_ATTR, plan.batch_split)
-    return _compiled_like(model, guards.install(new))
+    return _compiled_like(model, guards.install(_remember_source_variables(model, new)))
+
+
+def _remember_source_variables(source, new):
+    """Record ``{id: (weak reference, path)}`` of ``source``'s variables on
+    ``new``, so an optimizer configured with ``source``'s variables before
+    ``transform`` (``exclude_from_weight_decay(var_list=...)``, which keys
+    variables by ``id``) is translated to ``new``'s variables of the same path
+    at compile (see :func:`tfhybrid.guards.carry_weight_decay_exclusions`)."""
+    import weakref
+
+    object.__setattr__(new, "_tfhybrid_source_variables",
+                       {id(v): (weakref.ref(v), v.path) for v in source.variables})
+    return new
 
 
 def _compiled_like(source, new):
@@ -162,7 +175,11 @@ def _compiled_like(source, new):
     optimizer = config.get("optimizer")
     if getattr(optimizer, "built", False):
         try:
-            optimizer = type(optimizer).from_config(optimizer.get_config())
+            copy = type(optimizer).from_config(optimizer.get_config())
+            for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+                if hasattr(optimizer, name):      # not in the config; ids of source's
+                    setattr(copy, name, getattr(optimizer, name))   # variables: translated
+            optimizer = copy                      # at compile
         except Exception as err:  # noqa: BLE001 - any optimizer that cannot be copied
             raise ValueError(
                 f"Model {source.name!r} was compiled and trained before tfhybrid.transform, "

@@ -1049,6 +1049,46 @@ def carry_weight_decay_exclusions(model, optimizer):
     inner._exclude_from_weight_decay_cache = {}
 
 
+def follow_source_flags(model):
+    """Copy ``trainable`` flags changed on the layers of the model before
+    ``transform`` since then onto ``model``'s layers of the same name.
+
+    Transfer learning scripts keep a handle on the base (``base_model =
+    keras.applications.ResNet50(...)``) and unfreeze it with
+    ``base_model.trainable = True`` before recompiling: the transformed model
+    holds copies of those layers, so the change silently did nothing (the
+    base stayed frozen). Called at each compile of the transformed model (Keras
+    asks for a compile after changing ``trainable``). Flags set on ``model``'s
+    own layers are kept unless the source layer changed too. Under p, the
+    layers of other stages are changed on their own ranks.
+    """
+    layers = getattr(model, "_tfhybrid_source_layers", None)
+    if not layers:
+        return
+    local = getattr(model, "local_layer_names", None)
+    changed = []
+    for name, record in layers.items():
+        ref, flag = record
+        source = ref()
+        if source is None or source.trainable == flag:
+            continue
+        record[1] = source.trainable
+        if local is not None and name not in local:
+            continue
+        try:
+            target = model.get_layer(name)
+        except ValueError:
+            continue
+        target.trainable = source.trainable
+        changed.append(name)
+    if changed and runtime.is_root():
+        warnings.warn(
+            f"tfhybrid: {len(changed)} layer(s) of the model before tfhybrid.transform changed "
+            f"'trainable' since transform ({', '.join(changed[:4])}"
+            f"{', ...' if len(changed) > 4 else ''}); the transformed model follows them at "
+            "this compile.", stacklevel=3)
+
+
 # DistributedOptimizer options with their defaults, and what p/ls users do instead:
 # p and ls reduce their stage's/part's gradients in their own step (a plain
 # average over the data-parallel replicas) and apply the inner optimizer.
@@ -1173,6 +1213,7 @@ def install(model, part=False):
         bound = inspect.signature(cls.compile).bind(self, *args, **kwargs)
         bound.arguments["optimizer"] = _wrap_optimizer(bound.arguments.get("optimizer",
                                                                             "rmsprop"))
+        follow_source_flags(self)
         carry_weight_decay_exclusions(self, bound.arguments["optimizer"])
         if _loss_scale_inside(self, bound.arguments["optimizer"],
                               bound.arguments.get("auto_scale_loss", True)):
@@ -1189,6 +1230,7 @@ def install(model, part=False):
 
         if isinstance(optimizer, DistributedOptimizer):
             refuse_part_options(optimizer, "ls" if hasattr(self, "fc_part") else "p")
+        follow_source_flags(self)
         if optimizer is not None and not isinstance(optimizer, str):
             carry_weight_decay_exclusions(self, optimizer)
         return cls.compile(*bound.args, **bound.kwargs)

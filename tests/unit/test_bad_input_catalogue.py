@@ -191,10 +191,21 @@ D = tfhybrid.DistributedOptimizer
 L = tfhybrid.layers
 X = np.zeros((8, 2), "float32")
 
-def nested_model():
-    """Transfer-learning style: a model called as a layer of the outer model."""
-    base = keras.Sequential([keras.Input((8, 8, 2)), keras.layers.Conv2D(4, 3, name="b_c0")],
-                            name="base")
+def nested_model(inner_name="b_c0", subclassed=False):
+    """Transfer-learning style: a model called as a layer of the outer model
+    (transform inlines it; these variants it cannot)."""
+    if subclassed:
+        class Block(keras.Model):
+            def __init__(self):
+                super().__init__(name="base")
+                self.conv = keras.layers.Conv2D(4, 3, name=inner_name)
+
+            def call(self, x):
+                return self.conv(x)
+        base = Block()
+    else:
+        base = keras.Sequential([keras.Input((8, 8, 2)),
+                                 keras.layers.Conv2D(4, 3, name=inner_name)], name="base")
     inp = keras.Input((8, 8, 2))
     h = keras.layers.GlobalAveragePooling2D(name="gap")(base(inp))
     return keras.Model(inp, keras.layers.Dense(2, name="head")(h))
@@ -239,10 +250,11 @@ API = [
     ("config-watchdog-seconds-0", lambda: tfhybrid.Config(watchdog_seconds=0), ValueError,
      r"watchdog_seconds=0"),
     # -- transform --------------------------------------------------------------------
-    ("transform-f-nested-model", lambda: tfhybrid.transform(nested_model(), "f"), ValueError,
-     r"'base' is a model used as a layer \(Sequential\).*Build the model flat"),
-    ("transform-s-nested-model", lambda: tfhybrid.transform(nested_model(), "s"), ValueError,
-     r"it is a nested model\. 'base' is a model used as a layer"),
+    ("transform-f-nested-name-collision", lambda: tfhybrid.transform(nested_model("gap"), "f"),
+     ValueError, r"two layers named 'gap' \(one inside a model used as a layer\).*Rename one"),
+    ("transform-s-nested-subclassed", lambda: tfhybrid.transform(
+        nested_model(subclassed=True), "s"), ValueError,
+     r"Layer 'base' is a subclassed model \(Block\) used as a layer.*functional API"),
     ("transform-unknown-strategy", lambda: tfhybrid.transform(mlp(), "dp"), ValueError,
      r"unknown strategy: strategy='dp'"),
     ("transform-unknown-option", lambda: tfhybrid.transform(mlp(), "d", shards=2), ValueError,

@@ -333,6 +333,9 @@ def profile(model) -> ModelProfile:
     if not inputs:
         raise ValueError(f"Model {model.name!r} is not built: create it with keras.Input(...) "
                          "or call it on a batch before profiling.")
+    if any(isinstance(layer, keras.Model) for layer in model.layers):
+        from tfhybrid.transformer.graph import as_functional   # a base in transfer learning:
+        model = as_functional(model, flatten=True)             # its layers, as transform sees
     rows = tuple(profile_layer(layer) for layer in model.layers
                  if layer.__class__.__name__ != "InputLayer")
     input_items = sum(_items(_shape_of(t)) for t in inputs)

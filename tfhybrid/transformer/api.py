@@ -7,11 +7,13 @@ on it what :func:`tfhybrid.gather`, :func:`tfhybrid.describe` and
 """
 from __future__ import annotations
 
+import keras
+
 import dataclasses
 
 from tfhybrid import runtime
 from tfhybrid.layout import layout_of, set_layout
-from tfhybrid.transformer.graph import as_functional, describe_graph
+from tfhybrid.transformer.graph import as_functional, describe_graph, weighted_leaves
 from tfhybrid.transformer.options import make_options
 from tfhybrid.transformer.planner import make_plan
 from tfhybrid.transformer.rewrite import rewrite
@@ -121,7 +123,7 @@ def transform(model, strategy="d", **options):
         return _compiled_like(model, guards.install(_remember_source_variables(
             model, pipeline.build(model, grid, opts.stages, opts.micro_batches, opts.machine,
                                   getattr(opts, "batch_norm", "sync"))), part=True))
-    functional = as_functional(model)
+    functional = as_functional(model, flatten=True)     # nested models inlined
     graph = describe_graph(functional)
     auto_choice = None
     if opts.strategy == "auto":
@@ -150,11 +152,18 @@ def _remember_source_variables(source, new):
     ``new``, so an optimizer configured with ``source``'s variables before
     ``transform`` (``exclude_from_weight_decay(var_list=...)``, which keys
     variables by ``id``) is translated to ``new``'s variables of the same path
-    at compile (see :func:`tfhybrid.guards.carry_weight_decay_exclusions`)."""
+    at compile (see :func:`tfhybrid.guards.carry_weight_decay_exclusions`),
+    and ``source``'s layers with their ``trainable`` flags, so that flags a
+    script changes on them after ``transform`` (``base_model.trainable =
+    True``) reach ``new`` at its next compile (see
+    :func:`tfhybrid.guards.follow_source_flags`)."""
     import weakref
 
     object.__setattr__(new, "_tfhybrid_source_variables",
                        {id(v): (weakref.ref(v), v.path) for v in source.variables})
+    object.__setattr__(new, "_tfhybrid_source_layers",
+                       {layer.name: [weakref.ref(layer), layer.trainable]
+                        for layer in weighted_leaves(source)})
     return new
 
 

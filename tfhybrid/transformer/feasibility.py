@@ -50,7 +50,7 @@ def refusal(model, strategy: str, p: int, model_parallel: int, graph=None,
         from tfhybrid.transformer import layer_separation as ls
         try:
             ls.check_workers(p, options.get("fc_workers") or 1)
-            ls.find_cut(as_functional(model))
+            ls.find_cut(as_functional(model, flatten=True))
         except ValueError as err:
             return str(err)
         return None
@@ -59,14 +59,14 @@ def refusal(model, strategy: str, p: int, model_parallel: int, graph=None,
         try:
             stages = pipeline.check_stages(options.get("stages") or model_parallel,
                                            model_parallel)
-            pipeline.plan_stages(as_functional(model), stages)
+            pipeline.plan_stages(as_functional(model, flatten=True), stages)
         except ValueError as err:
             return str(err)
         return None
     try:
         grid = ProcessGrid(size=p, rank=0, model_parallel=model_parallel)
         if graph is None:
-            graph = describe_graph(as_functional(model))
+            graph = describe_graph(as_functional(model, flatten=True))
         make_plan(graph, make_options(strategy, **options), grid)
     except ValueError as err:
         return str(err)
@@ -103,7 +103,7 @@ def check_predictions(model, predictions) -> list:
     predictions without a model-group size are returned unchanged; the order
     is kept (feasible first, then by time).
     """
-    graph = describe_graph(as_functional(model))
+    graph = describe_graph(as_functional(model, flatten=True))
     out = []
     for pred in predictions:
         k = _model_parallel(pred)

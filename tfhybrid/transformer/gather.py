@@ -18,6 +18,7 @@ import keras
 from tfhybrid.comm import backend
 from tfhybrid.watchdog import collective_api
 from tfhybrid.transformer.api import info_of
+from tfhybrid.transformer.graph import find_nested_layer, set_trainable_flags
 from tfhybrid.transformer.rewrite import find_layer
 from tfhybrid.transformer.source import finalize_states, rebuild
 
@@ -52,14 +53,14 @@ def gather(model):
         return atomic_saves(model.gathered())
     info = info_of(model)
     full = rebuild(info.source, getattr(info, "objects", None))
-    for np in info.plan.nodes:
-        target = full.get_layer(np.name)
-        if not target.weights:
-            continue
+    weighted = [np for np in info.plan.nodes if find_nested_layer(full, np.name).weights]
+    # frozen or unfrozen since transform (fine-tuning): the source recorded the flags
+    # of that moment; a frozen BatchNormalization also runs in inference
+    set_trainable_flags(full, {np.name: find_layer(model, np.name).trainable
+                               for np in weighted})
+    for np in weighted:
+        target = find_nested_layer(full, np.name)     # inside a nested model too
         layer = find_layer(model, np.name)
-        # frozen or unfrozen since transform (fine-tuning): the source recorded the
-        # flags of that moment; a frozen BatchNormalization also runs in inference
-        target.trainable = layer.trainable
         if np.kind in _SLICED:
             layer = layer.to_layer()
         target.set_weights(layer.get_weights())

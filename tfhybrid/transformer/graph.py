@@ -89,12 +89,125 @@ class GraphSpec:
         return tuple(n.name for n in self.nodes)
 
 
-def as_functional(model):
+def as_functional(model, flatten=False):
     """``model`` as a Functional model sharing its layers (Sequential is rebuilt).
+
+    With ``flatten``, models used as layers (a ``keras.applications`` base in
+    transfer learning, a Sequential block) are inlined: see
+    :func:`flatten_nested`.
 
     Raises:
         ValueError: for subclassed models or unbuilt Sequential models.
     """
+    functional = _as_functional(model)
+    if flatten and any(isinstance(layer, keras.Model) for layer in functional.layers):
+        return flatten_nested(functional)
+    return functional
+
+
+def flatten_nested(model):
+    """A Functional model calling the layers of every nested model directly.
+
+    Each model used as a layer is replaced by its own layer calls (the same
+    layer objects, so the same weights and ``trainable`` flags), recursively.
+    The function is the same: Keras' Functional and Sequential pass the call's
+    ``training`` on to their layers, as the flat model does. Layer names must
+    stay unique across the levels (Keras only asks it per model).
+
+    Raises:
+        ValueError: a subclassed model used as a layer, or a layer name used
+            at two levels.
+    """
+    from keras import tree
+
+    def operation_fn(op):
+        if isinstance(op, keras.Sequential):
+            def call(x, *args, **kwargs):
+                for layer in op.layers:
+                    x = operation_fn(layer)(x)
+                return x
+            return call
+        if isinstance(op, keras.Model):
+            if not _is_functional(op):
+                raise ValueError(
+                    f"Layer {op.name!r} is a subclassed model ({type(op).__name__}) used as a "
+                    "layer; tfhybrid.transform reads the layer graph of Sequential and "
+                    "Functional models only. Rewrite it with the functional API.")
+
+            def call(*args, **kwargs):
+                inputs = args[0] if len(args) == 1 else list(args)
+                return op._run_through_graph(inputs, operation_fn=operation_fn)
+            return call
+        return op
+
+    names = {}
+    for layer in _leaf_layers(model):
+        other = names.setdefault(layer.name, layer)
+        if other is not layer:
+            raise ValueError(
+                f"Model {model.name!r} has two layers named {layer.name!r} (one inside a "
+                "model used as a layer): tfhybrid.transform inlines nested models and needs "
+                "one name per layer. Rename one (e.g. keras.applications bases take "
+                "name=...; layers take name=...).")
+    inputs = tree.map_structure(
+        lambda t: keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name),
+        model._inputs_struct)
+    outputs = model._run_through_graph(inputs, operation_fn=operation_fn)
+    return keras.Model(inputs, outputs, name=model.name)
+
+
+def _leaf_layers(model):
+    for layer in model.layers:
+        if isinstance(layer, keras.Model):
+            yield from _leaf_layers(layer)
+        else:
+            yield layer
+
+
+def weighted_leaves(model):
+    """The layers with weights of ``model``, inside nested models too, in order."""
+    for layer in getattr(model, "layers", ()):
+        if isinstance(layer, keras.Model):
+            yield from weighted_leaves(layer)
+        elif layer.weights:
+            yield layer
+
+
+def set_trainable_flags(model, flags):
+    """Set ``{layer name: trainable}`` on ``model``'s layers, nested ones included.
+
+    A nested model becomes trainable when any of its layers is (Keras lists no
+    trainable weights under a container whose own flag is False, whatever its
+    layers' flags: a base frozen at transform and unfrozen since). Setting a
+    container's flag sets its layers' flags, so containers go first (outer
+    before inner), then the layers."""
+    def containers(m):
+        for layer in m.layers:
+            if isinstance(layer, keras.Model):
+                names = [leaf.name for leaf in weighted_leaves(layer)]
+                layer.trainable = any(flags.get(n, True) for n in names) or not names
+                containers(layer)
+
+    containers(model)
+    for name, flag in flags.items():
+        find_nested_layer(model, name).trainable = bool(flag)
+
+
+def find_nested_layer(model, name):
+    """``model.get_layer(name)``, looking inside models used as layers too."""
+    for layer in model.layers:
+        if layer.name == name:
+            return layer
+    for layer in model.layers:
+        if isinstance(layer, keras.Model):
+            try:
+                return find_nested_layer(layer, name)
+            except ValueError:
+                pass
+    raise ValueError(f"No such layer: {name} in model {model.name!r}.")
+
+
+def _as_functional(model):
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"Received an invalid `model` of type {type(model).__name__} ({model!r:.60}); "

@@ -46,6 +46,7 @@ import tensorflow as tf
 
 from tfhybrid import batch_losses
 from tfhybrid.comm import backend
+from tfhybrid.transformer.graph import find_nested_layer, set_trainable_flags, weighted_leaves
 from tfhybrid.transformer.source import finalize_states
 from tfhybrid.comm.p2p import anchored
 from tfhybrid.optimizer import clipping
@@ -472,9 +473,8 @@ class LayerSeparatedModel(keras.Model):
         self.check_trainable_unchanged()
         self.sync_weights()
         plain = rebuild(self.source, self.objects)
-        for layer in plain.layers:
-            if layer.weights:
-                layer.set_weights(self.full.get_layer(layer.name).get_weights())
+        for layer in weighted_leaves(plain):      # inside nested models too
+            layer.set_weights(self.full.get_layer(layer.name).get_weights())
         finalize_states(plain)
         backend.barrier()
         return plain
@@ -593,7 +593,7 @@ def build(model, grid, fc_workers=None, machine=None, batch_size=None):
     if fc_workers is None:
         fc_workers = assign_workers(model, world, machine, batch_size)
     n_c, n_f = check_workers(world, fc_workers)
-    functional = as_functional(model)
+    functional = as_functional(model, flatten=True)  # nested models inlined
     full = keras.models.clone_model(functional)      # own layers: one node each
     _, cut_name = find_cut(full)                     # raises before any collective
     conv, fc, groups = roles(n_c, n_f)

@@ -54,6 +54,7 @@ from tfhybrid import batch_losses
 from tfhybrid.comm import backend
 from tfhybrid.optimizer import clipping
 from tfhybrid.comm.p2p import anchored, receive_rows, send_rows
+from tfhybrid.transformer.graph import find_nested_layer, set_trainable_flags, weighted_leaves
 from tfhybrid.transformer.source import finalize_states
 
 
@@ -533,7 +534,7 @@ class PipelineModel(keras.Model):
         """Arrays of stage ``s``'s weights broadcast from its owner in pipeline 0 (collective)."""
         world = tuple(range(backend.size())) if backend.is_initialized() else (0,)
         owner = s   # pipeline 0's stage s is global rank s
-        layers = [plain.get_layer(n) for n in self.spec.plan.stages[s]]
+        layers = [find_nested_layer(plain, n) for n in self.spec.plan.stages[s]]
         targets = [w for layer in layers for w in layer.weights]
         if self.spec.stage == s and self.spec.pipeline[0] == 0:
             mine = [values_of(self.stage.get_layer(layer.name)) for layer in layers]
@@ -555,6 +556,7 @@ class PipelineModel(keras.Model):
         from tfhybrid.transformer.source import rebuild
         plain = rebuild(self.source, self.objects)
         world = tuple(range(backend.size())) if backend.is_initialized() else (0,)
+        every = {}
         for s, names in enumerate(self.spec.plan.stages):
             if self.spec.stage == s and self.spec.pipeline[0] == 0:
                 flags = [int(self.stage.get_layer(n).trainable) for n in names]
@@ -563,8 +565,9 @@ class PipelineModel(keras.Model):
             if len(world) > 1:
                 flags = backend.broadcast(tf.constant(flags, tf.int32), s, world,
                                           f"p.trainable.{s}").numpy().tolist()
-            for n, flag in zip(names, flags):
-                plain.get_layer(n).trainable = bool(flag)
+            every.update(zip(names, flags))
+        set_trainable_flags(plain, {n: f for n, f in every.items()
+                                    if find_nested_layer(plain, n).weights})
         return plain
 
     def gathered(self):
@@ -714,7 +717,7 @@ def build(model, grid, stages=None, micro_batches=None, machine=None, batch_norm
     from tfhybrid.transformer.source import record as record_source
     S = check_stages(stages, grid.model_size)
     M = check_micro_batches(S if micro_batches is None else micro_batches)
-    functional = as_functional(model)
+    functional = as_functional(model, flatten=True)     # nested models inlined
     full = keras.models.clone_model(functional)     # own layers: one node each
     for layer in full.layers:
         if getattr(layer, "activity_regularizer", None) is not None:

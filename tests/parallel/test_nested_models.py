@@ -80,8 +80,8 @@ def _assert_close(got_model, reference):
 
 def _cases():
     n = world_size()
-    return [("f", n), ("s", n), ("d", 1), ("p", 2)] if n == 2 else [("df", 2), ("ds", 2),
-                                                                    ("f", 4), ("p", 2)]
+    # -np 4: the hybrid grids (the rest runs at -np 2)
+    return [("f", n), ("s", n), ("d", 1), ("p", 2)] if n == 2 else [("df", 2), ("ds", 2)]
 
 
 def _options(strategy):
@@ -119,7 +119,8 @@ def test_transfer_learning_with_a_nested_base_trains_like_one_process(grid_of, s
     assert moved > 1e-3              # the unfrozen base did train
 
 
-@pytest.mark.parametrize("strategy,mp", _cases()[:2] + [("p", 2)], ids=lambda c: str(c))
+@pytest.mark.parametrize("strategy,mp", _cases()[:2] + [("p", 2)] if world_size() == 2
+                         else [("df", 2)], ids=lambda c: str(c))
 def test_nested_model_checkpoint_resumes_like_one_process(grid_of, strategy, mp):
     """tfhybrid.save lines the optimizer slots up with the gathered (nested)
     model's trainable weights; load transforms the nested model again."""
@@ -151,6 +152,7 @@ def test_layer_names_colliding_across_levels_are_refused(grid_of):
         tfhybrid.transform(model, "f", fallback="replicate")
 
 
+@pytest.mark.skipif(world_size() != 2, reason="the same code at -np 4")
 def test_ls_refuses_a_base_unfrozen_after_transform(grid_of):
     """ls fixes which weights train at transform: the script's unfreezing of the
     base (followed at compile) is refused at fit with the way out, on every rank."""

@@ -145,3 +145,18 @@ def test_fit_on_a_dataset_does_not_warn_about_shuffle():
 
     assert shuffle_warnings() == []
     assert shuffle_warnings(shuffle=True)        # the script's own choice: Keras' warning stays
+
+
+def test_input_fingerprint_sees_every_row_of_arrays_up_to_32_mib():
+    """It sampled 64 rows: per-rank arrays differing only elsewhere were taken as
+    copies of one another (and evaluate had no later check)."""
+    from tfhybrid.guards import FINGERPRINT_WHOLE_BYTES, input_fingerprint
+
+    a = np.arange(4000 * 8, dtype=np.float32).reshape(4000, 8)
+    b = a.copy()
+    b[7, 3] += 1                      # row 7: not among 64 evenly spaced rows of 4000
+    assert input_fingerprint(a) != input_fingerprint(b)
+    assert input_fingerprint(a) == input_fingerprint(a.copy())
+    assert input_fingerprint(a, None) == input_fingerprint(a)
+    big = np.zeros((FINGERPRINT_WHOLE_BYTES // 64 + 1, 16), np.float32)   # sampled rows
+    assert np.isfinite(input_fingerprint(big))

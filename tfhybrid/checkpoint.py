@@ -480,7 +480,8 @@ def _shard_like(full, values, strategy, options):
 
 
 @collective_api("tfhybrid.load")
-def load(path, strategy: str | None = None, compile: bool = True, **options):
+def load(path, strategy: str | None = None, compile: bool = True, custom_objects=None,
+         **options):
     """Resume a checkpoint of :func:`save` on this grid (collective).
 
     Args:
@@ -491,10 +492,15 @@ def load(path, strategy: str | None = None, compile: bool = True, **options):
             re-sharded for the new layout. (A sharded checkpoint loaded on
             its own grid and strategy is read rank by rank; otherwise every
             rank consolidates it in memory first.)
-        compile: Compile with the saved optimizer (wrapped in
-            :class:`tfhybrid.DistributedOptimizer`) and loss, and restore the
-            optimizer's slots and iteration count. With ``compile=False``
-            only the weights are restored.
+        compile: Compile as the model was compiled when saved (optimizer
+            with its :class:`tfhybrid.DistributedOptimizer` options, loss,
+            metrics, loss weights) and restore the optimizer's slots, counters
+            and iteration count. With ``compile=False`` only the weights are
+            restored.
+        custom_objects: ``{name: class or function}`` for custom layers,
+            losses and metrics that are not registered with
+            ``keras.saving.register_keras_serializable`` (as
+            ``keras.saving.load_model`` takes them).
         **options: ``transform`` options (``mp``, ``spatial``, ``layers``...).
 
     Returns:
@@ -517,6 +523,11 @@ def load(path, strategy: str | None = None, compile: bool = True, **options):
         >>> model = tfhybrid.load("ckpt/last.keras", strategy="df")
         >>> model.fit(tfhybrid.data.shard(batches, model=model), epochs=10)  # saved epoch/step on
     """
+    with keras.saving.custom_object_scope(custom_objects or {}):
+        return _load(path, strategy, compile, options)
+
+
+def _load(path, strategy, compile, options):
     from tfhybrid.transformer.api import transform
 
     path = str(path)
@@ -546,25 +557,36 @@ def _compile_from(model, meta, where):
                          "load with compile=False and compile the model yourself.")
     from tfhybrid.optimizer import DistributedOptimizer
 
+    failed = None
     if config.get("full"):
         from keras.src.saving import serialization_lib
 
         try:
             args = serialization_lib.deserialize_keras_object(config["full"])
         except Exception as e:  # noqa: BLE001 - e.g. a custom metric not registered here
-            warnings.warn(f"tfhybrid.load: the compile configuration of {where!r} does not "
-                          f"deserialize here ({type(e).__name__}: {e}); compiling with its "
-                          "optimizer and loss only (no metrics). Register your custom objects "
-                          "(keras.saving.register_keras_serializable) to restore them.",
-                          stacklevel=3)
+            failed = e
         else:
             if not isinstance(args.get("optimizer"), DistributedOptimizer):
                 args["optimizer"] = DistributedOptimizer(args["optimizer"])
             _exclude_again(model, args["optimizer"], config.get("weight_decay_exclusions"))
             model.compile(**args)
             return
-    inner = keras.saving.deserialize_keras_object(config["optimizer"])
-    loss = keras.saving.deserialize_keras_object(config["loss"])
+    try:
+        inner = keras.saving.deserialize_keras_object(config["optimizer"])
+        loss = keras.saving.deserialize_keras_object(config["loss"])
+    except Exception as e:  # noqa: BLE001 - an unregistered custom loss or optimizer
+        raise ValueError(
+            f"Checkpoint {where!r} was compiled with a loss or optimizer that does not "
+            f"deserialize here ({type(e).__name__}: {e}). Pass it: tfhybrid.load(path, "
+            "custom_objects={'my_loss': my_loss}), or register it with "
+            "@keras.saving.register_keras_serializable(); or load with compile=False and "
+            "compile yourself (the optimizer state then starts from zero).") from e
+    if failed is not None:
+        warnings.warn(f"tfhybrid.load: the compile configuration of {where!r} does not "
+                      f"deserialize here ({type(failed).__name__}: {failed}); compiled with "
+                      "its optimizer and loss only (no metrics, no DistributedOptimizer "
+                      "options). Pass your custom objects: tfhybrid.load(path, "
+                      "custom_objects={'name': object}).", stacklevel=4)
     _exclude_again(model, inner, config.get("weight_decay_exclusions"))
     model.compile(optimizer=DistributedOptimizer(inner), loss=loss)
 

@@ -177,3 +177,36 @@ def test_weight_decay_exclusion_of_another_model_is_refused(grid_of):
     model = tfhybrid.transform(_model(), "d")
     with pytest.raises(ValueError, match="belong neither to the model"):
         model.compile(tfhybrid.DistributedOptimizer(optimizer), "mse")
+
+
+def _doubled_loss(y_true, y_pred):          # a script's own loss, not registered
+    return 2.0 * keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+
+class _LargestLogit(keras.metrics.Mean):     # a script's own metric, not registered
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        return super().update_state(keras.ops.max(y_pred, axis=-1), sample_weight)
+
+
+@pytest.mark.skipif(world_size() != 2, reason="the same code at -np 4")
+def test_load_takes_the_scripts_custom_loss_and_metric(grid_of):
+    """A checkpoint compiled with a loss function and metric class of the script's
+    own: load failed with Keras' "Could not locate function" (after a warning);
+    it now names custom_objects, and takes them."""
+    grid_of(2)
+    x = rng("opt-options-x").standard_normal((ROWS, 8, 8, 3)).astype(np.float32)
+    y = rng("opt-options-y").integers(0, 4, ROWS)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    model = tfhybrid.transform(_model(), "f", fallback="replicate")
+    model.compile(tfhybrid.DistributedOptimizer(keras.optimizers.Adam(0.01)), _doubled_loss,
+                  metrics=[_LargestLogit(name="largest")])
+    model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0)
+    path = os.path.join(job_dir(), "opt_custom_objects.keras")
+    tfhybrid.save(model, path, epoch=1)
+    with pytest.raises(ValueError, match="custom_objects="):
+        tfhybrid.load(path, fallback="replicate")
+    resumed = tfhybrid.load(path, fallback="replicate", custom_objects={
+        "_doubled_loss": _doubled_loss, "_LargestLogit": _LargestLogit})
+    history = resumed.fit(tfhybrid.data.shard(ds, model=resumed), epochs=2, verbose=0)
+    assert "largest" in history.history
+    assert resumed.loss is _doubled_loss

@@ -115,12 +115,12 @@ def transform(model, strategy="d", **options):
     from tfhybrid import guards   # compile wraps plain optimizers; fit checks consistency
     if opts.strategy == "ls":     # ranks run different layers: tfhybrid/transformer/layer_separation.py
         from tfhybrid.transformer import layer_separation
-        return _compiled_like(model, guards.install(_remember_source_variables(
+        return _compiled_like(model, guards.install(_remember_source(
             model, layer_separation.build(model, grid, opts.fc_workers, opts.machine,
                                           opts.batch_size)), part=True))
     if opts.strategy == "p":      # pipeline stages: tfhybrid/transformer/pipeline.py
         from tfhybrid.transformer import pipeline
-        return _compiled_like(model, guards.install(_remember_source_variables(
+        return _compiled_like(model, guards.install(_remember_source(
             model, pipeline.build(model, grid, opts.stages, opts.micro_batches, opts.machine,
                                   getattr(opts, "batch_norm", "sync"))), part=True))
     functional = as_functional(model, flatten=True)     # nested models inlined
@@ -144,10 +144,10 @@ def transform(model, strategy="d", **options):
     info.auto = auto_choice
     object.__setattr__(new, INFO_ATTR, info)
     object.__setattr__(new, BATCH_SPLIT_ATTR, plan.batch_split)
-    return _compiled_like(model, guards.install(_remember_source_variables(model, new)))
+    return _compiled_like(model, guards.install(_remember_source(model, new)))
 
 
-def _remember_source_variables(source, new):
+def _remember_source(source, new):
     """Record ``{id: (weak reference, path)}`` of ``source``'s variables on
     ``new``, so an optimizer configured with ``source``'s variables before
     ``transform`` (``exclude_from_weight_decay(var_list=...)``, which keys

@@ -157,7 +157,8 @@ def flatten_nested(model):
 
 
 def _leaf_layers(model):
-    for layer in model.layers:
+    """The layers of ``model`` that are no models, inside nested models too, in order."""
+    for layer in getattr(model, "layers", ()):
         if isinstance(layer, keras.Model):
             yield from _leaf_layers(layer)
         else:
@@ -166,11 +167,7 @@ def _leaf_layers(model):
 
 def weighted_leaves(model):
     """The layers with weights of ``model``, inside nested models too, in order."""
-    for layer in getattr(model, "layers", ()):
-        if isinstance(layer, keras.Model):
-            yield from weighted_leaves(layer)
-        elif layer.weights:
-            yield layer
+    return (layer for layer in _leaf_layers(model) if layer.weights)
 
 
 def set_trainable_flags(model, flags):

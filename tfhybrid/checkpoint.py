@@ -51,14 +51,14 @@ def _inner(optimizer):
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
-def _applying(optimizer):
-    """The Keras optimizer that counts the applied steps: inside a
-    DistributedOptimizer, and inside a LossScaleOptimizer (mixed_float16),
-    whose ``iterations`` is its inner optimizer's."""
-    inner = _inner(optimizer)
-    while isinstance(inner, keras.optimizers.LossScaleOptimizer):
-        inner = inner.inner_optimizer
-    return inner
+def keras_optimizer(optimizer):
+    """The Keras optimizer inside the DistributedOptimizer and LossScaleOptimizer
+    (mixed_float16) wrappers: the one that counts the applied steps (a
+    LossScaleOptimizer's ``iterations`` is its inner optimizer's) and holds
+    ``exclude_from_weight_decay``'s settings."""
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
 
 
 def step_count(optimizer) -> int:
@@ -69,13 +69,13 @@ def step_count(optimizer) -> int:
     restores into) the raw count, so a resume keeps the position inside an
     accumulation cycle (the accumulators are saved as the slot
     ``gradient_accumulator``)."""
-    inner = _applying(optimizer)
+    inner = keras_optimizer(optimizer)
     return int(getattr(inner, "_iterations", inner.iterations).numpy())
 
 
 def set_step_count(optimizer, count: int) -> None:
     """Set what :func:`step_count` reads."""
-    inner = _applying(optimizer)
+    inner = keras_optimizer(optimizer)
     getattr(inner, "_iterations", inner.iterations).assign(count)
 
 
@@ -140,18 +140,12 @@ def slots_of(optimizer, variables) -> list:
     return out
 
 
-def _saved_values(optimizer, variables, slots) -> dict:
-    """``{(slot name, id(variable)): value}`` where a checkpoint records a slot
-    other than its live value: DistributedOptimizer's backward_passes_per_step
-    accumulators, averaged over the replicas (see ``saved_accumulators``).
-    Collective when there are such accumulators."""
-    means = getattr(optimizer, "saved_accumulators", lambda variables: {})(variables)
-    out = {}
-    for v, per_var in zip(variables, slots):
-        for name, slot in per_var.items():
-            if id(v) in means and any(slot is a for a in optimizer._accumulators):
-                out[(name, id(v))] = means[id(v)]
-    return out
+def _saved_values(optimizer, variables) -> dict:
+    """``{id(slot): value}`` where a checkpoint records a slot other than its
+    live value: DistributedOptimizer's backward_passes_per_step accumulators,
+    averaged over the replicas (see ``saved_accumulators``). Collective when
+    there are such accumulators."""
+    return getattr(optimizer, "saved_accumulators", lambda variables: {})(variables)
 
 
 def _slot_names(slots):
@@ -178,13 +172,13 @@ def gather_optimizer_state(model) -> dict:
         return None
     variables = model.trainable_variables
     slots = slots_of(optimizer, variables)
-    saved = _saved_values(optimizer, variables, slots)
+    saved = _saved_values(optimizer, variables)
     backup = [v.numpy() for v in variables]
     gathered = {}
     try:
         for name in _slot_names(slots):
             for v, per_var in zip(variables, slots):
-                v.assign(saved.get((name, id(v)), per_var[name]) if name in per_var
+                v.assign(saved.get(id(per_var[name]), per_var[name]) if name in per_var
                          else np.zeros(v.shape, v.dtype))
             values = [w.numpy() for w in gather(model).trainable_variables]
             # A variable without this slot gathered zeros: record None for it (the
@@ -257,11 +251,13 @@ def _serializable(obj):
         return None
 
 
-def _compile_config(model):
+def _compile_config(model, exclusions=None):
     """The optimizer (unwrapped) and loss of a compiled model, if serializable,
     and under ``"full"`` Keras' whole compile configuration (the
     DistributedOptimizer with its options, metrics, loss weights,
-    steps_per_execution...) when it serializes to JSON."""
+    steps_per_execution...) when it serializes to JSON. ``exclusions``: the
+    weight-decay exclusions over every rank (p/ls: :func:`_part_exclusions`),
+    else this rank's are read."""
     optimizer = getattr(model, "optimizer", None)
     if not getattr(model, "compiled", False) or optimizer is None:
         return None
@@ -273,7 +269,7 @@ def _compile_config(model):
         config["full"] = full
     except Exception:  # noqa: BLE001 - a custom metric or loss without a config
         pass
-    exclusions = _weight_decay_exclusions(model, optimizer)
+    exclusions = exclusions or _weight_decay_exclusions(model, optimizer)
     if exclusions:
         config["weight_decay_exclusions"] = exclusions
     return config
@@ -283,9 +279,7 @@ def _weight_decay_exclusions(model, optimizer):
     """``exclude_from_weight_decay``'s variables (as paths) and name pattern,
     which Keras' optimizer config leaves out. Under p/ls, the paths of this
     rank's variables."""
-    from tfhybrid.guards import _keras_optimizer
-
-    inner = _keras_optimizer(optimizer)
+    inner = keras_optimizer(optimizer)
     ids = getattr(inner, "_exclude_from_weight_decay", None) or set()
     pattern = getattr(inner, "_exclude_from_weight_decay_pattern", None)
     if not ids and pattern is None:
@@ -301,10 +295,8 @@ def _part_exclusions(model):
     import tensorflow as tf
 
     from tfhybrid.comm import backend
-    from tfhybrid.guards import _keras_optimizer
-
     optimizer = getattr(model, "optimizer", None)
-    inner = _keras_optimizer(optimizer) if optimizer is not None else None
+    inner = keras_optimizer(optimizer) if optimizer is not None else None
     if inner is None or not hasattr(inner, "_exclude_from_weight_decay"):
         return None
     mine = _weight_decay_exclusions(model, optimizer) or {"paths": [], "pattern": None}
@@ -319,18 +311,16 @@ def _part_exclusions(model):
 
 
 def _exclude_again(model, optimizer, exclusions):
-    from tfhybrid.guards import _keras_optimizer
-
     if not exclusions:
         return
     paths = set(exclusions.get("paths") or ())
     pattern = exclusions.get("pattern")
-    _keras_optimizer(optimizer).exclude_from_weight_decay(
+    keras_optimizer(optimizer).exclude_from_weight_decay(
         var_list=[v for v in model.variables if v.path in paths] or None,
         var_names=[pattern] if pattern else None)
 
 
-def _meta(model, state, epoch, step):
+def _meta(model, state, epoch, step, exclusions=None):
     from tfhybrid.transformer.api import info_of
 
     grid = runtime.current_grid()
@@ -344,7 +334,7 @@ def _meta(model, state, epoch, step):
         "step": step,
         "iterations": state["iterations"] if state else 0,
         "slot_names": sorted(state["slots"]) if state else [],
-        "compile": _compile_config(model),
+        "compile": _compile_config(model, exclusions),
         "counters": optimizer_counters(model),
     }
 
@@ -423,9 +413,7 @@ def save(model, path, epoch: int | None = None, step: int | None = None,
     rng = gather_rng_state(model)
     exclusions = _part_exclusions(model) if ls is not None else None
     if runtime.is_root():
-        meta = _meta(model, state, epoch, step)
-        if exclusions and meta.get("compile"):
-            meta["compile"]["weight_decay_exclusions"] = exclusions
+        meta = _meta(model, state, epoch, step, exclusions)
         meta["global_seed"] = rng["global_seed"]
         _write_side_file(path, meta, state, rng)
         directory = os.path.dirname(os.path.abspath(path))
@@ -885,10 +873,10 @@ def _shard_arrays(model):
         index = {id(v): i for i, v in enumerate(model.variables)}
         variables = model.trainable_variables
         slots = slots_of(optimizer, variables)
-        saved = _saved_values(optimizer, variables, slots)
+        saved = _saved_values(optimizer, variables)
         for v, per_var in zip(variables, slots):
             for name, slot in per_var.items():
-                arrays[f"slot/{name}/{index[id(v)]}"] = saved.get((name, id(v)), slot).numpy()
+                arrays[f"slot/{name}/{index[id(v)]}"] = saved.get(id(slot), slot).numpy()
         iterations = step_count(optimizer)
     return arrays, iterations
 

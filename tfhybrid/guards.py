@@ -1010,14 +1010,6 @@ def refuse_horovod_optimizer(optimizer):
             "(it takes Horovod's compression, backward_passes_per_step and op options).")
 
 
-def _keras_optimizer(optimizer):
-    """The Keras optimizer inside DistributedOptimizer/LossScaleOptimizer wrappers."""
-    seen = 0
-    while hasattr(optimizer, "inner_optimizer") and seen < 4:
-        optimizer, seen = optimizer.inner_optimizer, seen + 1
-    return optimizer
-
-
 def carry_weight_decay_exclusions(model, optimizer):
     """Translate ``optimizer.exclude_from_weight_decay(var_list=...)`` given the
     variables of the model before ``transform`` to ``model``'s variables.
@@ -1033,7 +1025,9 @@ def carry_weight_decay_exclusions(model, optimizer):
     Raises:
         ValueError: an excluded variable belongs to neither model.
     """
-    inner = _keras_optimizer(optimizer)
+    from tfhybrid.checkpoint import keras_optimizer
+
+    inner = keras_optimizer(optimizer)
     ids = getattr(inner, "_exclude_from_weight_decay", None)
     if not ids or getattr(inner, "built", False):
         return
@@ -1043,7 +1037,7 @@ def carry_weight_decay_exclusions(model, optimizer):
     if not foreign:
         return
     source = {}
-    for ref, path in getattr(model, "_tfhybrid_source_variables", {}).values():
+    for ref, path in getattr(model, "_tfhybrid_source_variables", ()):
         variable = ref()
         if variable is not None:
             source[key(variable)] = path

@@ -425,7 +425,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         tf.cond(tf.equal(self._micro_step.value % n, 0), reduce_and_apply, lambda: None)
 
     def saved_accumulators(self, variables):
-        """``{id(variable): value}`` of the ``backward_passes_per_step``
+        """``{id(accumulator): value}`` of the ``backward_passes_per_step``
         accumulators as a checkpoint records them (collective: every rank, same
         ``variables``; empty without accumulation).
 
@@ -448,7 +448,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             if ranks:
                 value = backend.allreduce(value, ranks, f"{self.name}.saved_acc{i}",
                                           average=True)
-            out[id(v)] = value
+            out[id(slot)] = value
         return out
 
     # -- reduction ------------------------------------------------------------

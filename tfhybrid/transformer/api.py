@@ -7,8 +7,6 @@ on it what :func:`tfhybrid.gather`, :func:`tfhybrid.describe` and
 """
 from __future__ import annotations
 
-import keras
-
 import dataclasses
 
 from tfhybrid import runtime
@@ -148,10 +146,10 @@ def transform(model, strategy="d", **options):
 
 
 def _remember_source(source, new):
-    """Record ``{id: (weak reference, path)}`` of ``source``'s variables on
-    ``new``, so an optimizer configured with ``source``'s variables before
+    """Record ``(weak reference, path)`` of ``source``'s variables on ``new``,
+    so an optimizer configured with ``source``'s variables before
     ``transform`` (``exclude_from_weight_decay(var_list=...)``, which keys
-    variables by ``id``) is translated to ``new``'s variables of the same path
+    variables by object) is translated to ``new``'s variables of the same path
     at compile (see :func:`tfhybrid.guards.carry_weight_decay_exclusions`),
     and ``source``'s layers with their ``trainable`` flags, so that flags a
     script changes on them after ``transform`` (``base_model.trainable =
@@ -160,7 +158,7 @@ def _remember_source(source, new):
     import weakref
 
     object.__setattr__(new, "_tfhybrid_source_variables",
-                       {id(v): (weakref.ref(v), v.path) for v in source.variables})
+                       [(weakref.ref(v), v.path) for v in source.variables])
     object.__setattr__(new, "_tfhybrid_source_layers",
                        {layer.name: [weakref.ref(layer), layer.trainable]
                         for layer in weighted_leaves(source)})

@@ -46,7 +46,7 @@ import tensorflow as tf
 
 from tfhybrid import batch_losses
 from tfhybrid.comm import backend
-from tfhybrid.transformer.graph import find_nested_layer, set_trainable_flags, weighted_leaves
+from tfhybrid.transformer.graph import weighted_leaves
 from tfhybrid.transformer.source import finalize_states
 from tfhybrid.comm.p2p import anchored
 from tfhybrid.optimizer import clipping

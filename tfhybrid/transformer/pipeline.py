@@ -54,7 +54,7 @@ from tfhybrid import batch_losses
 from tfhybrid.comm import backend
 from tfhybrid.optimizer import clipping
 from tfhybrid.comm.p2p import anchored, receive_rows, send_rows
-from tfhybrid.transformer.graph import find_nested_layer, set_trainable_flags, weighted_leaves
+from tfhybrid.transformer.graph import find_nested_layer, set_trainable_flags
 from tfhybrid.transformer.source import finalize_states
 
 

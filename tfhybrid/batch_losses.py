@@ -22,8 +22,25 @@ Split outputs of ``s``/``ds`` models (per-voxel, in blocks) are handled by
 this module leaves them alone. ``p`` and ``ls`` models say their blocks
 themselves (``row_blocks()``: the pipelines; the FC workers for the FC loss,
 the CONV workers for the loss they log).
+
+**Blocks of unequal rows.** The average of the block means is the global mean
+only when every block has the same rows. Per-rank arrays of unequal length
+(``fit(x[rank::size], ...)`` on 51 rows: a last batch of 2 rows on rank 0 and
+1 on rank 1) or a per-rank dataset whose last batch differs between ranks
+(``dataset.shard(size, rank).batch(b)``) gave such a step: silently other
+weights than one process (``d``, 2 ranks, 51 rows, 2 epochs: 0.28 relative).
+When the guards cannot rule it out at the start of ``fit`` (the ranks' array
+lengths differ, or a dataset's batch size is not static and it does not come
+from :func:`tfhybrid.data.shard`), they set the model's row-weighting flag;
+``train_step`` then scales each ``sum_over_batch_size`` loss by ``D x n / N``
+(``n`` this block's rows, ``N`` the global batch's: one scalar allreduce per
+step) and weighs the loss tracker by ``N / D``, so the gradient and the logged
+loss are those of the global batch. ``sum`` and ``mean_with_sample_weight``
+are exact for any block sizes already.
 """
+import contextlib
 import copy
+import weakref
 
 import tensorflow as tf
 
@@ -31,6 +48,8 @@ from tfhybrid import runtime
 
 _WRAPPED = "_tfhybrid_batch_losses_wrapped"
 REDUCTIONS = ("sum", "mean_with_sample_weight")
+MEAN = "sum_over_batch_size"       # Keras' default: weighted only for unequal blocks
+_FACTOR = "_tfhybrid_rows_factor"  # the traced step's D x n / N (None outside train_step)
 
 
 def row_blocks(model):
@@ -78,15 +97,68 @@ def _split_output(model, path):
 
 
 def _wrap_flat(model, compiled, blocks, ranks):
+    owner = weakref.ref(model)
     for i, entry in enumerate(list(compiled._flat_losses)):
         fn = entry.loss
-        reduction = getattr(fn, "reduction", "sum_over_batch_size")
-        if reduction not in REDUCTIONS or isinstance(fn, BlockRowsLoss) \
+        reduction = getattr(fn, "reduction", MEAN)
+        if reduction not in REDUCTIONS + (MEAN,) or isinstance(fn, BlockRowsLoss) \
                 or _split_output(model, entry.path):
             continue
         loss = BlockRowsLoss(fn, reduction, blocks, ranks)
         loss.copies = getattr(model, "_tfhybrid_row_copies", None)
+        loss.owner = owner
         compiled._flat_losses[i] = entry._replace(loss=loss)
+
+
+def rows_factor(model, data, flag):
+    """``D x n / N`` for this step's batch ``data`` when ``flag`` (a boolean
+    variable) is set, else 1: ``n`` this rank's rows, ``N`` the sum over the
+    row blocks (one scalar allreduce, only when set; ``flag`` is the same on
+    every rank). None when ``model`` has one row block."""
+    blocks, ranks = row_blocks(model)
+    if blocks == 1 or len(ranks) < 2:
+        return None
+    first = next((t for t in tf.nest.flatten(data) if t is not None), None)
+    if first is None:
+        return None
+
+    def weighted():
+        from tfhybrid.comm import backend
+
+        # x the flag (1 here) read from its variable: a static batch size would
+        # make the rows a constant, and Grappler would run the allreduce of a
+        # constant while optimising the graph, on those ranks only (a hang)
+        rows = tf.cast(tf.shape(first)[0], tf.float32) * tf.cast(flag, tf.float32)
+        total = backend.allreduce(rows, tuple(ranks), "batch_losses.rows")
+        return tf.math.divide_no_nan(blocks * rows, total)
+
+    return tf.cond(flag, weighted, lambda: tf.constant(1.0, tf.float32))
+
+
+@contextlib.contextmanager
+def weighted_rows(model, factor):
+    """Inside Keras' ``train_step``: the ``sum_over_batch_size`` losses scale by
+    ``factor`` (:func:`rows_factor`) and the loss tracker weighs the step by its
+    rows / ``factor`` (``N / D``), so that the summed tracker states give the
+    global batch's loss."""
+    tracker = getattr(model, "_loss_tracker", None)
+    if factor is None or tracker is None:
+        yield
+        return
+    keras_update = tracker.update_state
+
+    def update_state(values, sample_weight=None):
+        if sample_weight is not None:
+            sample_weight = tf.cast(sample_weight, tf.float32) / factor
+        return keras_update(values, sample_weight=sample_weight)
+
+    object.__setattr__(model, _FACTOR, factor)
+    object.__setattr__(tracker, "update_state", update_state)
+    try:
+        yield
+    finally:
+        object.__setattr__(model, _FACTOR, None)
+        del tracker.__dict__["update_state"]
 
 
 class BlockRowsLoss:
@@ -103,6 +175,7 @@ class BlockRowsLoss:
     # (a variable the guards set: 1, or the group's size for whole arrays fed on
     # every rank), so that a ``sum`` counts each row once. None: 1.
     copies = None
+    owner = None      # weak reference to the model (its traced step's rows factor)
 
     def __init__(self, fn, reduction, blocks, ranks):
         self.fn, self.reduction, self.blocks, self.ranks = fn, reduction, blocks, ranks
@@ -115,6 +188,11 @@ class BlockRowsLoss:
         return self.ranks
 
     def __call__(self, y_true, y_pred, sample_weight=None):
+        if self.reduction == MEAN:
+            loss = self.fn(y_true, y_pred, sample_weight)
+            model = self.owner() if self.owner is not None else None
+            factor = getattr(model, _FACTOR, None)
+            return loss if factor is None else loss * tf.cast(factor, loss.dtype)
         if self.reduction == "sum":
             loss = self.fn(y_true, y_pred, sample_weight)
             if self.copies is None:

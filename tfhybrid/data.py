@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -413,14 +414,49 @@ def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, se
                 "(dataset.batch(64, drop_remainder=True)), or pass batch_size=64 and "
                 "data.shard batches it.")
         if blocks == 1:
-            return _labels_in_blocks(dataset, model)
-        return _labels_in_blocks(_shard_dataset(dataset, blocks, index, remainder or "drop"),
-                                 model)
+            return _equal(_labels_in_blocks(dataset, model))
+        return _equal(_labels_in_blocks(_shard_dataset(dataset, blocks, index,
+                                                       remainder or "drop"), model))
     if isinstance(dataset, (np.ndarray, tuple, list, dict)):
         return _labels_in_blocks(_shard_arrays(dataset, batch_size, blocks, index,
                                                remainder or "error"), model)
     raise TypeError(f"Received an invalid `dataset` of type {type(dataset).__name__}; expected "
                     "a tf.data.Dataset of global batches or numpy arrays with batch_size.")
+
+
+# The batched form's outputs: blocks of equal rows on every rank at every step
+# (the partial last batch is cut alike), although their batch size is not static.
+_EQUAL_BLOCKS = weakref.WeakSet()
+# Transformations after shard that keep every rank's blocks equal.
+_KEEPS_BLOCKS = frozenset({"CacheDataset", "_PrefetchDataset", "_RepeatDataset", "_TakeDataset",
+                           "_SkipDataset", "_MapDataset", "_ParallelMapDataset",
+                           "_OptionsDataset", "_ShuffleDataset", "_AssertCardinalityDataset"})
+
+
+def _equal(dataset):
+    _EQUAL_BLOCKS.add(dataset)
+    return dataset
+
+
+def equal_blocks(dataset) -> bool:
+    """True when every rank's ``dataset`` yields batches of the same rows at every
+    step: its batch size is static, or it is :func:`shard`'s batched form
+    (possibly followed by cache, prefetch, repeat, take, skip, map, shuffle)."""
+    if not isinstance(dataset, tf.data.Dataset):
+        return False
+    flat = tf.nest.flatten(dataset.element_spec)
+    if flat and all(getattr(s, "shape", None) is not None and s.shape.rank
+                    and s.shape[0] is not None for s in flat):
+        return True
+    for _ in range(64):
+        if dataset in _EQUAL_BLOCKS:
+            return True
+        if type(dataset).__name__ not in _KEEPS_BLOCKS:
+            return False
+        dataset = getattr(dataset, "_input_dataset", None)
+        if dataset is None:
+            return False
+    return False
 
 
 def _labels_in_blocks(data, model):

@@ -294,6 +294,98 @@ def check_structure(model, steps=-1):
     check.run_alone()
 
 
+def local_blocks(arguments):
+    """(training rows, batch size, may differ, rows, validation rows,
+    validation_split) of this rank's ``fit``/``evaluate`` inputs: whether the
+    ranks' blocks of a step can hold unequal rows.
+
+    In-memory arrays: the rows Keras trains on (after ``validation_split``'s
+    cut), the batch size and the whole arrays' rows, compared over the ranks. A
+    dataset: equal when its batch size is static (compared too) or it is
+    ``data.shard``'s batched form; else, like a generator or a ``PyDataset``,
+    it may differ. ``validation_data`` the same way (its rows, or may differ)."""
+    split = float(arguments.get("validation_split") or 0.0)
+    train, batch, maybe, rows = _blocks_of(arguments.get("x"), arguments.get("batch_size"))
+    if train >= 0 and split:
+        train = float(np.floor(rows * (1.0 - split)))           # Keras' cut
+    validation = arguments.get("validation_data")
+    val_rows = rows - train if split and rows >= 0 else -1.0
+    if validation is not None:
+        first = validation[0] if isinstance(validation, (tuple, list)) \
+            and len(validation) in (2, 3) else validation
+        val_rows, _, val_maybe, _ = _blocks_of(first, None)
+        maybe = max(maybe, val_maybe)
+    return train, batch, maybe, rows, val_rows, split
+
+
+def _blocks_of(x, batch_size):
+    """(rows, batch size, may differ, rows) of one input of fit/evaluate."""
+    if isinstance(x, tf.data.Dataset):
+        from tfhybrid import data
+
+        if data.equal_blocks(x):
+            first = tf.nest.flatten(x.element_spec)[0]
+            static = first.shape[0] if first.shape.rank else None
+            return -1.0, float(static if static is not None else -1), 0.0, -1.0
+        return -1.0, -1.0, 1.0, -1.0
+    flat = tf.nest.flatten(x) if x is not None else []
+    if flat and all(isinstance(a, np.ndarray) or tf.is_tensor(a) for a in flat) \
+            and len(flat[0].shape) and flat[0].shape[0] is not None:
+        rows = float(flat[0].shape[0])
+        return rows, float(batch_size or 32), 0.0, rows
+    return -1.0, -1.0, 1.0, -1.0
+
+
+def _decide_row_weighting(model, blocks, copies, split):
+    """Set ``model``'s row-weighting flag (:mod:`tfhybrid.batch_losses`) from
+    every rank's :func:`local_blocks` ``(training rows, batch, may differ, rows,
+    validation rows)``; warn on rank 0 when a ``validation_split`` of per-rank
+    arrays trains on other rows than one process would."""
+    groups = _row_block_groups(model)
+    if len(groups[0]) < 2 or any(getattr(model, "_tfhybrid_split_outputs", ())):
+        return
+    uneven = bool(np.any(blocks[:, 2] > 0)) or any(
+        len({(blocks[r, 0], blocks[r, 1], blocks[r, 4]) for r in ranks}) > 1
+        for ranks in groups)
+    set_row_weighting(model, uneven)
+    if split and copies == 1 and np.all(blocks[:, 0] >= 0):
+        _warn_split(model, blocks, groups, split)
+
+
+def _warn_split(model, blocks, groups, split):
+    """A ``validation_split`` cuts each rank's arrays: the same rows as one
+    process only when every rank's cut falls on a batch boundary and the cuts
+    add up to one process's."""
+    for ranks in groups:
+        cuts = blocks[list(ranks), 0]
+        batches = blocks[list(ranks), 1]
+        one = int(np.floor(blocks[list(ranks), 3].sum() * (1.0 - split)))   # one process's cut
+        if len(set(cuts)) == 1 and cuts[0] % batches[0] == 0 and int(cuts.sum()) == one:
+            continue
+        if runtime.current_grid().rank == 0:
+            warnings.warn(
+                f"tfhybrid: fit(validation_split={split}) cut each rank's arrays on its own: "
+                f"the ranks train on {int(cuts.sum())} rows ({', '.join(str(int(c)) for c in cuts)}"
+                f" per rank) where one process would train on the first {one} of the whole "
+                "arrays, so this run trains and validates on other rows than one process. "
+                "Split the whole arrays yourself and pass the validation rows as "
+                "validation_data=(x_val, y_val) (each rank its share, like the training rows), "
+                "or use a validation_split whose cut falls on a global batch boundary on "
+                "every rank.", UserWarning, stacklevel=2)
+        return
+
+
+def row_weighting(model) -> bool:
+    flag = getattr(model, "_tfhybrid_row_weighting", None)
+    return flag is not None and bool(flag.numpy())
+
+
+def set_row_weighting(model, value):
+    flag = getattr(model, "_tfhybrid_row_weighting", None)
+    if flag is not None and row_weighting(model) != bool(value):
+        flag.assign(bool(value))
+
+
 def _fit_fingerprints(arguments):
     """:func:`input_fingerprint` of fit's training and validation inputs (NaN
     where not in-memory arrays; a ``validation_split`` shares the training's)."""
@@ -315,11 +407,14 @@ class StartCheck:
     allgather, which calls ``verify(gathered)`` before its first broadcast; the
     :class:`GuardCallback` runs it alone when no broadcast callback took it."""
 
-    def __init__(self, model, steps, fingerprints=None):
+    def __init__(self, model, steps, fingerprints=None, blocks=None):
         self.model = model
         self.riders = [structure_digest(model), float(steps)]
         if fingerprints is not None:     # fit's (training, validation) inputs
             self.riders += [float(f) for f in fingerprints]
+            if blocks is not None:       # fit's local_blocks (after the fingerprints)
+                self.riders += [float(b) for b in blocks[:5]]
+                self.validation_split = blocks[5]
 
     def verify(self, gathered):
         """Raise :class:`ConsistencyError` when ``gathered`` (world x riders) disagree;
@@ -334,6 +429,9 @@ class StartCheck:
                     _warn_copies(self.model, copies, "in fit")
             object.__setattr__(self.model, "_tfhybrid_validation_copies",
                                copies_of_rows(self.model, gathered[:, 3]))
+        if gathered.shape[1] >= 9:
+            _decide_row_weighting(self.model, gathered[:, 4:9], copies_of_rows(
+                self.model, gathered[:, 2]), getattr(self, "validation_split", 0.0))
 
     def run_alone(self):
         """Gather ``riders`` in a world allgather of their own and verify them."""
@@ -357,19 +455,27 @@ def _verify_structure(model, gathered):
         raise ConsistencyError(problem)
 
 
-def check_steps(model, steps, method, fingerprint=None):
+def check_steps(model, steps, method, fingerprint=None, blocks=None):
     """Every rank plans the same number of steps (collective), else raise.
 
     With ``fingerprint`` (:func:`input_fingerprint` of this rank's inputs, in
-    the same allgather): return :func:`copies_of_rows` of the ranks' inputs."""
+    the same allgather): return :func:`copies_of_rows` of the ranks' inputs.
+    With ``blocks`` too (:func:`local_blocks`), set the row-weighting flag."""
     if runtime.current_grid().size == 1:
         return 1
     riders = [steps] if fingerprint is None else [steps, fingerprint]
+    if fingerprint is not None and blocks is not None:
+        riders += [float(b) for b in blocks[:5]]
     gathered = _world_gather(riders, f"guard.steps.{method}")
     problem = _steps_problem(model, gathered[:, 0], method)
     if problem:
         raise ConsistencyError(problem)
-    return None if fingerprint is None else copies_of_rows(model, gathered[:, 1])
+    if fingerprint is None:
+        return None
+    copies = copies_of_rows(model, gathered[:, 1])
+    if blocks is not None:
+        _decide_row_weighting(model, gathered[:, 2:7], copies, 0.0)
+    return copies
 
 
 def check_weights(model, when):
@@ -1219,6 +1325,9 @@ def install(model, part=False):
     evaluate_due = tf.Variable(False, trainable=False, name="tfhybrid_evaluate_checksum_due")
     # ranks of a row-block group feeding the very same rows (batch_losses' sum)
     copies = tf.Variable(1.0, trainable=False, name="tfhybrid_row_copies")
+    # set by fit's start check when the ranks' blocks of a step may hold unequal
+    # rows: train_step then weighs each block by its rows (batch_losses)
+    weighting = tf.Variable(False, trainable=False, name="tfhybrid_row_weighting")
 
     def compile(self, *args, **kwargs):   # noqa: A001 - Keras' name
         bound = inspect.signature(cls.compile).bind(self, *args, **kwargs)
@@ -1263,7 +1372,10 @@ def install(model, part=False):
             split = any(getattr(self, "_tfhybrid_split_outputs", ())) and isinstance(data, tuple)
             rows = data[0] if split else data
             checksum.assign(tf.cond(due, lambda: batch_checksum(rows), checksum.read_value))
-        return cls.train_step(self, data)
+        factor = (None if any(getattr(self, "_tfhybrid_split_outputs", ()))
+                  else batch_losses.rows_factor(self, data, weighting))
+        with batch_losses.weighted_rows(self, factor):
+            return cls.train_step(self, data)
 
     def test_step(self, data):
         batch_losses.wrap(self)
@@ -1273,7 +1385,10 @@ def install(model, part=False):
             rows = data[0] if split else data
             checksum.assign(tf.cond(evaluate_due, lambda: batch_checksum(rows),
                                     checksum.read_value))
-        return cls.test_step(self, data)
+        factor = (None if any(getattr(self, "_tfhybrid_split_outputs", ()))
+                  else batch_losses.rows_factor(self, data, weighting))
+        with batch_losses.weighted_rows(self, factor):
+            return cls.test_step(self, data)
 
     def fit(self, *args, **kwargs):
         bound = _keras_signature(cls.fit).bind(self, *args, **kwargs)
@@ -1288,7 +1403,8 @@ def install(model, part=False):
         if config.guards and runtime.current_grid().size > 1 and not part:   # 1 process: no peers
             set_row_copies(self, 1)      # until the inputs are compared
             check = StartCheck(self, planned_steps(bound.arguments, "steps_per_epoch"),
-                               _fit_fingerprints(bound.arguments))
+                               _fit_fingerprints(bound.arguments),
+                               local_blocks(bound.arguments))
             if _broadcasts(bound.arguments.get("callbacks")):
                 # rides in the broadcast callback's allgather, before its broadcasts
                 # (the GuardCallback runs it if that callback does not)
@@ -1304,6 +1420,7 @@ def install(model, part=False):
             return _call_with_callbacks(cls.fit, self, bound.args[1:], bound.kwargs, extra)
         finally:
             set_row_copies(self, 1)              # this fit's inputs only
+            set_row_weighting(self, False)
 
     @collective_api("model.evaluate", _EVAL_HINT.format("evaluate"))
     def evaluate(self, *args, **kwargs):
@@ -1311,12 +1428,13 @@ def install(model, part=False):
         in_fit = isinstance(bound.arguments.get("callbacks"), keras.callbacks.CallbackList)
         compare = (_config().guards and not part and runtime.current_grid().size > 1
                    and _data_replicas_checked(self))
-        fit_copies = row_copies(self)
+        fit_copies, fit_weighting = row_copies(self), row_weighting(self)
         extra = _watchdog_callbacks()
         if _config().guards and not part and not in_fit:      # fit's validation: fit checked
             copies = check_steps(self, planned_steps(bound.arguments, "steps"), "evaluate",
                                  input_fingerprint(bound.arguments.get("x"),
-                                                   bound.arguments.get("y")) if compare else None)
+                                                   bound.arguments.get("y")) if compare else None,
+                                 local_blocks(bound.arguments) if compare else None)
         else:
             copies = getattr(self, "_tfhybrid_validation_copies", None) if compare else None
         object.__setattr__(self, "_tfhybrid_rows_unknown", compare and copies is None)
@@ -1334,6 +1452,7 @@ def install(model, part=False):
             object.__setattr__(self, "_tfhybrid_evaluating", outer)
             if compare:
                 set_row_copies(self, fit_copies)    # a callback's evaluate inside fit too
+                set_row_weighting(self, fit_weighting)
 
     def _get_metrics_result_or_logs(self, logs):
         # Called eagerly, on every rank, at the end of evaluate and of each fit
@@ -1437,6 +1556,7 @@ def install(model, part=False):
     object.__setattr__(model, "_tfhybrid_batch_checksum_due", due)
     if not part:
         object.__setattr__(model, "_tfhybrid_row_copies", copies)
+        object.__setattr__(model, "_tfhybrid_row_weighting", weighting)
     object.__setattr__(model, "_tfhybrid_guarded", True)
     return model
 

@@ -160,3 +160,36 @@ def test_input_fingerprint_sees_every_row_of_arrays_up_to_32_mib():
     assert input_fingerprint(a, None) == input_fingerprint(a)
     big = np.zeros((FINGERPRINT_WHOLE_BYTES // 64 + 1, 16), np.float32)   # sampled rows
     assert np.isfinite(input_fingerprint(big))
+
+
+def test_local_blocks_tell_which_inputs_can_give_unequal_blocks():
+    x, y = np.zeros((61, 3), np.float32), np.zeros(61, np.int32)
+    train, batch, maybe, rows, val, split = guards.local_blocks(dict(x=x, y=y, batch_size=8))
+    assert (train, batch, maybe, rows, val, split) == (61, 8, 0, 61, -1, 0)
+    # Keras' cut of validation_split: floor(rows x (1 - split)) training rows
+    train, _, _, rows, val, split = guards.local_blocks(dict(x=x, batch_size=8,
+                                                             validation_split=0.2))
+    assert (train, rows, val, split) == (48, 61, 13, 0.2)
+    ds = tf.data.Dataset.from_tensor_slices((x, y))
+    assert guards.local_blocks(dict(x=ds.batch(8)))[2] == 1        # last batch unknown
+    static = guards.local_blocks(dict(x=ds.batch(8, drop_remainder=True)))
+    assert static[1:3] == (8, 0)
+    # a generator, and validation data that may differ, may give unequal blocks
+    assert guards.local_blocks(dict(x=iter([])))[2] == 1
+    assert guards.local_blocks(dict(x=x, batch_size=8, validation_data=ds.batch(8)))[2] == 1
+
+
+def test_data_shard_batched_form_is_known_to_give_equal_blocks():
+    from tfhybrid import data
+
+    tfhybrid.init()
+    ds = tf.data.Dataset.from_tensor_slices(np.zeros((10, 2), np.float32)).batch(4)
+    assert not data.equal_blocks(ds)
+    sharded = data.shard(ds)
+    assert data.equal_blocks(sharded)            # one rank: the dataset itself (static or not)
+    assert data.equal_blocks(ds.batch(2, drop_remainder=True))
+    assert not data.equal_blocks(ds.unbatch().batch(3))
+    # cache, prefetch, repeat, map, shuffle after shard keep the blocks equal
+    marked = data._equal(ds)
+    assert data.equal_blocks(marked.cache().prefetch(2).repeat(2).map(lambda t: t).shuffle(3))
+    assert not data.equal_blocks(marked.unbatch().batch(4))

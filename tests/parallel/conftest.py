@@ -92,6 +92,19 @@ def randn(shape, *key):
     return rng(*key).standard_normal(shape).astype(np.float32)
 
 
+def assert_weights_like(got_model, reference, rtol=1e-4, atol_of_scale=1e-5):
+    """``got_model``'s weights equal ``reference``'s within ``rtol``, and an
+    absolute tolerance of ``atol_of_scale`` x the largest weight: an entry whose
+    gradients are rounding error only (a bias before a BatchNormalization, or
+    under Adam, which divides by sqrt(v)) moves by rounding error."""
+    want = reference.get_weights()
+    got = got_model.get_weights()
+    assert len(got) == len(want)
+    scale = max(float(np.max(np.abs(w))) for w in want)
+    for a, e, v in zip(got, want, reference.weights):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol_of_scale * scale, err_msg=v.path)
+
+
 @contextlib.contextmanager
 def floatx(dtype):
     """Keras' default float type and dtype policy set to ``dtype`` inside the block.

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import tfhybrid
 
-from conftest import rng, world_size
+from conftest import assert_weights_like, rng, world_size
 
 BATCH = 16
 FROZEN = ("c0", "bn0", "fc0")
@@ -73,12 +73,7 @@ def test_unfreezing_after_transform_trains_like_one_process(grid_of, strategy, m
                                               epochs=epochs, verbose=0), wrap=True)
     full = tfhybrid.gather(model)
     assert {l.name for l in full.layers if l.weights and not l.trainable} == {"fc0"}
-    want = reference.get_weights()
-    scale = max(float(np.max(np.abs(w))) for w in want)
-    for got, expected, v in zip(full.get_weights(), want, reference.weights):
-        # absolute, to the model's scale: c0's bias (before a BatchNormalization)
-        # has a gradient of rounding error only and stays near 0
-        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * scale, err_msg=v.path)
+    assert_weights_like(full, reference)    # c0's bias (before a BatchNormalization) ~ 0
     moved = np.max(np.abs(full.get_layer("c0").get_weights()[0]
                           - _model().get_layer("c0").get_weights()[0]))
     assert moved > 1e-3          # the unfrozen base did train
@@ -105,7 +100,4 @@ def test_checkpoint_after_unfreezing_resumes_like_one_process(grid_of, strategy,
     tfhybrid.save(model, path, epoch=1)
     resumed = tfhybrid.load(path, **_options(strategy))
     resumed.fit(tfhybrid.data.shard(ds, model=resumed), epochs=2, verbose=0)
-    want = reference.get_weights()
-    scale = max(float(np.max(np.abs(w))) for w in want)
-    for got, expected, v in zip(tfhybrid.gather(resumed).get_weights(), want, reference.weights):
-        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * scale, err_msg=v.path)
+    assert_weights_like(tfhybrid.gather(resumed), reference)

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 import tfhybrid
 
-from conftest import job_dir, rng, world_size
+from conftest import assert_weights_like, job_dir, rng, world_size
 
 BATCH = 8
 L = keras.layers
@@ -68,14 +68,8 @@ def _compile(model, optimizer):
 
 
 def _assert_close(got_model, reference):
-    want = reference.get_weights()
-    scale = max(float(np.max(np.abs(w))) for w in want)
-    got = got_model.get_weights()
-    assert len(got) == len(want)
-    for a, e, v in zip(got, want, reference.weights):
-        # absolute to the model's scale: conv biases before a BatchNormalization have
-        # rounding-error gradients
-        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * scale, err_msg=v.path)
+    # conv biases before a BatchNormalization have rounding-error gradients
+    assert_weights_like(got_model, reference)
 
 
 def _cases():

@@ -10,10 +10,7 @@ already hold full weights, copies are read directly.
 from __future__ import annotations
 
 import functools
-import json
 import os
-
-import keras
 
 from tfhybrid.comm import backend
 from tfhybrid.watchdog import collective_api

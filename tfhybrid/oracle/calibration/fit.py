@@ -59,7 +59,7 @@ import time
 
 import numpy as np
 
-from tfhybrid.oracle.machine import Machine, Tier
+from tfhybrid.oracle.machine import Tier
 
 COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall")
 

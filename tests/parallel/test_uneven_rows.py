@@ -159,3 +159,15 @@ def test_a_validation_split_off_one_process_cut_warns(grid_of, split, warns):
         expected = reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                                  validation_split=split)
         _same_training(model, reference, history, expected)
+
+
+def test_per_rank_validation_arrays_of_unequal_length_validate_like_one_process(grid_of):
+    # even training rows, uneven validation rows: a sum loss's val_loss counts each row once
+    reference, model = _pair(grid_of, "d", 1, "sum")
+    x, y, _ = _data(64)
+    xv, yv, _ = _data(61)
+    history = model.fit(*_mine(x, y), batch_size=_local_batch(), epochs=2, shuffle=False,
+                        verbose=0, validation_data=tuple(_mine(xv, yv)))
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(xv, yv))
+    _same_training(model, reference, history, expected)

@@ -23,7 +23,7 @@ import tfhybrid
 from tfhybrid import runtime
 from tfhybrid.guards import ConsistencyError
 
-from conftest import rng, world_size
+from conftest import compiled_pair, rng, world_size
 
 N, BATCH = 48, 16
 CASES = [("d", 1), ("f", world_size()), ("df", 2)]
@@ -47,12 +47,7 @@ def _model(reduction="sum"):
 
 def _pair(grid_of, strategy, mp, reduction="sum"):
     grid_of(mp)
-    reference, args = _model(reduction)
-    reference.compile(**args)
-    source, args = _model(reduction)
-    model = tfhybrid.transform(source, strategy, fallback="replicate")
-    model.compile(optimizer=tfhybrid.DistributedOptimizer(args.pop("optimizer")), **args)
-    return reference, model
+    return compiled_pair(_model, strategy, reduction)
 
 
 def _same(got, want):

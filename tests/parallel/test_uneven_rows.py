@@ -24,7 +24,7 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid import guards, runtime
 
-from conftest import rng, world_size
+from conftest import compiled_pair, rng, world_size
 
 N, BATCH = 61, 16
 CASES = [("d", 1), ("df", 2)]
@@ -51,12 +51,7 @@ def _pair(grid_of, strategy, mp, reduction="sum_over_batch_size"):
     if mp >= world_size():
         pytest.skip("needs more than one data-parallel rank")
     grid_of(mp)
-    reference, args = _model(reduction)
-    reference.compile(**args)
-    source, args = _model(reduction)
-    model = tfhybrid.transform(source, strategy, fallback="replicate")
-    model.compile(optimizer=tfhybrid.DistributedOptimizer(args.pop("optimizer")), **args)
-    return reference, model
+    return compiled_pair(_model, strategy, reduction)
 
 
 def _mine(*arrays):

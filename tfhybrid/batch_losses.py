@@ -114,9 +114,10 @@ def rows_factor(model, data, flag):
     """``D x n / N`` for this step's batch ``data`` when ``flag`` (a boolean
     variable) is set, else 1: ``n`` this rank's rows, ``N`` the sum over the
     row blocks (one scalar allreduce, only when set; ``flag`` is the same on
-    every rank). None when ``model`` has one row block."""
+    every rank). None when ``model`` has one row block, or split outputs
+    (s/ds per-voxel losses scale by their blocks themselves)."""
     blocks, ranks = row_blocks(model)
-    if blocks == 1 or len(ranks) < 2:
+    if blocks == 1 or len(ranks) < 2 or any(getattr(model, "_tfhybrid_split_outputs", ())):
         return None
     first = next((t for t in tf.nest.flatten(data) if t is not None), None)
     if first is None:

@@ -305,35 +305,33 @@ def local_blocks(arguments):
     ``data.shard``'s batched form; else, like a generator or a ``PyDataset``,
     it may differ. ``validation_data`` the same way (its rows, or may differ)."""
     split = float(arguments.get("validation_split") or 0.0)
-    train, batch, maybe, rows = _blocks_of(arguments.get("x"), arguments.get("batch_size"))
-    if train >= 0 and split:
-        train = float(np.floor(rows * (1.0 - split)))           # Keras' cut
+    rows, batch, maybe = _blocks_of(arguments.get("x"), arguments.get("batch_size"))
+    train = float(np.floor(rows * (1.0 - split))) if rows >= 0 and split else rows  # Keras' cut
     validation = arguments.get("validation_data")
     val_rows = rows - train if split and rows >= 0 else -1.0
     if validation is not None:
         first = validation[0] if isinstance(validation, (tuple, list)) \
             and len(validation) in (2, 3) else validation
-        val_rows, _, val_maybe, _ = _blocks_of(first, None)
+        val_rows, _, val_maybe = _blocks_of(first, None)
         maybe = max(maybe, val_maybe)
     return train, batch, maybe, rows, val_rows, split
 
 
 def _blocks_of(x, batch_size):
-    """(rows, batch size, may differ, rows) of one input of fit/evaluate."""
+    """(rows or -1, batch size or -1, may differ) of one input of fit/evaluate."""
     if isinstance(x, tf.data.Dataset):
         from tfhybrid import data
 
         if data.equal_blocks(x):
             first = tf.nest.flatten(x.element_spec)[0]
             static = first.shape[0] if first.shape.rank else None
-            return -1.0, float(static if static is not None else -1), 0.0, -1.0
-        return -1.0, -1.0, 1.0, -1.0
+            return -1.0, float(static if static is not None else -1), 0.0
+        return -1.0, -1.0, 1.0
     flat = tf.nest.flatten(x) if x is not None else []
     if flat and all(isinstance(a, np.ndarray) or tf.is_tensor(a) for a in flat) \
             and len(flat[0].shape) and flat[0].shape[0] is not None:
-        rows = float(flat[0].shape[0])
-        return rows, float(batch_size or 32), 0.0, rows
-    return -1.0, -1.0, 1.0, -1.0
+        return float(flat[0].shape[0]), float(batch_size or 32), 0.0
+    return -1.0, -1.0, 1.0
 
 
 def _decide_row_weighting(model, blocks, copies, split):
@@ -1372,9 +1370,7 @@ def install(model, part=False):
             split = any(getattr(self, "_tfhybrid_split_outputs", ())) and isinstance(data, tuple)
             rows = data[0] if split else data
             checksum.assign(tf.cond(due, lambda: batch_checksum(rows), checksum.read_value))
-        factor = (None if any(getattr(self, "_tfhybrid_split_outputs", ()))
-                  else batch_losses.rows_factor(self, data, weighting))
-        with batch_losses.weighted_rows(self, factor):
+        with batch_losses.weighted_rows(self, batch_losses.rows_factor(self, data, weighting)):
             return cls.train_step(self, data)
 
     def test_step(self, data):
@@ -1385,9 +1381,7 @@ def install(model, part=False):
             rows = data[0] if split else data
             checksum.assign(tf.cond(evaluate_due, lambda: batch_checksum(rows),
                                     checksum.read_value))
-        factor = (None if any(getattr(self, "_tfhybrid_split_outputs", ()))
-                  else batch_losses.rows_factor(self, data, weighting))
-        with batch_losses.weighted_rows(self, factor):
+        with batch_losses.weighted_rows(self, batch_losses.rows_factor(self, data, weighting)):
             return cls.test_step(self, data)
 
     def fit(self, *args, **kwargs):

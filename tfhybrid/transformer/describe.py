@@ -111,9 +111,11 @@ def describe(model, batch_size=None, print_fn=print) -> Description:
             comms = _recomputed(comms, np_, modulo)
         if not any(t in graded for t in node.inputs):   # back-propagation stops here
             comms = [c for c in comms if c[0] != "bwd"]
-        comms += _gradient_comms(layer, grid)
-        shapes = tuple(tuple(int(d) for d in w.shape) for w in layer.weights)
-        pbytes = int(sum(_bytes(w) for w in layer.trainable_weights))
+        weights = getattr(layer, "weights", ())     # none on a keras.ops operation
+        if weights:
+            comms += _gradient_comms(layer, grid)
+        shapes = tuple(tuple(int(d) for d in w.shape) for w in weights)
+        pbytes = int(sum(_bytes(w) for w in getattr(layer, "trainable_weights", ())))
         out.append(LayerRow(np_.name, np_.cls, _kind_label(np_), shapes, tuple(comms), pbytes))
     total = sum(r.param_bytes for r in out)
     comm = sum(c[3] for r in out for c in r.collectives)

@@ -50,7 +50,9 @@ def gather(model):
         return atomic_saves(model.gathered())
     info = info_of(model)
     full = rebuild(info.source, getattr(info, "objects", None))
-    weighted = [np for np in info.plan.nodes if find_nested_layer(full, np.name).weights]
+    operations = {n.name for n in info.graph.nodes if n.attr("operation")}   # x / 255.0
+    weighted = [np for np in info.plan.nodes
+                if np.name not in operations and find_nested_layer(full, np.name).weights]
     # frozen or unfrozen since transform (fine-tuning): the source recorded the flags
     # of that moment; a frozen BatchNormalization also runs in inference
     set_trainable_flags(full, {np.name: find_layer(model, np.name).trainable

@@ -264,8 +264,54 @@ def describe_graph(model) -> GraphSpec:
     return GraphSpec(model.name, tuple(nodes), inputs, outputs)
 
 
+# keras.ops operations computed per element (``x / 255.0``, ``keras.ops.relu(x)``,
+# ``a + b`` on tensors of one shape): any layout of their tensor inputs passes.
+ELEMENTWISE_OPS = frozenset((
+    "Abs", "Absolute", "Add", "Arccos", "Arccosh", "Arcsin", "Arcsinh", "Arctan", "Arctanh",
+    "Cast", "Ceil", "Celu", "Clip", "Copy", "Cos", "Cosh", "Divide", "Elu", "Equal", "Erf",
+    "Erfinv", "Exp", "Exp2", "Expm1", "Floor", "FloorDivide", "Gelu", "Greater",
+    "GreaterEqual", "HardShrink", "HardSigmoid", "HardSilu", "HardTanh", "Heaviside", "Hypot",
+    "LeakyRelu", "Less", "LessEqual", "Log", "Log10", "Log1p", "Log2", "LogSigmoid",
+    "Logaddexp", "LogicalAnd", "LogicalNot", "LogicalOr", "Maximum", "Minimum", "Mod",
+    "Multiply", "NanToNum", "Negative", "NotEqual", "Power", "Reciprocal", "Relu", "Relu6",
+    "Round", "Rsqrt", "Selu", "Sigmoid", "Sign", "Signbit", "Silu", "Sin", "Sinc", "Sinh",
+    "SoftShrink", "Softplus", "Softsign", "SparsePlus", "SparseSigmoid", "Sqrt", "Square",
+    "Squareplus", "Subtract", "Tan", "Tanh", "TanhShrink", "TrueDivide", "Trunc", "Where"))
+
+
+def is_operation(op) -> bool:
+    """True for a functional-graph node that is a ``keras.ops`` operation
+    (``x / 255.0``, ``keras.ops.relu(x)``), not a layer: no weights, no config
+    of its own, reused as is by :mod:`.rewrite`."""
+    return not isinstance(op, keras.layers.Layer)
+
+
+def operation_kind(node) -> str:
+    """How the planner treats a ``keras.ops`` node: ``"elementwise"`` (a
+    per-element op of one tensor and scalars), ``"merge"`` (a per-element op of
+    tensors of one shape and scalars) or ``"full"`` (anything else: its split
+    inputs are gathered first, always correct)."""
+    import numpy as np
+
+    op = node.operation
+    if type(op).__name__ not in ELEMENTWISE_OPS or not type(op).__module__.startswith("keras."):
+        return "full"
+    args = keras.tree.flatten((node.arguments.args, node.arguments.kwargs))
+    for value in args:
+        if isinstance(value, keras.KerasTensor) or value is None or isinstance(value, str):
+            continue
+        if np.size(value) != 1:          # a per-channel constant broadcast over a split
+            return "full"
+    shapes = {tuple(t.shape) for t in node.input_tensors}
+    if len(node.input_tensors) == 1:
+        return "elementwise"
+    return "merge" if len(shapes) == 1 else "full"
+
+
 def _node_spec(node, tid, seen):
     layer = node.operation
+    if is_operation(layer):
+        return _operation_spec(node, tid)
     if layer.name in seen:
         raise ValueError(
             f"Layer {layer.name!r} ({type(layer).__name__}) is called more than once "
@@ -290,6 +336,16 @@ def _node_spec(node, tid, seen):
         out_shape=tuple(node.outputs[0].shape), attrs=attrs,
         n_params=int(sum(_size(w) for w in weights)),
         param_bytes=int(sum(_size(w) * _itemsize(w) for w in layer.trainable_weights)))
+
+
+def _operation_spec(node, tid):
+    op = node.operation
+    return NodeSpec(
+        name=op.name, cls=type(op).__name__,
+        inputs=tuple(tid(t) for t in node.input_tensors), output=tid(node.outputs[0]),
+        in_shapes=tuple(tuple(t.shape) for t in node.input_tensors),
+        out_shape=tuple(node.outputs[0].shape),
+        attrs={"operation": operation_kind(node)})
 
 
 def _plain(value):

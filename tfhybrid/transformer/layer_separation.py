@@ -304,6 +304,14 @@ class LayerSeparatedModel(keras.Model):
         clipping.apply_whole(self._inner_optimizer(), grads, variables, world, holders,
                              "ls.clip")
 
+    def row_relations(self):
+        """(this rank's block position in its FC worker's batch, [(FC worker, its CONV
+        workers)]): an FC worker feeds its CONV workers' rows joined in order (the
+        guards compare, tfhybrid.guards.PartRows)."""
+        me = backend.rank() if backend.is_initialized() else 0
+        position = 0 if self.is_fc else self.group.index(me)
+        return position, [(group[-1], group[:-1]) for group in self.groups]
+
     def row_blocks(self):
         """(row blocks, the ranks holding the others) for this rank's loss: an FC
         worker's loss is over its group's rows (n_f blocks), a CONV worker's logged

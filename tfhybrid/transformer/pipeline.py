@@ -137,8 +137,9 @@ class StagePlan:
     """Where ``p`` cuts a model.
 
     Attributes:
-        stages: Layer names of each stage, in topological order.
-        cuts: Name of the layer after which each cut is (S-1 names).
+        stages: Layer names of each stage, in topological order (its
+            ``keras.ops`` operations, which hold nothing, are not listed).
+        cuts: Name of the layer (or operation) after which each cut is (S-1 names).
         costs: Cost of each stage (FLOPs per sample, or seconds per sample when
             ``by == "layer_times"``).
         by: ``"flops"`` or ``"layer_times"``.
@@ -202,7 +203,9 @@ def plan_stages(model, stages, machine=None):
     costs, by = _layer_costs(model, graph, machine)
     cuts = balance(costs, positions, stages)
     bounds = (0,) + cuts + (len(graph.nodes),)
-    names = tuple(tuple(n.name for n in graph.nodes[a:b]) for a, b in zip(bounds, bounds[1:]))
+    # a stage's layers (keras.ops operations such as x / 255.0 have no weights or flags)
+    names = tuple(tuple(n.name for n in graph.nodes[a:b] if not n.attr("operation"))
+                  for a, b in zip(bounds, bounds[1:]))
     stage_costs = tuple(float(sum(costs[a:b])) for a, b in zip(bounds, bounds[1:]))
     return StagePlan(names, tuple(graph.nodes[k - 1].name for k in cuts), stage_costs, by,
                      len(positions))
@@ -302,6 +305,14 @@ class PipelineModel(keras.Model):
             "tfhybrid.transform (e.g. trainable), act where it lives (`if name in "
             "model.local_layer_names:`), or read it from tfhybrid.gather(model) (on every "
             "rank).")
+
+    def row_relations(self):
+        """(0, [(first stage, other stage)] of every pipeline): the stages of a
+        pipeline feed the same rows (the guards compare, tfhybrid.guards.PartRows)."""
+        from tfhybrid import runtime
+        grid = runtime.current_grid()
+        pipelines = [grid.model_group_ranks(d) for d in range(grid.data_size)]
+        return 0, [(ranks[0], (r,)) for ranks in pipelines for r in ranks[1:]]
 
     @property
     def local_layer_names(self):
@@ -698,9 +709,15 @@ def describe_p(model, batch_size, print_fn, description_cls):
 
 def _stage_model(full, plan, s):
     """A fresh Functional model of stage ``s`` of ``full`` with ``full``'s weights."""
-    inp = full.inputs[0] if s == 0 else full.get_layer(plan.cuts[s - 1]).output
-    out = full.outputs[0] if s == len(plan.stages) - 1 else full.get_layer(plan.cuts[s]).output
+    inp = full.inputs[0] if s == 0 else _output_of(full, plan.cuts[s - 1])
+    out = full.outputs[0] if s == len(plan.stages) - 1 else _output_of(full, plan.cuts[s])
     return keras.Model(inp, out, name=f"p_stage_{s}")
+
+
+def _output_of(full, name):
+    """The output of layer (or ``keras.ops`` operation) ``name`` of ``full``."""
+    from tfhybrid.transformer.rewrite import find_layer
+    return find_layer(full, name).output
 
 
 def build(model, grid, stages=None, micro_batches=None, machine=None, batch_norm="sync"):

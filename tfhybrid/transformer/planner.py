@@ -261,7 +261,8 @@ def _next_linear(graph, node):
         nxt = consumers[0]
         if nxt.cls in rules.LINEAR:
             return nxt
-        if nxt.cls not in _PAIR_THROUGH or nxt.attr("activation") in rules.CHANNEL_MIXING:
+        through = nxt.cls in _PAIR_THROUGH or nxt.attr("operation") == "elementwise"
+        if not through or nxt.attr("activation") in rules.CHANNEL_MIXING:
             return None
         tensor = nxt.output
     return None
@@ -274,7 +275,7 @@ def _propagate(graph, kinds, input_layout, ctx):
     nodes = []
     for node in graph.nodes:
         given = [layouts[t] for t in node.inputs]
-        decision = rules.rule_for(node.cls).plan(node, given, kinds.get(node.name, "replicate"),
+        decision = rules.rule_of(node).plan(node, given, kinds.get(node.name, "replicate"),
                                                  ctx)
         conversions, seen = [], []
         for lay, need in zip(given, decision.needs):

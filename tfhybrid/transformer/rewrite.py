@@ -19,6 +19,7 @@ from tfhybrid import layers as P
 from tfhybrid.layers.partitioned import IO_PARTIAL_GRAD, IO_REPLICATED
 from tfhybrid.layout import VariableLayout, set_layout
 from tfhybrid.spatial_geometry import SPATIAL_AXES
+from tfhybrid.transformer.graph import is_operation
 from tfhybrid.transformer.source import copy_layer, finalize_states
 
 GROUP = "model"
@@ -157,7 +158,8 @@ class _Rewriter:
 
     def clone(self, layer):
         np = self.by_name[layer.name]
-        new = BUILDERS[np.kind](layer, np, self.grid)
+        # a keras.ops operation (x / 255.0) holds no state: the new graph calls it as is
+        new = layer if is_operation(layer) else BUILDERS[np.kind](layer, np, self.grid)
         self.source[id(new)] = (layer, np)
         return new
 
@@ -177,7 +179,7 @@ class _Rewriter:
         out = new(*args, **kwargs)
         if np.output.kind == "space":   # its own losses are its block's (split outputs)
             object.__setattr__(new, "_tfhybrid_on_blocks", True)
-        if np.kind in _COPIES_WEIGHTS_AFTER_CALL and layer.weights:
+        if np.kind in _COPIES_WEIGHTS_AFTER_CALL and getattr(layer, "weights", None):
             new.set_weights(layer.get_weights())
             finalize_states(new)             # an adapted Normalization's mean/variance
         if np.params.get("weights") == "partial":
@@ -237,7 +239,8 @@ def _micro_steps(model, plan, scheme="B/K"):
 
 
 def find_layer(model, name):
-    """Layer ``name`` of a transformed model, also inside a ModuloLayer's ``body``.
+    """Layer ``name`` of a transformed model, also inside a ModuloLayer's ``body``
+    (or its ``keras.ops`` operation of that name: no weights).
 
     Raises:
         ValueError: if no such layer exists.
@@ -245,6 +248,9 @@ def find_layer(model, name):
     try:
         return model.get_layer(name)
     except ValueError:
+        for op in getattr(model, "operations", ()):   # a keras.ops operation (x / 255.0)
+            if op.name == name and is_operation(op):
+                return op
         for layer in model.layers:
             body = getattr(layer, "body", None)
             if isinstance(body, keras.Model):

@@ -244,6 +244,8 @@ def runs_on_blocks(node) -> bool:
         >>> runs_on_blocks(node_of(keras.layers.Concatenate()))
         True
     """
+    if node.attr("operation"):     # keras.ops: x / 255.0, a + b of one shape
+        return node.attr("operation") in ("elementwise", "merge")
     if node.cls == "Softmax" or (node.cls == "Activation" and
                                  node.attr("activation") in CHANNEL_MIXING):
         return channels_last_axis(node)
@@ -422,9 +424,20 @@ for _names, _rule in ((ELEMENTWISE + ("Activation",), Elementwise()), (CHANNELWI
 _DEFAULT = FullInput()
 
 
+_OPERATIONS = {"elementwise": Elementwise(), "merge": Merge(), "full": _DEFAULT}
+
+
 def rule_for(cls_name: str) -> Rule:
     """The rule of a Keras layer class (FullInput for unknown classes)."""
     return _RULES.get(cls_name, _DEFAULT)
+
+
+def rule_of(node) -> Rule:
+    """The rule of one node: by layer class, or for a ``keras.ops`` operation
+    (``x / 255.0``) by the kind :func:`~tfhybrid.transformer.graph.operation_kind`
+    recorded in ``attrs["operation"]``."""
+    kind = node.attr("operation")
+    return _OPERATIONS[kind] if kind else rule_for(node.cls)
 
 
 def nested_model_hint(node) -> str:

@@ -1,0 +1,116 @@
+"""Functional models that call ``keras.ops`` on tensors.
+
+Scripts scale their input in the model (``inp / 255.0``), add residuals with
+``+`` and apply ``keras.ops.relu``; Keras records each as an operation node
+of the functional graph, not a layer (``Embedding(mask_zero=True)`` adds one,
+``NotEqual``, for its mask). ``tfhybrid.transform`` read every node as a
+layer and failed with ``AttributeError: 'TrueDivide' object has no attribute
+'weights'`` under every strategy, ``d`` included. Per-element operations of
+one tensor and scalars, or of tensors of one shape, now pass any layout (they
+run on spatial blocks and between filter/channel pairs); others gather their
+inputs first. Each case: fit History and gathered weights equal one process
+on the whole data; ``p`` and ``ls`` cut and gather models with operations.
+"""
+import keras
+import numpy as np
+import pytest
+
+import tfhybrid
+
+from conftest import assert_weights_like, compiled_pair, rng, world_size
+
+N, BATCH, CLASSES = 32, 8, 4
+CASES = ([("d", 1), ("f", 2), ("c", 2), ("s", 2), ("gmp", 2)] if world_size() == 2 else
+         [("df", 2), ("ds", 2), ("s", 4), ("f", 4)])
+
+
+def _data():
+    x = (rng("ops-x").uniform(0, 255, (N, 8, 8, 4))).astype(np.float32)
+    y = rng("ops-y").integers(0, CLASSES, N)
+    return x, y
+
+
+def _model(per_channel=False):
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((8, 8, 4))
+    h = inp / 255.0
+    h = keras.layers.Conv2D(6, 3, padding="same", name="c0")(h)
+    h = keras.ops.relu(h) + h * 0.5
+    if per_channel:         # a constant per channel: broadcast over a split, so gathered
+        h = h * np.linspace(0.5, 1.5, 6).astype(np.float32)
+    h = keras.layers.Conv2D(6, 3, padding="same", name="c1")(h)
+    h = keras.ops.tanh(h)
+    h = keras.layers.Flatten(name="flat")(h)
+    h = keras.layers.Dense(16, name="fc")(h)
+    h = keras.ops.relu(h) - 0.1
+    out = keras.layers.Dense(CLASSES, name="out")(h)
+    opt = keras.optimizers.SGD(0.05)
+    return keras.Model(inp, out), dict(
+        optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def _fit_both(reference, model, x, y, blocks, index):
+    want = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    got = model.fit(x[index::blocks], y[index::blocks], batch_size=BATCH // blocks, epochs=2,
+                    shuffle=False, verbose=0)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
+    assert_weights_like(tfhybrid.gather(model), reference)
+
+
+@pytest.mark.parametrize("strategy,mp", CASES, ids=lambda c: str(c))
+def test_models_with_keras_ops_train_like_one_process(grid_of, strategy, mp):
+    grid = grid_of(mp)
+    x, y = _data()
+    reference, model = compiled_pair(_model, strategy)
+    blocks, index = (grid.size, grid.rank) if strategy in ("d", "gmp") else \
+        (grid.data_size, grid.data_rank)
+    _fit_both(reference, model, x, y, blocks, index)
+    if strategy in ("s", "ds"):     # the element-wise operations run on the blocks
+        rows = [(r.name, r.kind) for r in tfhybrid.describe(model, print_fn=None).rows]
+        names = [name for name, _ in rows]
+        region = rows[names.index("c0"):names.index("flat")]   # c0, relu, *, +, c1, tanh
+        assert len(region) == 6 and all(kind.startswith("spatial") for _, kind in region), rows
+
+
+def test_an_operation_with_a_per_channel_constant_gathers_its_input(grid_of):
+    grid = grid_of(world_size())
+    x, y = _data()
+    reference, model = compiled_pair(_model, "f", True)
+    _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)
+    reference, model = compiled_pair(_model, "s", True)
+    _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)
+    rows = {r.name: r.kind for r in tfhybrid.describe(model, print_fn=None).rows}
+    assert rows["c0"].startswith("spatial") and not rows["c1"].startswith("spatial"), rows
+
+
+@pytest.mark.parametrize("strategy", ["p", "ls"])
+def test_pipeline_and_layer_separation_cut_models_with_operations(grid_of, strategy):
+    grid_of(2 if strategy == "p" else 1)
+    x, y = _data()
+    reference, model = compiled_pair(_model, strategy)
+    want = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    local = tfhybrid.data.local_batch_size(BATCH, model)
+    xl, yl = tfhybrid.data.shard((x, y), model=model, batch_size=BATCH)
+    got = model.fit(xl, yl, batch_size=local, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
+    assert_weights_like(tfhybrid.gather(model), reference)
+
+
+def test_an_embedding_mask_and_a_recurrent_layer_train_like_one_process(grid_of):
+    """Embedding(mask_zero=True) adds a NotEqual operation for its mask."""
+    grid = grid_of(1)
+    tokens = rng("ops-tokens").integers(1, 40, (N, 10))
+    tokens[:, 7:] = 0
+    y = rng("ops-labels").integers(0, 2, N)
+
+    def make():
+        keras.utils.set_random_seed(5)
+        inp = keras.Input((10,), dtype="int32")
+        h = keras.layers.Embedding(40, 8, mask_zero=True, name="emb")(inp)
+        h = keras.layers.GRU(6, name="gru")(h)
+        return keras.Model(inp, keras.layers.Dense(2, name="out")(h)), dict(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    reference, model = compiled_pair(make, "d")
+    _fit_both(reference, model, tokens, y, grid.size, grid.rank)

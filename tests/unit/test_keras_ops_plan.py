@@ -1,0 +1,66 @@
+"""Functional models with ``keras.ops`` operation nodes (``x / 255.0``, ``a + b``)
+in the planner (one process): each node is described as an operation of a
+kind (elementwise, merge, full), and planned like the layer of that kind."""
+import keras
+import numpy as np
+import pytest
+
+from tfhybrid.process_grid import ProcessGrid
+from tfhybrid.transformer.graph import as_functional, describe_graph
+from tfhybrid.transformer.options import make_options
+from tfhybrid.transformer.planner import make_plan
+
+
+def _graph(build):
+    inp = keras.Input((8, 8, 4))
+    return describe_graph(as_functional(keras.Model(inp, build(inp))))
+
+
+@pytest.mark.parametrize("build,kind", [
+    (lambda x: x / 255.0, "elementwise"),
+    (lambda x: keras.ops.relu(x), "elementwise"),
+    (lambda x: keras.ops.clip(x, 0.0, 1.0), "elementwise"),
+    (lambda x: x * np.float32(2), "elementwise"),
+    (lambda x: x + x, "merge"),
+    (lambda x: x * np.ones(4, np.float32), "full"),             # a per-channel constant
+    (lambda x: x + keras.ops.mean(x, axis=-1, keepdims=True), "full"),   # broadcast
+    (lambda x: keras.ops.softmax(x), "full"),                    # mixes channels
+    (lambda x: keras.ops.transpose(x, (0, 2, 1, 3)), "full"),
+])
+def test_operations_are_described_by_kind(build, kind):
+    last = _graph(build).nodes[-1]
+    assert last.attr("operation") == kind and last.n_params == 0
+
+
+def _model():
+    inp = keras.Input((8, 8, 4))
+    h = inp / 255.0
+    h = keras.layers.Conv2D(8, 3, padding="same", name="c0")(h)
+    h = keras.ops.relu(h) + h * 0.5
+    h = keras.layers.Conv2D(8, 3, padding="same", name="c1")(h)
+    h = keras.layers.Flatten(name="flat")(h)
+    h = keras.ops.tanh(keras.layers.Dense(16, name="fc0")(h))
+    return keras.Model(inp, keras.layers.Dense(4, name="fc1")(h))
+
+
+def _plan(strategy, size, m):
+    graph = describe_graph(as_functional(_model()))
+    plan = make_plan(graph, make_options(strategy), ProcessGrid(size, 0, m))
+    return {n.name: n for n in plan.nodes}, graph
+
+
+def test_operations_do_not_end_the_spatial_region():
+    nodes, graph = _plan("s", 2, 2)
+    assert nodes["c0"].kind == nodes["c1"].kind == "spatial"
+    ops = [n.name for n in graph.nodes if n.attr("operation")]
+    between = [n for n in ops if graph.names().index("c0") < graph.names().index(n)
+               < graph.names().index("c1")]
+    assert len(between) == 3 and all(nodes[n].output.kind == "space" for n in between)
+    assert nodes[ops[0]].output.kind == "replicated"       # x / 255.0 before the region
+
+
+def test_an_elementwise_operation_keeps_a_filter_channel_pair():
+    nodes, graph = _plan("f", 2, 2)
+    tanh = next(n.name for n in graph.nodes if n.cls == "Tanh")
+    assert nodes["fc0"].kind == "filter" and nodes["fc1"].kind == "channel"
+    assert nodes[tanh].conversions == (None,)

@@ -118,8 +118,13 @@ def weight_checksums(variables) -> np.ndarray:
     return np.asarray(out)
 
 
-def batch_checksum(data):
-    """A traced float64 checksum of a batch, sensitive to row order and values."""
+def batch_checksum(data, position=None):
+    """A traced float64 checksum of a batch, sensitive to row order and values.
+
+    ``position`` (a traced int, p/ls): this batch is block ``position`` of
+    equal blocks that another rank feeds as one batch; its rows are weighted
+    as rows ``position x rows ...`` of that batch, so the blocks' checksums
+    sum to the joined batch's."""
     total = tf.constant(0.0, tf.float64)
     for t in tf.nest.flatten(data):
         if t is None or not tf.is_tensor(t) or not (t.dtype.is_floating or t.dtype.is_integer
@@ -132,6 +137,8 @@ def batch_checksum(data):
         rows = tf.reshape(t, [tf.shape(t)[0], -1])
         cols = 1.0 + tf.cast(tf.range(tf.shape(rows)[1]) % 7, tf.float64) / 7.0
         row_w = 1.0 + tf.cast(tf.range(tf.shape(rows)[0]), tf.float64)
+        if position is not None:
+            row_w += tf.cast(position * tf.shape(rows)[0], tf.float64)
         total += tf.reduce_sum(tf.linalg.matvec(rows, cols) * row_w)
     return total
 
@@ -715,6 +722,84 @@ class EvaluateRows(keras.callbacks.Callback):
         if not self._done:
             self._due.assign(False)
         self._done = True
+
+
+def part_rows(model):
+    """``(position, relations)`` of a p/ls model (``row_relations``), else None:
+    this rank's block position among the ranks whose batches another rank
+    feeds joined, and ``(rank, ranks)`` pairs: ``rank``'s batch must be the
+    blocks of ``ranks`` joined in order (one rank: the same rows)."""
+    relations = getattr(model, "row_relations", None)
+    if relations is None or runtime.current_grid().size == 1:
+        return None
+    return relations()
+
+
+def _check_part_rows(model, sums, where):
+    position, relations = part_rows(model)
+    for rank, ranks in relations:
+        want = float(np.sum(sums[list(ranks)]))
+        if abs(sums[rank] - want) <= 1e-9 * max(1.0, abs(want)):
+            continue
+        kind = ("p" if hasattr(model, "pipeline_state") else "ls")
+        role = (f"ranks {rank} and {ranks[0]} run stages of one pipeline and must feed the "
+                "same rows" if kind == "p" else
+                f"rank {rank} (an FC worker) must feed the rows of its CONV workers "
+                f"{tuple(ranks)}, joined in order")
+        raise ConsistencyError(
+            f"tfhybrid guard: {where}, {role}, but they fed other rows (batch checksums "
+            f"{sums[rank]:.6g} and {want:.6g}). Under strategy {kind!r} ranks play different "
+            "parts, and each must feed the block of the global batch its part needs: a "
+            "Horovod-style x[rank::size] or dataset.shard(size, rank) gives them other rows "
+            "and trains another model. Feed tfhybrid.data.shard(dataset_or_arrays, "
+            "model=model, batch_size=<global batch>) with batch_size="
+            "tfhybrid.data.local_batch_size(<global batch>, model) for arrays, the same "
+            "global data and order on every rank (shuffle with a seed, or shuffle=False).")
+
+
+class PartRows(keras.callbacks.Callback):
+    """p/ls: each rank fed the rows its part needs (the stages of a pipeline the
+    same rows; an ls FC worker its CONV workers' rows joined), compared after
+    the first ``FIRST_STEPS`` training steps of a fit and the first batch of an
+    evaluate (one scalar allgather each): a Horovod-style per-rank slice of the
+    data trained another model, silently."""
+
+    def __init__(self, checksum_variable, due_variable):
+        super().__init__()
+        self._checksum, self._due = checksum_variable, due_variable
+        self._steps = 0
+        self._tested = False
+
+    def _compare(self, where):
+        sums = _world_gather([float(self._checksum.numpy())], "guard.part_rows")[:, 0]
+        _check_part_rows(self.model, sums, where)
+
+    def on_train_begin(self, logs=None):
+        self._steps = 0
+        self._due.assign(True)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+        if self._steps <= FIRST_STEPS:
+            self._compare(f"at step {self._steps} of fit")
+            if self._steps == FIRST_STEPS:
+                self._due.assign(False)
+
+    def on_train_end(self, logs=None):
+        self._due.assign(False)
+
+    def on_test_begin(self, logs=None):
+        self._tested = False
+        self._due.assign(True)
+
+    def on_test_batch_end(self, batch, logs=None):
+        if not self._tested:
+            self._tested = True
+            self._compare("at the first batch of evaluate")
+            self._due.assign(False)
+
+    def on_test_end(self, logs=None):
+        self._due.assign(False)
 
 
 class AgreeOnStop(keras.callbacks.Callback):
@@ -1384,6 +1469,17 @@ def install(model, part=False):
         with batch_losses.weighted_rows(self, batch_losses.rows_factor(self, data, weighting)):
             return cls.test_step(self, data)
 
+    def part_step(keras_step):
+        """p/ls: the batch checksum of the steps :class:`PartRows` compares."""
+        def step(self, data):
+            rows = part_rows(self) if _config().guards else None
+            if rows is not None:
+                position = tf.constant(rows[0], tf.int32)
+                checksum.assign(tf.cond(due, lambda: batch_checksum(data, position),
+                                        checksum.read_value))
+            return keras_step(self, data)
+        return step
+
     def fit(self, *args, **kwargs):
         bound = _keras_signature(cls.fit).bind(self, *args, **kwargs)
         _keras_checkpoints(self, bound)          # may raise: before any collective
@@ -1408,6 +1504,8 @@ def install(model, part=False):
             extra.append(GuardCallback(checksum, config.guard_every_steps, due))
         if config.guards and runtime.current_grid().size > 1 and not part:
             extra.append(EvaluateRows(checksum, evaluate_due))   # validation on a dataset
+        if part and config.guards and part_rows(self) is not None:
+            extra.append(PartRows(checksum, due))     # each part fed the rows it needs
         if runtime.current_grid().size > 1:
             extra.append(AgreeOnStop())          # last: after every callback's on_epoch_end
         try:
@@ -1438,6 +1536,8 @@ def install(model, part=False):
                 extra.append(EvaluateRows(checksum, evaluate_due))   # lists its own)
             elif copies is not None and copies > 1:
                 _warn_copies(self, copies, "in evaluate")
+        if part and not in_fit and _config().guards and part_rows(self) is not None:
+            extra.append(PartRows(checksum, due))     # fit's validation: fit's callback
         outer = getattr(self, "_tfhybrid_evaluating", False)
         object.__setattr__(self, "_tfhybrid_evaluating", True)
         try:
@@ -1542,7 +1642,8 @@ def install(model, part=False):
     if part:     # p/ls: their own steps, reductions and metrics
         keep = ("fit", "evaluate", "predict", "save", "save_weights", "load_weights")
         methods = [(name, fn) for name, fn in methods if name in keep]
-        methods.append(("compile", part_compile))
+        methods += [("compile", part_compile), ("train_step", part_step(cls.train_step)),
+                    ("test_step", part_step(cls.test_step))]
         object.__setattr__(model, "_tfhybrid_part", True)
     for name, fn in methods:
         object.__setattr__(model, name, types.MethodType(fn, model))

@@ -1,0 +1,59 @@
+"""p and ls fed a Horovod-style per-rank slice of the data.
+
+Under ``p`` the stages of a pipeline must feed the same rows; under ``ls`` an
+FC worker feeds its CONV workers' rows joined in order (what
+``tfhybrid.data.shard(..., model=model)`` gives each part). A script that
+slices the arrays per rank as for data parallelism (``x[rank::size]``) gave
+the last stage, or the FC worker, the labels of other rows than the first
+stage's or the CONV workers' inputs: the model trained on mismatched rows
+and labels, silently (np2, p: weights 2.1 relative off one process). The
+guards now compare the batches of the first two steps of a fit and the first
+batch of an evaluate (one scalar allgather each) and raise on every rank,
+naming the fix.
+"""
+import keras
+import pytest
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid import guards
+
+from conftest import world_size
+from stage_testing import B, compile_sgd, data
+from test_layer_separation import vgg_fc_head
+
+CASES = [("p", 2), ("ls", 1)] + ([("p", 4), ("ls", 1, 2)] if world_size() > 2 else [])
+
+
+def _model(case, grid_of):
+    strategy, mp = case[0], case[1]
+    grid_of(mp)
+    keras.utils.set_random_seed(3)
+    options = {"fc_workers": case[2]} if len(case) > 2 else {}
+    model = tfhybrid.transform(vgg_fc_head(), strategy, **options)
+    compile_sgd(model, True)
+    return model
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_a_per_rank_slice_is_refused_on_every_rank(grid_of, case):
+    model = _model(case, grid_of)
+    x, y = data()
+    size, rank = tfhybrid.size(), tfhybrid.rank()
+    with pytest.raises(guards.ConsistencyError, match=r"fed other rows.*tfhybrid\.data\.shard"):
+        model.fit(x[rank::size], y[rank::size], batch_size=4, epochs=1,
+                  shuffle=False, verbose=0)
+    with pytest.raises(guards.ConsistencyError, match="at the first batch of evaluate"):
+        model.evaluate(x[rank::size], y[rank::size], batch_size=4, verbose=0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_the_blocks_of_data_shard_pass(grid_of, case):
+    model = _model(case, grid_of)
+    x, y = data()
+    local = tfhybrid.data.local_batch_size(B, model)
+    xl, yl = tfhybrid.data.shard((x, y), model=model, batch_size=B)
+    model.fit(xl, yl, batch_size=local, epochs=2, shuffle=False, verbose=0)
+    model.evaluate(xl, yl, batch_size=local, verbose=0)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
+    model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0)

@@ -114,3 +114,30 @@ def test_an_embedding_mask_and_a_recurrent_layer_train_like_one_process(grid_of)
 
     reference, model = compiled_pair(make, "d")
     _fit_both(reference, model, tokens, y, grid.size, grid.rank)
+
+
+def _squeeze_excitation(as_operation):
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((8, 8, 4))
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c0")(inp)
+    gate = keras.layers.GlobalAveragePooling2D(keepdims=True, name="gap")(h)
+    gate = keras.layers.Conv2D(8, 1, activation="sigmoid", name="gate")(gate)
+    h = h * gate if as_operation else keras.layers.Multiply(name="scale")([h, gate])
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(h)
+    h = keras.layers.GlobalAveragePooling2D(name="gap2")(h)
+    out = keras.layers.Dense(CLASSES, name="out")(h)
+    return keras.Model(inp, out), dict(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+@pytest.mark.parametrize("as_operation", [False, True], ids=["Multiply", "operation"])
+def test_a_squeeze_excitation_gate_trains_like_one_process_under_s(grid_of, as_operation):
+    """A (B, 1, 1, C) gate times a spatially split (B, H, W, C) map: the Multiply
+    layer's rule scattered the gate as if it had the map's shape (transform
+    failed: 'height=1 is not divisible by the 2 blocks'); a broadcast now joins
+    whole tensors."""
+    grid = grid_of(world_size())
+    x, y = _data()
+    reference, model = compiled_pair(_squeeze_excitation, "s", as_operation)
+    _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)

@@ -26,6 +26,8 @@ def _graph(build):
     (lambda x: x + keras.ops.mean(x, axis=-1, keepdims=True), "full"),   # broadcast
     (lambda x: keras.ops.softmax(x), "full"),                    # mixes channels
     (lambda x: keras.ops.transpose(x, (0, 2, 1, 3)), "full"),
+    (lambda x: keras.ops.where(x > 0, x, 0.0), "merge"),       # the mask and x
+    (lambda x: keras.ops.where(x > 0, 1.0, 0.0), "elementwise"),
 ])
 def test_operations_are_described_by_kind(build, kind):
     last = _graph(build).nodes[-1]

@@ -303,9 +303,9 @@ def operation_kind(node) -> str:
         if np.size(value) != 1:          # a per-channel constant broadcast over a split
             return "full"
     shapes = {tuple(t.shape) for t in node.input_tensors}
-    if len(node.input_tensors) == 1:
-        return "elementwise"
-    return "merge" if len(shapes) == 1 else "full"
+    if len(shapes) != 1 or shapes != {tuple(node.outputs[0].shape)}:
+        return "full"       # a broadcast, or keras.ops.where(condition): indices
+    return "elementwise" if len(node.input_tensors) == 1 else "merge"
 
 
 def _node_spec(node, tid, seen):

@@ -160,14 +160,23 @@ class Merge(Rule):
     ones are scattered (no communication); other mixes are made full."""
 
     def plan(self, node, layouts, kind, ctx):
+        kinds = {lay.kind for lay in layouts}
+        if "space" in kinds and len({self._joined_shape(s) for s in node.in_shapes}) > 1:
+            # a broadcast (a squeeze-excitation's (B, 1, 1, C) gate times the
+            # (B, H, W, C) map): the block of one input is not the other's block
+            return super().plan(node, layouts, kind, ctx)
         if all(lay == layouts[0] for lay in layouts):
             return Decision((None,) * len(layouts), "replicate", layouts[0])
-        kinds = {lay.kind for lay in layouts}
         if kinds == {"space", "replicated"}:
             needs = tuple(None if lay.kind == "space" else "space" for lay in layouts)
             space = next(lay for lay in layouts if lay.kind == "space")
             return Decision(needs, "replicate", space)
         return super().plan(node, layouts, kind, ctx)
+
+    @staticmethod
+    def _joined_shape(shape):
+        """The part of an input's shape the inputs share (all of it)."""
+        return tuple(shape)
 
 
 class Concat(Merge):
@@ -179,6 +188,11 @@ class Concat(Merge):
         if not channels_last_axis(node) or any(lay.kind == "channel" for lay in layouts):
             return Rule.plan(self, node, layouts, kind, ctx)
         return super().plan(node, layouts, kind, ctx)
+
+    @staticmethod
+    def _joined_shape(shape):
+        """All but the channels, along which the inputs are joined."""
+        return tuple(shape)[:-1]
 
 
 class UpSampling(Channelwise):

@@ -141,3 +141,27 @@ def test_a_squeeze_excitation_gate_trains_like_one_process_under_s(grid_of, as_o
     x, y = _data()
     reference, model = compiled_pair(_squeeze_excitation, "s", as_operation)
     _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)
+
+
+def _lambda_first():
+    keras.utils.set_random_seed(6)
+    inp = keras.Input((8, 8, 4))
+    h = keras.layers.Lambda(lambda t: t / 127.5 - 1.0, name="norm")(inp)
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c0")(h)
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(h)
+    h = keras.layers.GlobalAveragePooling2D(name="gap")(h)
+    return keras.Model(inp, keras.layers.Dense(CLASSES, name="out")(h)), dict(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def test_a_lambda_before_the_first_convolution_runs_on_the_whole_input(grid_of):
+    """s refused the model ('would split no layer spatially: a Lambda has no
+    spatial rule'): a layer before the first convolution sees the whole input on
+    every rank, so it runs there and the blocks are cut after it."""
+    grid = grid_of(world_size())
+    x, y = _data()
+    reference, model = compiled_pair(_lambda_first, "s")
+    kinds = {r.name: r.kind for r in tfhybrid.describe(model, print_fn=None).rows}
+    assert kinds["norm"] == "replicate" and kinds["c0"] == kinds["c1"] == "spatial", kinds
+    _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)

@@ -196,11 +196,13 @@ def _spatial_capable(node):
 
 
 def _before_region(node, region):
-    """Shape-only layers and Keras preprocessing layers (Normalization, RandomFlip,
-    Resizing, ...: augmentation at the model's input) before the first spatial
-    convolution run on the full input; the blocks are cut after them."""
-    return (not region and (node.cls in rules.CHANNELWISE or node.attr("preprocessing"))
-            and len(node.out_shape) in (4, 5))
+    """Layers before the first spatial convolution run on the full input, the
+    blocks are cut after them: shape-only and Keras preprocessing layers
+    (Normalization, RandomFlip, Resizing: augmentation at the model's input),
+    and any other layer making an image or volume there (a
+    ``Lambda(lambda t: t / 127.5 - 1)``, a Reshape of flat rows): every rank
+    holds the whole input, so running it replicated is exact."""
+    return not region and len(node.out_shape) in (4, 5) and not node.attr("nested_model")
 
 
 def _conv_problem(node, ctx):

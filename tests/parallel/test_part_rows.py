@@ -12,6 +12,7 @@ batch of an evaluate (one scalar allgather each) and raise on every rank,
 naming the fix.
 """
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -45,6 +46,11 @@ def test_a_per_rank_slice_is_refused_on_every_rank(grid_of, case):
                   shuffle=False, verbose=0)
     with pytest.raises(guards.ConsistencyError, match="at the first batch of evaluate"):
         model.evaluate(x[rank::size], y[rank::size], batch_size=4, verbose=0)
+    local = tfhybrid.data.local_batch_size(B, model)      # right rows, sliced validation
+    xl, yl = tfhybrid.data.shard((x, y), model=model, batch_size=B)
+    with pytest.raises(guards.ConsistencyError, match="at the first batch of evaluate"):
+        model.fit(xl, yl, batch_size=local, epochs=1, shuffle=False, verbose=0,
+                  validation_data=(x[rank::size], y[rank::size]), validation_batch_size=4)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -57,3 +63,24 @@ def test_the_blocks_of_data_shard_pass(grid_of, case):
     model.evaluate(xl, yl, batch_size=local, verbose=0)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
     model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_fit_validation_data_equals_one_process(grid_of, case):
+    """fit(validation_data=...) failed on p and ls ("evaluate() got multiple values
+    for argument 'return_dict'") on some ranks, the others waiting in the
+    validation's collectives until the watchdog ended the job."""
+    model = _model(case, grid_of)
+    keras.utils.set_random_seed(3)
+    reference = vgg_fc_head()
+    compile_sgd(reference, False)
+    x, y = data()
+    want = reference.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0,
+                         validation_data=(x[:B * 2], y[:B * 2])).history
+    local = tfhybrid.data.local_batch_size(B, model)
+    xl, yl = tfhybrid.data.shard((x, y), model=model, batch_size=B)
+    xv, yv = tfhybrid.data.shard((x[:B * 2], y[:B * 2]), model=model, batch_size=B)
+    got = model.fit(xl, yl, batch_size=local, epochs=2, shuffle=False, verbose=0,
+                    validation_data=(xv, yv)).history
+    for key in ("loss", "val_loss", "val_accuracy"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, err_msg=key)

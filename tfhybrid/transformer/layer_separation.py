@@ -403,13 +403,8 @@ class LayerSeparatedModel(keras.Model):
 
     def evaluate(self, *args, **kwargs):
         """Collective: metrics of the global data set on every rank (summed over CONV workers)."""
-        return_dict = kwargs.pop("return_dict", False)
-        super().evaluate(*args, **kwargs, return_dict=True)     # states summed at its end
-        logs = {k: float(v) for k, v in self.get_metrics_result().items()}
-        if return_dict:
-            return logs
-        values = list(logs.values())
-        return values[0] if len(values) == 1 else values
+        from tfhybrid.transformer.parts import evaluate_global
+        return evaluate_global(self, super().evaluate, args, kwargs)
 
     def _get_metrics_result_or_logs(self, logs):
         """Keras calls this eagerly, on every rank, at the end of ``evaluate`` and of each

@@ -513,13 +513,8 @@ class PipelineModel(keras.Model):
     def evaluate(self, *args, **kwargs):
         """Collective: metrics of the global data set on every rank (metric states summed
         over the pipelines)."""
-        return_dict = kwargs.pop("return_dict", False)
-        super().evaluate(*args, **kwargs, return_dict=True)     # states summed at its end
-        logs = {k: float(v) for k, v in self.get_metrics_result().items()}
-        if return_dict:
-            return logs
-        values = list(logs.values())
-        return values[0] if len(values) == 1 else values
+        from tfhybrid.transformer.parts import evaluate_global
+        return evaluate_global(self, super().evaluate, args, kwargs)
 
     def _get_metrics_result_or_logs(self, logs):
         """Keras calls this eagerly, on every rank, at the end of ``evaluate`` and of each
@@ -714,6 +709,15 @@ def _stage_model(full, plan, s):
     return keras.Model(inp, out, name=f"p_stage_{s}")
 
 
+def _data_synced_norms(layer):
+    """clone_model's clone_function for a stage that joins its micro-batches:
+    BatchNormalization synchronised over the stage's data group."""
+    if isinstance(layer, keras.layers.BatchNormalization):
+        from tfhybrid.layers.sync_bn import SyncBatchNormalization
+        return SyncBatchNormalization.from_layer(layer, groups=("data",))
+    return layer.__class__.from_config(layer.get_config())
+
+
 def _output_of(full, name):
     """The output of layer (or ``keras.ops`` operation) ``name`` of ``full``."""
     from tfhybrid.transformer.rewrite import find_layer
@@ -751,20 +755,13 @@ def build(model, grid, stages=None, micro_batches=None, machine=None, batch_norm
         full.set_weights(functional.get_weights())
     finalize_states(full)       # an adapted Normalization's mean/variance
     s = grid.model_rank
-    bn = lambda names: any(isinstance(full.get_layer(n), keras.layers.BatchNormalization)  # noqa
-                           for n in names)
-    joined = tuple(i for i, names in enumerate(plan.stages) if bn(names)) \
+    norms = {layer.name for layer in full.layers
+             if isinstance(layer, keras.layers.BatchNormalization)}
+    joined = tuple(i for i, names in enumerate(plan.stages) if norms.intersection(names)) \
         if batch_norm == "sync" else ()
     sub = _stage_model(full, plan, s)
-    clone_fn = None
-    if grid.data_size > 1 and s in joined:
-        from tfhybrid.layers.sync_bn import SyncBatchNormalization
-
-        def clone_fn(layer):
-            if isinstance(layer, keras.layers.BatchNormalization):
-                return SyncBatchNormalization.from_layer(layer, groups=("data",))
-            return layer.__class__.from_config(layer.get_config())
-    stage = keras.models.clone_model(sub, clone_function=clone_fn)
+    stage = keras.models.clone_model(
+        sub, clone_function=_data_synced_norms if grid.data_size > 1 and s in joined else None)
     stage.set_weights(sub.get_weights())
     finalize_states(stage)
     boundaries = [(tuple(full.inputs[0].shape[1:]), full.inputs[0].dtype)]

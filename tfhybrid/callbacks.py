@@ -205,6 +205,10 @@ def _broadcast_state(model, root_rank, check=None):
             0 <= root_rank < grid.size):
         raise ValueError(f"Received an invalid value for `root_rank`: root_rank={root_rank!r}; "
                          f"expected 0 <= root_rank < world size {grid.size}.")
+    own = getattr(model, "broadcast_state", None)
+    if own is not None:       # ls: each part from a rank that trains it, per role
+        own(root_rank)
+        return
     variables = list(model.variables)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:

@@ -9,7 +9,8 @@ stage's or the CONV workers' inputs: the model trained on mismatched rows
 and labels, silently (np2, p: weights 2.1 relative off one process). The
 guards now compare the batches of the first two steps of a fit and the first
 batch of an evaluate (one scalar allgather each) and raise on every rank,
-naming the fix.
+naming the fix. Also here, scripts on the right rows that failed under p/ls:
+``fit(validation_data=...)`` and ``callbacks.standard()`` on two fits.
 """
 import keras
 import numpy as np
@@ -84,3 +85,28 @@ def test_fit_validation_data_equals_one_process(grid_of, case):
                     validation_data=(xv, yv)).history
     for key in ("loss", "val_loss", "val_accuracy"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-4, err_msg=key)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_two_fits_with_the_standard_callbacks_equal_one_process(grid_of, case):
+    """callbacks.standard() (its broadcast of every variable from rank 0) failed
+    under ls ("Mismatched BROADCAST tensor shapes": CONV and FC workers hold other
+    optimizer slots); a second fit with new callbacks must not reset the FC part
+    to rank 0's stale copy."""
+    model = _model(case, grid_of)
+    keras.utils.set_random_seed(3)
+    reference = vgg_fc_head()
+    compile_sgd(reference, False)
+    x, y = data()
+    local = tfhybrid.data.local_batch_size(B, model)
+    xl, yl = tfhybrid.data.shard((x, y), model=model, batch_size=B)
+    want, got = [], []
+    for _ in range(2):
+        want += reference.fit(x, y, batch_size=B, epochs=1, shuffle=False,
+                              verbose=0).history["loss"]
+        got += model.fit(xl, yl, batch_size=local, epochs=1, shuffle=False, verbose=0,
+                         callbacks=tfhybrid.callbacks.standard()).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    full = tfhybrid.gather(model)
+    for a, b in zip(full.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -436,6 +436,40 @@ class LayerSeparatedModel(keras.Model):
                                            f"ls.sync.{part.name}.{i}"))
             finalize_states(part)
 
+    def broadcast_state(self, root_rank=0):
+        """What ``BroadcastGlobalVariablesCallback`` (``callbacks.standard()``) does for
+        ``ls`` (collective): each part's weights from a rank that trains it (the CONV
+        part from ``root_rank`` when it is a CONV worker, else rank 0; the FC part from
+        the first FC worker, or ``root_rank`` when it is one), and the optimizer
+        state, which covers a role's part only, within each role from the same rank.
+
+        Keras' broadcast of every variable from ``root_rank`` failed here
+        ("Mismatched BROADCAST tensor shapes": CONV and FC workers hold other
+        optimizer slots), and a part a rank does not train is a stale copy there,
+        which must never overwrite the trained one."""
+        from tfhybrid.optimizer.slots import tracking_slots
+        world = tuple(range(backend.size()))
+        conv_root = root_rank if root_rank in self.conv_ranks else self.conv_ranks[0]
+        fc_root = root_rank if root_rank in self.fc_ranks else self.fc_ranks[0]
+        for part, root in ((self.conv_part, conv_root), (self.fc_part, fc_root)):
+            for i, w in enumerate(part.weights):
+                w.assign(backend.broadcast(tf.convert_to_tensor(w.value), root, world,
+                                           f"ls.state.{part.name}.{i}"))
+            finalize_states(part)
+        optimizer = self._inner_optimizer() if getattr(self, "optimizer", None) else None
+        if optimizer is None:
+            return
+        mine = self.fc_part if self.is_fc else self.conv_part
+        if not optimizer.built:
+            with tracking_slots(optimizer):
+                optimizer.build(mine.trainable_variables)
+        role = self.fc_ranks if self.is_fc else self.conv_ranks
+        root = fc_root if self.is_fc else conv_root
+        if len(role) > 1:
+            for i, v in enumerate(optimizer.variables):
+                v.assign(backend.broadcast(tf.convert_to_tensor(v), root, role,
+                                           f"ls.state.{self.role}.optimizer.{i}"))
+
     def check_trainable_unchanged(self):
         """Raise when the script froze or unfroze layers after ``transform``: ``ls``
         freezes the part a rank does not run (Keras then resets that part's

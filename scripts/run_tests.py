@@ -27,17 +27,37 @@ def pytest_cmd(paths, xml, extra):
             f"--junitxml={xml}", *extra]
 
 
+HEAVY = ("test_strategies_vgg16_float64.py", "test_strategies_resnet.py",
+         "test_strategies_apps.py")
+
+
+def parallel_halves():
+    """tests/parallel's test files in two lists of about equal size: the
+    memory-heavy modules (VGG16, ResNet-50) and the first files, the rest."""
+    files = sorted(p.name for p in (ROOT / "tests/parallel").glob("test_*.py"))
+    rest = [f for f in files if f not in HEAVY]
+    half = max(0, len(files) // 2 - len(HEAVY))
+    first = [f for f in HEAVY if f in files] + rest[:half]
+    return [[f"tests/parallel/{f}" for f in first],
+            [f"tests/parallel/{f}" for f in rest[half:]]]
+
+
 def suites(only, extra):
     out = []
     if only in (None, "unit"):
         out.append(("unit", None, pytest_cmd(["tests/unit"], RESULTS / "unit.xml", extra)))
     if only in (None, "parallel"):
         for np_ in (2, 4):
-            xml = RESULTS / f"parallel-np{np_}-rank{{rank}}.xml"
-            # Each rank expands its own file name from HOROVOD_RANK (see conftest).
-            cmd = [str(BIN / "horovodrun"), "-np", str(np_), "--gloo",
-                   *pytest_cmd(["tests/parallel"], xml, extra)]
-            out.append((f"parallel-np{np_}", np_, cmd))
+            # -np 4: two sessions (fresh processes), each rank's resident set grew ~2.5 GB
+            # over one session and 4 ranks filled the 24 GB box (OOM kill at 85 %)
+            parts = [["tests/parallel"]] if np_ == 2 else parallel_halves()
+            for i, paths in enumerate(parts):
+                name = f"parallel-np{np_}" + (f"-part{i + 1}" if len(parts) > 1 else "")
+                xml = RESULTS / f"{name}-rank{{rank}}.xml"
+                # Each rank expands its own file name from HOROVOD_RANK (see conftest).
+                cmd = [str(BIN / "horovodrun"), "-np", str(np_), "--gloo",
+                       *pytest_cmd(paths, xml, extra)]
+                out.append((name, np_, cmd))
     if only in (None, "integration") and list((ROOT / "tests/integration").glob("test_*.py")):
         out.append(("integration", None, pytest_cmd(["tests/integration"], RESULTS / "integration.xml", extra)))
     return out

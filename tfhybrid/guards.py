@@ -736,8 +736,7 @@ def part_rows(model):
 
 
 def _check_part_rows(model, sums, where):
-    position, relations = part_rows(model)
-    for rank, ranks in relations:
+    for rank, ranks in part_rows(model)[1]:
         want = float(np.sum(sums[list(ranks)]))
         if abs(sums[rank] - want) <= 1e-9 * max(1.0, abs(want)):
             continue
@@ -769,6 +768,7 @@ class PartRows(keras.callbacks.Callback):
         self._checksum, self._due = checksum_variable, due_variable
         self._steps = 0
         self._tested = False
+        self._training = False
 
     def _compare(self, where):
         sums = _world_gather([float(self._checksum.numpy())], "guard.part_rows")[:, 0]
@@ -776,6 +776,7 @@ class PartRows(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._steps = 0
+        self._training = True
         self._due.assign(True)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -786,6 +787,7 @@ class PartRows(keras.callbacks.Callback):
                 self._due.assign(False)
 
     def on_train_end(self, logs=None):
+        self._training = False
         self._due.assign(False)
 
     def on_test_begin(self, logs=None):
@@ -799,7 +801,8 @@ class PartRows(keras.callbacks.Callback):
             self._due.assign(False)
 
     def on_test_end(self, logs=None):
-        self._due.assign(False)
+        # a validation inside fit's first steps: the next training step still compares
+        self._due.assign(self._training and self._steps < FIRST_STEPS)
 
 
 class AgreeOnStop(keras.callbacks.Callback):

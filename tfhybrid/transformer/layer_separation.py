@@ -429,11 +429,15 @@ class LayerSeparatedModel(keras.Model):
     def sync_weights(self):
         """Every rank gets the CONV part from rank 0 and the FC part from FC worker 0
         (collective over the world; Stanza §5.3's redundant copy of the FC parameters)."""
+        self._broadcast_parts(0, self.n_c, "ls.sync")
+
+    def _broadcast_parts(self, conv_root, fc_root, name):
+        """The CONV part from ``conv_root``, the FC part from ``fc_root``, to every rank."""
         world = tuple(range(backend.size()))
-        for part, root in ((self.conv_part, 0), (self.fc_part, self.n_c)):
+        for part, root in ((self.conv_part, conv_root), (self.fc_part, fc_root)):
             for i, w in enumerate(part.weights):
                 w.assign(backend.broadcast(tf.convert_to_tensor(w.value), root, world,
-                                           f"ls.sync.{part.name}.{i}"))
+                                           f"{name}.{part.name}.{i}"))
             finalize_states(part)
 
     def broadcast_state(self, root_rank=0):
@@ -448,14 +452,9 @@ class LayerSeparatedModel(keras.Model):
         optimizer slots), and a part a rank does not train is a stale copy there,
         which must never overwrite the trained one."""
         from tfhybrid.optimizer.slots import tracking_slots
-        world = tuple(range(backend.size()))
         conv_root = root_rank if root_rank in self.conv_ranks else self.conv_ranks[0]
         fc_root = root_rank if root_rank in self.fc_ranks else self.fc_ranks[0]
-        for part, root in ((self.conv_part, conv_root), (self.fc_part, fc_root)):
-            for i, w in enumerate(part.weights):
-                w.assign(backend.broadcast(tf.convert_to_tensor(w.value), root, world,
-                                           f"ls.state.{part.name}.{i}"))
-            finalize_states(part)
+        self._broadcast_parts(conv_root, fc_root, "ls.state")
         optimizer = self._inner_optimizer() if getattr(self, "optimizer", None) else None
         if optimizer is None:
             return

@@ -220,13 +220,15 @@ class Contenders:
         return lambda: [step(self.x[i * b:(i + 1) * b], self.y[i * b:(i + 1) * b])
                         for i in range(self.steps)]
 
-    def readme_fit(self):
-        """transform(d) + fit over data.shard of single rows, as the README writes it."""
+    def readme_fit(self, autotune=False):
+        """transform(d) + fit over data.shard of single rows, as the README writes it
+        (``autotune=True``: with tf.data's autotuning left on, shard's option)."""
         model = tfhybrid.transform(make_model(), "d")
         model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)),
                       loss=LOSS, jit_compile=False)
         rows = tf.data.Dataset.from_tensor_slices((self.gx, self.gy))
-        data = tfhybrid.data.shard(rows, model=model, batch_size=self.gb).cache()
+        data = tfhybrid.data.shard(rows, model=model, batch_size=self.gb,
+                                   autotune=autotune).cache()
         model.fit(data.take(1), verbose=0, callbacks=tfhybrid.callbacks.standard())
         return lambda: model.fit(data, verbose=0, callbacks=tfhybrid.callbacks.standard())
 
@@ -276,7 +278,11 @@ VARIANTS = {"tfhybrid": (None, 1), "tfhybrid (1 MiB buckets)": (2**20, 1),
 def build_pair(c):
     """Only issue 20's pair: the user's Horovod loop and the README fit."""
     return {"horovod loop (numpy)": c.horovod_numpy_loop(),
-            "tfhybrid fit (README)": c.readme_fit()}, {}
+            "tfhybrid fit (README)": c.readme_fit(),
+            AUTOTUNE_ON: c.readme_fit(autotune=True)}, {}
+
+
+AUTOTUNE_ON = "tfhybrid fit (README, tf.data autotune on)"
 
 
 def build(c):
@@ -352,7 +358,9 @@ def summarise(samples, bytes_sent, cpu, c, opts, args):
 def _pair_summary(samples, cpu, steps):
     """Issue 20's comparison in wall time and in CPU time (summed over ranks)."""
     slow, fast = "horovod loop (numpy)", "tfhybrid fit (README)"
-    return {"readme_fit_vs_numpy_loop": _paired_ratio(samples, slow, fast),
+    extra = ({"autotune_off_vs_on": _paired_ratio(samples, AUTOTUNE_ON, fast)}
+             if AUTOTUNE_ON in samples else {})
+    return {**extra, "readme_fit_vs_numpy_loop": _paired_ratio(samples, slow, fast),
             "readme_fit_vs_numpy_loop_cpu": _paired_ratio(cpu, slow, fast),
             "cpu_ms_per_step_summed_over_ranks": {
                 k: {"min": min(v) / steps * 1e3, "median": statistics.median(v) / steps * 1e3}
@@ -393,8 +401,14 @@ def _paired_ratio(samples, slow_name, fast_name):
 def pair_table(res):
     res = dict(res, ratio_wall=res["readme_fit_vs_numpy_loop"],
                ratio_cpu=res["readme_fit_vs_numpy_loop_cpu"])
-    return "\n".join(_pair_lines(res, "horovod loop (numpy)", "tfhybrid fit (README)",
-                                 "tfhybrid fit (README) speed vs horovod loop (numpy)", 1.0))
+    lines = _pair_lines(res, "horovod loop (numpy)", "tfhybrid fit (README)",
+                        "tfhybrid fit (README) speed vs horovod loop (numpy)", 1.0)
+    if "autotune_off_vs_on" in res:
+        r, w = res["autotune_off_vs_on"], res["wall_ms_per_step"][AUTOTUNE_ON]
+        lines.append(f"{AUTOTUNE_ON}: wall {w['median']:.2f} ms/step median, {w['min']:.2f} "
+                     f"best; data.shard's default (autotune off) speed vs it, paired: "
+                     f"{r['median']:.3f}x median (range {r['min']:.3f}-{r['max']:.3f})")
+    return "\n".join(lines)
 
 
 def table(res):

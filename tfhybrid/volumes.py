@@ -454,7 +454,7 @@ def _shuffle_buffer(shuffle, n):
 
 
 def volumes(x, y=None, *, batch_size, model=None, spatial=None, split_labels=None,
-            shuffle=False, seed=None, prefetch=1, sample_weight=None):
+            shuffle=False, seed=None, prefetch=1, sample_weight=None, autotune=False):
     """This rank's blocks of volume samples, batched for ``model.fit``.
 
     Each global batch of ``batch_size`` samples is split into row blocks as
@@ -497,6 +497,8 @@ def volumes(x, y=None, *, batch_size, model=None, spatial=None, split_labels=Non
             ``(N, D, H, W)`` (read as blocks like the first output's labels) or
             per sample ``(N,)``; needs ``y``. With a tuple of label sources, a
             tuple of one weight source per output (cut like that output's labels).
+        autotune: False (default): tf.data autotuning off for this pipeline;
+            True keeps it (see :func:`tfhybrid.data.shard`).
 
     Returns:
         A ``tf.data.Dataset`` of ``x``, ``(x, y)`` or ``(x, y, sample_weight)``
@@ -603,7 +605,8 @@ def volumes(x, y=None, *, batch_size, model=None, spatial=None, split_labels=Non
     dataset = order.map(read, num_parallel_calls=1, deterministic=True)
     if prefetch:
         dataset = dataset.prefetch(prefetch)
-    return dataset
+    from tfhybrid.data import _without_autotune_stall
+    return _without_autotune_stall(dataset, autotune)
 
 
 def block_of(array, layout: VolumeLayout, labels=False):

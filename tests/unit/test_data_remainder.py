@@ -76,3 +76,38 @@ def test_arrays_drop_their_last_rows_with_remainder_drop():
     with rank_of_2(0), pytest.warns(UserWarning, match="last global batch of 5 rows"):
         local = tfhybrid.data.shard(x, batch_size=8, remainder="drop")
     assert local.tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17]
+
+
+def _autotune(ds):
+    return ds.options().autotune.enabled
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_shard_turns_tf_data_autotuning_off_unless_asked(rank, tmp_path):
+    """Autotuning's model thread delays each iterator's end (every fit, epoch,
+    evaluate) by up to one tuning period, so shard's datasets run without it."""
+    singles = tf.data.Dataset.from_tensor_slices(np.arange(32))
+    files = [str(tmp_path / f"{i}.bin") for i in range(8)]
+    with rank_of_2(rank):
+        made = [data.shard(singles, batch_size=8),                      # scaling form
+                data.shard(files, batch_size=4),                        # file list
+                data.shard(rows(32, drop=True)),                        # batched form
+                data.shard(singles, batch_size=8, map_fn=lambda r: r * 2, shuffle=16, seed=1)]
+        assert [_autotune(d) for d in made] == [False] * 4
+        kept = [data.shard(singles, batch_size=8, autotune=True),
+                data.shard(rows(32, drop=True), autotune=True)]
+        assert [_autotune(d) for d in kept] == [None, None]     # TensorFlow's default: on
+        # the rows themselves are unchanged by the option
+        assert list(made[0].as_numpy_iterator())[0].tolist() == [4 * rank + i for i in range(4)]
+        for bad in ("no", 1, None):
+            with pytest.raises(ValueError, match="autotune"):
+                data.shard(singles, batch_size=8, autotune=bad)
+
+
+def test_volumes_turn_tf_data_autotuning_off_unless_asked(tmp_path):
+    x = np.arange(4 * 4 * 4 * 4, dtype=np.float32).reshape(4, 4, 4, 4, 1)
+    np.save(tmp_path / "x.npy", x)
+    off = tfhybrid.data.volumes(str(tmp_path / "x.npy"), batch_size=2)
+    on = tfhybrid.data.volumes(str(tmp_path / "x.npy"), batch_size=2, autotune=True)
+    assert (_autotune(off), _autotune(on)) == (False, None)
+    np.testing.assert_array_equal(next(iter(off)).numpy(), x[:2])

@@ -19,7 +19,8 @@ INSTANCES = [
     lambda: L.SpatialZeroPadding2D(1), lambda: L.SpatialCropping2D(1),
     lambda: L.SpatialCropping3D(1), lambda: L.SpatialZeroPadding3D(1),
     lambda: L.SpatialConv2DTranspose(4, 2), lambda: L.SpatialConv3DTranspose(4, 2),
-    lambda: L.SpatialGroupNormalization(groups=2),
+    lambda: L.SpatialGroupNormalization(groups=2), lambda: L.SpatialDepthwiseConv2D(3),
+    lambda: L.SpatialSeparableConv2D(4, 3),
 ]
 
 

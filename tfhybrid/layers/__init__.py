@@ -7,7 +7,8 @@ from tfhybrid.layers.spatial import (SpatialAveragePooling2D, SpatialAveragePool
                                      SpatialMaxPooling2D, SpatialMaxPooling3D,
                                      SpatialScatter, SpatialZeroPadding2D,
                                      SpatialZeroPadding3D, SpatialConv2DTranspose,
-                                     SpatialConv3DTranspose, SpatialGroupNormalization)
+                                     SpatialConv3DTranspose, SpatialGroupNormalization,
+                                     SpatialDepthwiseConv2D, SpatialSeparableConv2D)
 # -- end spatial ------------------------------------------------------------------
 
 # -- model parallelism (filter/channel), SplitBrain boundaries, sync batch norm --

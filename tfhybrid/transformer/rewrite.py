@@ -89,7 +89,8 @@ def _channel(layer, np, grid):
 _SPATIAL_POOLS = {"MaxPooling2D": "SpatialMaxPooling2D", "AveragePooling2D": "SpatialAveragePooling2D",
                   "MaxPooling3D": "SpatialMaxPooling3D", "AveragePooling3D": "SpatialAveragePooling3D"}
 # Layers with a from_layer constructor (same arguments and name as the original).
-_SPATIAL_COPIES = {"Conv2D": P.SpatialConv2D, "ZeroPadding2D": P.SpatialZeroPadding2D,
+_SPATIAL_COPIES = {"Conv2D": P.SpatialConv2D, "DepthwiseConv2D": P.SpatialDepthwiseConv2D,
+                   "SeparableConv2D": P.SpatialSeparableConv2D, "ZeroPadding2D": P.SpatialZeroPadding2D,
                    "Cropping2D": P.SpatialCropping2D, "Conv3D": P.SpatialConv3D,
                    "ZeroPadding3D": P.SpatialZeroPadding3D, "Cropping3D": P.SpatialCropping3D,
                    "Conv2DTranspose": P.SpatialConv2DTranspose,

@@ -47,8 +47,9 @@ CHANNELWISE = ("MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
 SPATIAL_POOLS = ("MaxPooling2D", "AveragePooling2D", "MaxPooling3D", "AveragePooling3D")
 # Layers that add (padding) or remove (cropping) rows at the global border, then re-block.
 SPATIAL_BORDER = ("ZeroPadding2D", "Cropping2D", "ZeroPadding3D", "Cropping3D")
-# Convolutions with a spatially parallel counterpart (SpatialConv2D / SpatialConv3D).
-SPATIAL_CONVS = ("Conv2D", "Conv3D")
+# Convolutions with a spatially parallel counterpart (SpatialConv2D / SpatialConv3D /
+# SpatialDepthwiseConv2D / SpatialSeparableConv2D).
+SPATIAL_CONVS = ("Conv2D", "Conv3D", "DepthwiseConv2D", "SeparableConv2D")
 # Transposed convolutions with one (SpatialConv2DTranspose / SpatialConv3DTranspose).
 SPATIAL_TRANSPOSED = ("Conv2DTranspose", "Conv3DTranspose")
 # Every layer with weights that s/ds split spatially (the region's convolutions).

@@ -25,7 +25,8 @@ gather), :mod:`.border` (zero padding and cropping), :mod:`.transpose`
 whole volume's moments), :mod:`.output` (per-voxel outputs kept in blocks:
 their loss, metrics and labels).
 """
-from tfhybrid.layers.spatial.conv import SpatialConv2D, SpatialConv3D
+from tfhybrid.layers.spatial.conv import (SpatialConv2D, SpatialConv3D, SpatialDepthwiseConv2D,
+                                          SpatialSeparableConv2D)
 from tfhybrid.layers.spatial.group_norm import SpatialGroupNormalization
 from tfhybrid.layers.spatial.border import (SpatialCropping2D, SpatialCropping3D,
                                             SpatialZeroPadding2D, SpatialZeroPadding3D)
@@ -38,4 +39,4 @@ __all__ = ["SpatialConv2D", "SpatialConv3D", "SpatialMaxPooling2D", "SpatialMaxP
            "SpatialAveragePooling2D", "SpatialAveragePooling3D", "SpatialScatter",
            "SpatialGather", "SpatialZeroPadding2D", "SpatialZeroPadding3D", "SpatialCropping2D",
            "SpatialCropping3D", "SpatialConv2DTranspose", "SpatialConv3DTranspose",
-           "SpatialGroupNormalization"]
+           "SpatialGroupNormalization", "SpatialDepthwiseConv2D", "SpatialSeparableConv2D"]

@@ -174,3 +174,139 @@ class SpatialConv3D(_SpatialConv, keras.layers.Conv3D):
     _keras_class = keras.layers.Conv3D
     _ndim = 3
     _default_split = "depth"
+
+
+class _SpatialDepthwise(_SpatialConv):
+    """Shared call of the depthwise convolutions (mixed into a Keras class).
+
+    A depthwise convolution is linear in its input like a convolution, so the
+    halo machinery is the same (:func:`core.block_conv` or
+    :func:`core.windowed`) with ``ops.depthwise_conv`` as the operation. The
+    depthwise kernel's gradient is a partial sum over the group; a separable
+    convolution's 1x1 pointwise step needs no halo and runs on the block.
+    """
+
+    def __init__(self, *args, split=None, group="model", overlap=None, **kwargs):
+        # the Keras class's own arguments (not _SpatialConv.__init__'s, which are Conv's)
+        self._keras_class.__init__(self, *args, **kwargs)
+        if self.data_format != "channels_last":
+            raise ValueError(f"{self._label()}: only data_format='channels_last' is supported; "
+                             f"received data_format={self.data_format!r}.")
+        self._init_spatial(self._default_split if split is None else split, group, overlap)
+
+    def _depthwise_kernel(self):
+        return self.kernel
+
+    def build(self, input_shape):
+        self._spatial_groups()      # collective: registers the block grid's groups
+        self._keras_class.build(self, input_shape)
+        layout = VariableLayout("partial", self.group)
+        for v in self.trainable_weights:
+            set_layout(v, layout)
+
+    def _depthwise_blocks(self, inputs):
+        """This rank's block of the depthwise convolution (no bias, no activation)."""
+        plans = core.window_plans(self, inputs.shape, self._windows(), self.strides,
+                                  self.padding)
+
+        def depthwise(x, k, padding):
+            return ops.depthwise_conv(x, k, strides=tuple(self.strides), padding=padding,
+                                      dilation_rate=self.dilation_rate,
+                                      data_format="channels_last")
+
+        kernel = ops.convert_to_tensor(self._depthwise_kernel())
+        overlap = self._overlap_now()
+        if BLOCK_CONV and not overlap and core.block_conv_possible(plans):
+            outputs = core.block_conv(inputs, plans, self._spatial_groups(), depthwise, kernel,
+                                      f"{self.name}.halo")
+            if outputs is not None:
+                return outputs
+        return core.windowed(inputs, plans, self._spatial_groups(),
+                             lambda x, _r, k: depthwise(x, k, "valid"), 0.0,
+                             f"{self.name}.halo", overlap, params=(kernel,))
+
+    def _finish(self, outputs):
+        if self.use_bias:
+            outputs = ops.add(outputs, ops.reshape(self.bias, (1,) * (self.rank + 1) + (-1,)))
+        if self.activation is not None:
+            outputs = self.activation(outputs)
+        return outputs
+
+    def compute_output_shape(self, input_shape):
+        channels = self._output_channels(input_shape[-1])
+        return core.output_block_shape(self, input_shape, self._windows(), self.strides,
+                                       self.padding, channels)
+
+
+@keras.saving.register_keras_serializable(package="tfhybrid")
+class SpatialDepthwiseConv2D(_SpatialDepthwise, keras.layers.DepthwiseConv2D):
+    """``keras.layers.DepthwiseConv2D`` over an NHWC input split into blocks.
+
+    Equals the Keras layer on the full input, block by block (MobileNet- and
+    EfficientNet-style blocks under ``s``/``ds``); halo as
+    :class:`SpatialConv2D`, kernel and bias gradients partial over the group.
+
+    Args:
+        kernel_size, strides, padding, depth_multiplier, dilation_rate,
+        activation, use_bias, **kwargs: as ``keras.layers.DepthwiseConv2D``
+        (channels_last only).
+        split, group, overlap: as :class:`SpatialConv2D`.
+
+    Example:
+        >>> dw = SpatialDepthwiseConv2D(3, padding="same", split="height")
+        >>> y = dw(x_block)       # (batch, H/k, W, C) -> (batch, H/k, W, C)
+    """
+
+    _keras_class = keras.layers.DepthwiseConv2D
+    _ndim = 2
+    _default_split = "height"
+
+    def call(self, inputs):
+        return self._finish(self._depthwise_blocks(inputs))
+
+    def _output_channels(self, channels):
+        return None if channels is None else channels * self.depth_multiplier
+
+    @staticmethod
+    def _weights_input_shape(conv):
+        return (None, None, None, conv.kernel.shape[-2])
+
+
+@keras.saving.register_keras_serializable(package="tfhybrid")
+class SpatialSeparableConv2D(_SpatialDepthwise, keras.layers.SeparableConv2D):
+    """``keras.layers.SeparableConv2D`` over an NHWC input split into blocks.
+
+    The depthwise step exchanges the halo (as :class:`SpatialDepthwiseConv2D`);
+    the 1x1 pointwise step runs on the block. Both kernels' gradients and the
+    bias's are partial over the group.
+
+    Args:
+        filters, kernel_size, strides, padding, depth_multiplier,
+        dilation_rate, activation, use_bias, **kwargs: as
+        ``keras.layers.SeparableConv2D`` (channels_last only).
+        split, group, overlap: as :class:`SpatialConv2D`.
+
+    Example:
+        >>> sep = SpatialSeparableConv2D(32, 3, padding="same", split="height")
+        >>> y = sep(x_block)      # (batch, H/k, W, C) -> (batch, H/k, W, 32)
+    """
+
+    _keras_class = keras.layers.SeparableConv2D
+    _ndim = 2
+    _default_split = "height"
+
+    def _depthwise_kernel(self):
+        return self.depthwise_kernel
+
+    def call(self, inputs):
+        depthwise = self._depthwise_blocks(inputs)
+        outputs = ops.conv(depthwise, self.pointwise_kernel, strides=1, padding="valid",
+                           data_format="channels_last")
+        return self._finish(outputs)
+
+    def _output_channels(self, channels):
+        return self.filters
+
+    @staticmethod
+    def _weights_input_shape(conv):
+        return (None, None, None, conv.depthwise_kernel.shape[-2])

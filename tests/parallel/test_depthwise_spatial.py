@@ -78,6 +78,52 @@ def test_mobilenet_blocks_train_like_one_process(grid_of, strategy, mp, spatial)
         assert_weights_like(tfhybrid.gather(resumed), reference)
 
 
+def _padded_model():
+    """Keras applications' stride-2 steps: ZeroPadding2D(correct_pad) + a 'valid'
+    convolution (the padded 17 rows would not split over 2 or 4 ranks)."""
+    keras.utils.set_random_seed(6)
+    L = keras.layers
+    inp = keras.Input((16, 16, 3))
+    h = L.ZeroPadding2D(((0, 1), (0, 1)), name="stem_pad")(inp)
+    h = L.Conv2D(8, 3, strides=2, name="stem")(h)                  # 8x8
+    h = L.ReLU(6.0, name="relu6")(h)
+    h = L.ZeroPadding2D(((0, 1), (0, 1)), name="dw_pad")(h)
+    h = L.DepthwiseConv2D(3, strides=2, name="dw")(h)             # 4x4
+    h = L.ZeroPadding2D(1, name="sep_pad")(h)                      # (1, 1): 'same' at stride 1
+    h = L.SeparableConv2D(8, 3, name="sep")(h)
+    h = L.ZeroPadding2D(((1, 1), (1, 1)), name="plain_pad")(h)     # not 'same' here: no fold
+    h = L.Conv2D(8, 3, strides=2, name="conv")(h)                  # 6 -> 2
+    h = L.GlobalAveragePooling2D(name="gap")(h)
+    out = L.Dense(CLASSES, name="out")(h)
+    return keras.Model(inp, out), dict(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def test_same_padding_steps_fold_into_their_convolution(grid_of):
+    grid = grid_of(2)
+    x = rng("fold-x").standard_normal((N, 16, 16, 3)).astype(np.float32)
+    y = rng("fold-y").integers(0, CLASSES, N)
+    reference, kwargs = _padded_model()
+    reference.compile(**kwargs)
+    source, kwargs = _padded_model()
+    model = tfhybrid.transform(source, "s" if grid.data_size == 1 else "ds")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(kwargs.pop("optimizer")), **kwargs)
+    kinds = {r.name: r.kind for r in tfhybrid.describe(model, print_fn=None).rows}
+    assert [kinds[n] for n in ("stem_pad", "dw_pad", "sep_pad")] == ["fold"] * 3, kinds
+    assert all(kinds[n].startswith("spatial") for n in ("stem", "dw", "sep", "plain_pad",
+                                                         "conv")), kinds
+    rows = slice(grid.data_rank, None, grid.data_size)
+    want = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    got = model.fit(x[rows], y[rows], batch_size=BATCH // grid.data_size, epochs=2,
+                    shuffle=False, verbose=0)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
+    assert_weights_like(tfhybrid.gather(model), reference)
+    if grid.data_size == 1:     # every rank predicts the whole batch
+        np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0),
+                                   rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("cls,make", [
     (SpatialDepthwiseConv2D, lambda: keras.layers.DepthwiseConv2D(3, padding="same",
                                                                   depth_multiplier=2)),

@@ -370,3 +370,67 @@ def _itemsize(w):
     import numpy as np
 
     return np.dtype(w.dtype).itemsize
+
+
+_FOLDABLE_PADS = ("ZeroPadding2D", "ZeroPadding3D")
+_FOLDING_CONVS = ("Conv2D", "Conv3D", "DepthwiseConv2D", "SeparableConv2D")
+
+
+def _same_pads(size, window, stride):
+    """TensorFlow's ``same`` padding (before, after) of one axis."""
+    out = -(-size // stride)
+    total = max((out - 1) * stride + window - size, 0)
+    return total // 2, total - total // 2
+
+
+def fold_same_padding(graph: GraphSpec) -> GraphSpec:
+    """``graph`` with each ``ZeroPadding`` that only feeds a ``valid`` convolution
+    and pads exactly as that convolution's ``same`` padding would (Keras
+    applications' ``correct_pad`` before a stride-2 convolution: MobileNetV2,
+    EfficientNet) described as one ``same`` convolution of the unpadded input.
+
+    The padding node keeps its name and class, with ``attrs["folded_into"]``
+    (the convolution) and its input shape as output shape; the convolution
+    gets ``padding="same"``, ``attrs["folded_padding"]`` and that input shape.
+    Spatial strategies then split the unpadded tensor (e.g. 64 rows, not 65),
+    and the padding runs inside the convolution, at the global border only.
+
+    Example:
+        >>> [n.attr("padding") for n in fold_same_padding(spec).nodes][:2]
+        [((0, 1), (0, 1)), 'same']
+    """
+    nodes = list(graph.nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    for i, pad in enumerate(graph.nodes):
+        if pad.cls not in _FOLDABLE_PADS or pad.output in graph.outputs:
+            continue
+        users = graph.consumers(pad.output)
+        if len(users) != 1 or users[0].cls not in _FOLDING_CONVS:
+            continue
+        conv = users[0]
+        ndim = 3 if pad.cls.endswith("3D") else 2
+        shape = pad.in_shapes[0]
+        if str(conv.attr("padding", "valid")).lower() != "valid" or len(shape) != ndim + 2 \
+                or conv.attr("data_format", "channels_last") != "channels_last":
+            continue
+
+        def per_axis(value, default):
+            value = default if value is None else value
+            return tuple(value) if isinstance(value, (list, tuple)) else (value,) * ndim
+
+        kernel = per_axis(conv.attr("kernel_size"), 1)
+        dilation = per_axis(conv.attr("dilation_rate"), 1)
+        stride = per_axis(conv.attr("strides"), 1)
+        pads = tuple(tuple(int(v) for v in p) for p in pad.attr("padding"))
+        sizes = shape[1:ndim + 1]
+        if any(n is None for n in sizes) or any(
+                pads[d] != _same_pads(sizes[d], dilation[d] * (kernel[d] - 1) + 1, stride[d])
+                for d in range(ndim)):
+            continue
+        nodes[i] = dataclasses.replace(pad, out_shape=tuple(shape),
+                                       attrs={**pad.attrs, "folded_into": conv.name})
+        j = index[conv.name]
+        nodes[j] = dataclasses.replace(nodes[j], in_shapes=(tuple(shape),),
+                                       attrs={**nodes[j].attrs, "padding": "same",
+                                              "folded_padding": pad.name})
+    return dataclasses.replace(graph, nodes=tuple(nodes))

@@ -29,6 +29,7 @@ import dataclasses
 from typing import Dict, Optional, Tuple
 
 from tfhybrid.transformer import rules
+from tfhybrid.transformer.graph import fold_same_padding
 from tfhybrid.transformer.layouts import Layout, convert
 from tfhybrid.transformer.strategies import _OVERRIDE_KINDS, strategy_for
 
@@ -106,10 +107,13 @@ def make_plan(graph, opts, grid) -> Plan:
             partitioned (and ``fallback="error"``), or an override is invalid.
     """
     strategy = strategy_for(opts.strategy)
+    if strategy.name in ("s", "ds"):     # correct_pad + valid conv -> one 'same' conv
+        graph = fold_same_padding(graph)
     ctx = dataclasses.replace(strategy.context(grid, opts, graph), batch_norm=opts.batch_norm)
     kinds = strategy.kinds(graph, ctx, opts)
     kinds = _apply_overrides(graph, kinds, opts, ctx)
     kinds = _check_feasible(graph, kinds, opts, ctx)
+    kinds = _fold_kinds(graph, kinds)
     _check_rules(graph, kinds, opts, ctx)
     strategy.check(graph, kinds, ctx, opts)
     kinds = _pair(graph, kinds, set(opts.layers), ctx)
@@ -122,6 +126,20 @@ def make_plan(graph, opts, grid) -> Plan:
 
 
 # -- pass 1: assign -------------------------------------------------------------
+
+def _fold_kinds(graph, kinds):
+    """A folded ZeroPadding takes its convolution's kind: ``spatial`` when the
+    convolution runs on blocks (the padding is then its ``same`` padding),
+    else none (the convolution, region end or override, gets the padded input)."""
+    kinds = dict(kinds)
+    for node in graph.nodes:
+        conv = node.attr("folded_into")
+        if conv and kinds.get(conv) == "spatial":
+            kinds[node.name] = "spatial"
+        elif conv:
+            kinds.pop(node.name, None)
+    return kinds
+
 
 def _apply_overrides(graph, kinds, opts, ctx):
     kinds = dict(kinds)

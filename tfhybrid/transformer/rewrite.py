@@ -101,7 +101,8 @@ _SPATIAL_COPIES = {"Conv2D": P.SpatialConv2D, "DepthwiseConv2D": P.SpatialDepthw
 def _spatial(layer, np, grid):
     split = _split_arg(np.params["split"])
     if np.cls in _SPATIAL_COPIES:
-        return _SPATIAL_COPIES[np.cls].from_layer(layer, split=split, group=GROUP)
+        folded = {"padding": np.params["padding"]} if "padding" in np.params else {}
+        return _SPATIAL_COPIES[np.cls].from_layer(layer, split=split, group=GROUP, **folded)
     config = {k: v for k, v in layer.get_config().items() if k != "data_format"}
     return getattr(P, _SPATIAL_POOLS[np.cls])(split=split, group=GROUP, **config)
 
@@ -112,8 +113,13 @@ def _syncbn(layer, np, grid):
     return P.SyncBatchNormalization.from_layer(layer, groups=groups, spatial_group=spatial)
 
 
+def _fold(layer, np, grid):
+    """A ZeroPadding its spatial convolution applies ('same'): the blocks pass."""
+    return keras.layers.Identity(name=layer.name)
+
+
 BUILDERS = {"replicate": _copy, "filter": _filter, "channel": _channel, "spatial": _spatial,
-            "syncbn": _syncbn}
+            "syncbn": _syncbn, "fold": _fold}
 _COPIES_WEIGHTS_AFTER_CALL = ("replicate",)
 
 

@@ -261,6 +261,8 @@ def runs_on_blocks(node) -> bool:
     """
     if node.attr("operation"):     # keras.ops: x / 255.0, a + b of one shape
         return node.attr("operation") in ("elementwise", "merge")
+    if node.attr("folded_into"):   # a padding its convolution applies (graph.fold_same_padding)
+        return True
     if node.cls == "Softmax" or (node.cls == "Activation" and
                                  node.attr("activation") in CHANNEL_MIXING):
         return channels_last_axis(node)
@@ -316,7 +318,10 @@ class Linear(Rule):
             return super().plan(node, layouts, kind, ctx)
         rows = Layout("replicated", lay.grouped or lay.kind == "rows")
         if kind == "spatial":
-            return Decision(("space",), "spatial", lay.with_kind("space"), {"split": ctx.spatial})
+            params = {"split": ctx.spatial}
+            if node.attr("folded_padding"):     # it pads at the border itself ('same')
+                params["padding"] = "same"
+            return Decision(("space",), "spatial", lay.with_kind("space"), params)
         if kind in ("filter", "filter_split"):
             split = kind == "filter_split"
             out = rows.with_kind("channel") if split else rows
@@ -428,6 +433,21 @@ def _hw(shape, ndim=2):
     return "x".join(str(v) for v in shape[1:ndim + 1]) if len(shape) >= ndim + 1 else str(shape)
 
 
+class FoldedPadding(Rule):
+    """A ZeroPadding that its spatial convolution applies (``padding='same'``,
+    :func:`~tfhybrid.transformer.graph.fold_same_padding`): with kind
+    ``spatial`` (its convolution's) it takes blocks and passes them through
+    (``fold``); otherwise it pads the whole input, as the layer does."""
+
+    def plan(self, node, layouts, kind, ctx):
+        if kind == "spatial":           # its convolution runs on blocks: split here
+            return Decision(("space",), "fold", layouts[0].with_kind("space"))
+        if layouts[0].kind == "space":
+            return super().plan(node, layouts, "replicate", ctx)     # gathers the blocks
+        return rule_for(node.cls).plan(node, layouts, "replicate", ctx)
+
+
+_FOLDED = FoldedPadding()
 _RULES = {}
 for _names, _rule in ((ELEMENTWISE + ("Activation",), Elementwise()), (CHANNELWISE, Channelwise()),
                       (MERGES, Merge()), (("BatchNormalization",), BatchNorm()),
@@ -451,6 +471,8 @@ def rule_of(node) -> Rule:
     """The rule of one node: by layer class, or for a ``keras.ops`` operation
     (``x / 255.0``) by the kind :func:`~tfhybrid.transformer.graph.operation_kind`
     recorded in ``attrs["operation"]``."""
+    if node.attr("folded_into"):
+        return _FOLDED
     kind = node.attr("operation")
     return _OPERATIONS[kind] if kind else rule_for(node.cls)
 

@@ -65,34 +65,38 @@ class _SpatialConv(core.SpatialMixin):
     def _windows(self):
         return tuple(d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation_rate))
 
-    def call(self, inputs):
+    def _halo_conv(self, inputs, op, kernel):
+        """``op(x, kernel, padding)`` (``"same"`` or ``"valid"``, a convolution
+        linear in ``x``) of this rank's block with its halo: the block's own
+        ``same`` operation plus thin halo corrections (no halo-extended, padded
+        copy of the block in forward or backward) where the plans allow, else
+        one ``valid`` operation of the halo-extended block."""
         plans = core.window_plans(self, inputs.shape, self._windows(), self.strides,
                                   self.padding)
-
-        def conv(x, _ranges, kernel):
-            return ops.conv(x, kernel, strides=list(self.strides), padding="valid",
-                            dilation_rate=self.dilation_rate, data_format="channels_last")
-
         overlap = self._overlap_now()
-        kernel = ops.convert_to_tensor(self.kernel)
-        outputs = None
         if BLOCK_CONV and not overlap and core.block_conv_possible(plans):
-            # the block's own 'same' convolution plus thin halo corrections: no
-            # halo-extended, padded copy of the block in forward or backward
-            def conv_padded(x, k, padding):
-                return ops.conv(x, k, strides=list(self.strides), padding=padding,
-                                dilation_rate=self.dilation_rate, data_format="channels_last")
+            outputs = core.block_conv(inputs, plans, self._spatial_groups(), op, kernel,
+                                      f"{self.name}.halo")
+            if outputs is not None:
+                return outputs
+        return core.windowed(inputs, plans, self._spatial_groups(),
+                             lambda x, _ranges, k: op(x, k, "valid"), 0.0,
+                             f"{self.name}.halo", overlap, params=(kernel,))
 
-            outputs = core.block_conv(inputs, plans, self._spatial_groups(), conv_padded,
-                                      kernel, f"{self.name}.halo")
-        if outputs is None:
-            outputs = core.windowed(inputs, plans, self._spatial_groups(), conv, 0.0,
-                                    f"{self.name}.halo", overlap, params=(kernel,))
+    def _finish(self, outputs):
+        """Bias and activation, as the Keras layer applies them."""
         if self.use_bias:
             outputs = ops.add(outputs, ops.reshape(self.bias, (1,) * (self.rank + 1) + (-1,)))
         if self.activation is not None:
             outputs = self.activation(outputs)
         return outputs
+
+    def call(self, inputs):
+        def conv(x, kernel, padding):
+            return ops.conv(x, kernel, strides=list(self.strides), padding=padding,
+                            dilation_rate=self.dilation_rate, data_format="channels_last")
+
+        return self._finish(self._halo_conv(inputs, conv, ops.convert_to_tensor(self.kernel)))
 
     def compute_output_shape(self, input_shape):
         return core.output_block_shape(self, input_shape, self._windows(), self.strides,
@@ -206,31 +210,13 @@ class _SpatialDepthwise(_SpatialConv):
 
     def _depthwise_blocks(self, inputs):
         """This rank's block of the depthwise convolution (no bias, no activation)."""
-        plans = core.window_plans(self, inputs.shape, self._windows(), self.strides,
-                                  self.padding)
-
-        def depthwise(x, k, padding):
-            return ops.depthwise_conv(x, k, strides=tuple(self.strides), padding=padding,
+        def depthwise(x, kernel, padding):
+            return ops.depthwise_conv(x, kernel, strides=tuple(self.strides), padding=padding,
                                       dilation_rate=self.dilation_rate,
                                       data_format="channels_last")
 
-        kernel = ops.convert_to_tensor(self._depthwise_kernel())
-        overlap = self._overlap_now()
-        if BLOCK_CONV and not overlap and core.block_conv_possible(plans):
-            outputs = core.block_conv(inputs, plans, self._spatial_groups(), depthwise, kernel,
-                                      f"{self.name}.halo")
-            if outputs is not None:
-                return outputs
-        return core.windowed(inputs, plans, self._spatial_groups(),
-                             lambda x, _r, k: depthwise(x, k, "valid"), 0.0,
-                             f"{self.name}.halo", overlap, params=(kernel,))
-
-    def _finish(self, outputs):
-        if self.use_bias:
-            outputs = ops.add(outputs, ops.reshape(self.bias, (1,) * (self.rank + 1) + (-1,)))
-        if self.activation is not None:
-            outputs = self.activation(outputs)
-        return outputs
+        return self._halo_conv(inputs, depthwise,
+                               ops.convert_to_tensor(self._depthwise_kernel()))
 
     def compute_output_shape(self, input_shape):
         channels = self._output_channels(input_shape[-1])

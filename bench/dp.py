@@ -31,6 +31,13 @@ written the way users write them instead (issue 20's comparison):
   allreduce). Measured at load ~15-19 on 2 cores (CPU, paired rounds): 100-step
   fits 1.016x median (0.959-1.241), 30-step fits 0.919x (0.799-1.492).
 
+``--pair`` also times ``tfhybrid fit (README, tf.data autotune on)``: the same
+fit over ``data.shard(..., autotune=True)``. With tf.data's autotuning on,
+the end of a fit often waits for the autotuner's next period (10 ms
+doubling); measured on a quiet box (np2, 9 rounds x 100 steps): 20.44 vs
+15.58 ms/step median, 1.204x paired for shard's default (autotune off), and
+README fit vs numpy loop 0.913x (0.631x before shard turned autotuning off).
+
 ``--single`` (run without horovodrun) compares plain Keras ``fit`` with
 ``transform(model, "d")`` + ``DistributedOptimizer`` ``fit`` at world size 1
 on the same arrays, interleaved.

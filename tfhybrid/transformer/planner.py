@@ -29,7 +29,6 @@ import dataclasses
 from typing import Dict, Optional, Tuple
 
 from tfhybrid.transformer import rules
-from tfhybrid.transformer.graph import fold_same_padding
 from tfhybrid.transformer.layouts import Layout, convert
 from tfhybrid.transformer.strategies import _OVERRIDE_KINDS, strategy_for
 
@@ -108,7 +107,7 @@ def make_plan(graph, opts, grid) -> Plan:
     """
     strategy = strategy_for(opts.strategy)
     if strategy.name in ("s", "ds"):     # correct_pad + valid conv -> one 'same' conv
-        graph = fold_same_padding(graph)
+        graph = rules.fold_same_padding(graph)
     ctx = dataclasses.replace(strategy.context(grid, opts, graph), batch_norm=opts.batch_norm)
     kinds = strategy.kinds(graph, ctx, opts)
     kinds = _apply_overrides(graph, kinds, opts, ctx)

@@ -31,7 +31,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Tuple
 
-from tfhybrid.spatial_geometry import SPATIAL_AXES, AxisGeometry, TransposeGeometry
+from tfhybrid.spatial_geometry import (SPATIAL_AXES, AxisGeometry, TransposeGeometry,
+                                       window_output)
 from tfhybrid.transformer.layouts import Layout
 
 # Layers computed independently per element (or per example): any layout passes.
@@ -261,7 +262,7 @@ def runs_on_blocks(node) -> bool:
     """
     if node.attr("operation"):     # keras.ops: x / 255.0, a + b of one shape
         return node.attr("operation") in ("elementwise", "merge")
-    if node.attr("folded_into"):   # a padding its convolution applies (graph.fold_same_padding)
+    if node.attr("folded_into"):   # a padding its convolution applies (fold_same_padding)
         return True
     if node.cls == "Softmax" or (node.cls == "Activation" and
                                  node.attr("activation") in CHANNEL_MIXING):
@@ -433,9 +434,61 @@ def _hw(shape, ndim=2):
     return "x".join(str(v) for v in shape[1:ndim + 1]) if len(shape) >= ndim + 1 else str(shape)
 
 
+def _same_pads(size, window, stride):
+    """TensorFlow's ``same`` padding (before, after) of one axis."""
+    out, before = window_output(size, window, stride, "same")
+    return before, max((out - 1) * stride + window - size, 0) - before
+
+
+def fold_same_padding(graph):
+    """``graph`` (a GraphSpec) with each ``ZeroPadding`` that only feeds a
+    ``valid`` convolution and pads exactly as that convolution's ``same``
+    padding would (Keras applications' ``correct_pad`` before a stride-2
+    convolution: MobileNetV2, EfficientNet) described as one ``same``
+    convolution of the unpadded input.
+
+    The padding node keeps its name and class, with ``attrs["folded_into"]``
+    (the convolution) and its input shape as output shape; the convolution
+    gets ``padding="same"``, ``attrs["folded_padding"]`` and that input shape.
+    Spatial strategies then split the unpadded tensor (e.g. 64 rows, not 65),
+    and the padding runs inside the convolution, at the global border only.
+
+    Example:
+        >>> [n.attr("padding") for n in fold_same_padding(spec).nodes][:2]
+        [((0, 1), (0, 1)), 'same']
+    """
+    nodes = list(graph.nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    for i, pad in enumerate(graph.nodes):
+        if not pad.cls.startswith("ZeroPadding") or pad.output in graph.outputs:
+            continue
+        users = graph.consumers(pad.output)
+        if len(users) != 1 or users[0].cls not in SPATIAL_CONVS:
+            continue
+        conv, shape = users[0], pad.in_shapes[0]
+        ndim = spatial_ndim(pad)
+        if str(conv.attr("padding", "valid")).lower() != "valid" or len(shape) != ndim + 2 \
+                or spatial_ndim(conv) != ndim \
+                or conv.attr("data_format", "channels_last") != "channels_last":
+            continue
+        sizes = shape[1:ndim + 1]
+        if any(n is None for n in sizes) or any(
+                tuple(int(v) for v in rows) != _same_pads(n, window, stride)
+                for rows, n, (window, stride, _) in zip(pad.attr("padding"), sizes,
+                                                        window_specs(conv))):
+            continue
+        nodes[i] = dataclasses.replace(pad, out_shape=tuple(shape),
+                                       attrs={**pad.attrs, "folded_into": conv.name})
+        j = index[conv.name]
+        nodes[j] = dataclasses.replace(nodes[j], in_shapes=(tuple(shape),),
+                                       attrs={**nodes[j].attrs, "padding": "same",
+                                              "folded_padding": pad.name})
+    return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
 class FoldedPadding(Rule):
     """A ZeroPadding that its spatial convolution applies (``padding='same'``,
-    :func:`~tfhybrid.transformer.graph.fold_same_padding`): with kind
+    :func:`~tfhybrid.transformer.rules.fold_same_padding`): with kind
     ``spatial`` (its convolution's) it takes blocks and passes them through
     (``fold``); otherwise it pads the whole input, as the layer does."""
 

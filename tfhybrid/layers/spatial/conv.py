@@ -49,6 +49,10 @@ class _SpatialConv(core.SpatialMixin):
         super().__init__(filters=filters, kernel_size=kernel_size, strides=strides,
                          padding=padding, dilation_rate=dilation_rate, activation=activation,
                          use_bias=use_bias, **kwargs)
+        self._init_conv_spatial(split, group, overlap)
+
+    def _init_conv_spatial(self, split, group, overlap):
+        """The spatial arguments, once the Keras layer is initialised (channels_last only)."""
         if self.data_format != "channels_last":
             raise ValueError(f"{self._label()}: only data_format='channels_last' is supported; "
                              f"received data_format={self.data_format!r}.")
@@ -193,10 +197,7 @@ class _SpatialDepthwise(_SpatialConv):
     def __init__(self, *args, split=None, group="model", overlap=None, **kwargs):
         # the Keras class's own arguments (not _SpatialConv.__init__'s, which are Conv's)
         self._keras_class.__init__(self, *args, **kwargs)
-        if self.data_format != "channels_last":
-            raise ValueError(f"{self._label()}: only data_format='channels_last' is supported; "
-                             f"received data_format={self.data_format!r}.")
-        self._init_spatial(self._default_split if split is None else split, group, overlap)
+        self._init_conv_spatial(split, group, overlap)
 
     def _depthwise_kernel(self):
         return self.kernel

@@ -37,6 +37,20 @@ from :func:`tfhybrid.data.shard`), they set the model's row-weighting flag;
 step) and weighs the loss tracker by ``N / D``, so the gradient and the logged
 loss are those of the global batch. ``sum`` and ``mean_with_sample_weight``
 are exact for any block sizes already.
+
+**Losses computed over the whole batch.** A loss whose values are one scalar
+for the batch (``keras.losses.Dice()`` and ``Tversky()`` with their default
+``axis=None``, or any function reducing over the rows itself) is not the mean
+of its values on the row blocks: averaged over the blocks it trained other
+weights than one process, silently (``d``, 2 ranks, Dice: 4.5e-3 off after 2
+steps). Such a loss (found at trace time from the shape of the values its
+``call`` returns) is computed on the whole batch on every rank: the row
+blocks' ``y_true``, ``y_pred`` and sample weights are all-gathered over the
+row-block ranks (:func:`gather_rows`, one allgather each plus one for the
+block sizes), and its gradient enters ``blocks`` times (its value once), so
+that the optimizer's average over the blocks gives the whole batch's
+gradient. Where every rank fed the same rows (``copies``) it is computed on
+the local rows, which are the whole batch.
 """
 import contextlib
 import copy
@@ -189,6 +203,8 @@ class BlockRowsLoss:
         return self.ranks
 
     def __call__(self, y_true, y_pred, sample_weight=None):
+        if batch_level(self.fn, y_true, y_pred):
+            return self.whole_batch(y_true, y_pred, sample_weight)
         if self.reduction == MEAN:
             loss = self.fn(y_true, y_pred, sample_weight)
             model = self.owner() if self.owner is not None else None
@@ -210,6 +226,94 @@ class BlockRowsLoss:
 
             divisor = backend.allreduce(tf.stop_gradient(divisor), ranks, self.collective)
         return tf.math.divide_no_nan(total * self.blocks, divisor)
+
+
+    def whole_batch(self, y_true, y_pred, sample_weight=None):
+        """``fn`` on the whole batch (every row block gathered), the same on every
+        rank, with its gradient x ``blocks``; on the local rows when every rank
+        of the group fed the same rows (then they are the whole batch)."""
+        if len(self.ranks) < 2:
+            return self.fn(y_true, y_pred, sample_weight)
+
+        def gathered():
+            yt, yp, sw = gather_rows((y_true, y_pred, sample_weight), self.ranks,
+                                     self.collective.replace("weight_sum", "whole_batch"))
+            return gradient_times(self.fn(yt, yp, sw), self.blocks)
+
+        if self.copies is None:
+            return gathered()
+        return tf.cond(tf.cast(self.copies, tf.float32) > 1.0,
+                       lambda: self.fn(y_true, y_pred, sample_weight), gathered)
+
+
+def loss_values_shape(fn, y_true, y_pred):
+    """The static shape of the values Keras loss ``fn`` computes from ``y_true``
+    and ``y_pred`` before its reduction (``fn.call``, traced only for its shape:
+    nothing uses the ops, so Grappler prunes them); None when ``fn`` is not a
+    Keras loss or the shape cannot be told."""
+    call = getattr(fn, "call", None)
+    if not callable(call):
+        return None
+    dtype = getattr(fn, "dtype", None)
+
+    def convert(t):
+        return tf.convert_to_tensor(t, dtype=dtype)
+
+    try:
+        values = call(tf.nest.map_structure(convert, y_true),
+                      tf.nest.map_structure(convert, y_pred))
+    except Exception:       # noqa: BLE001 - the loss's own error surfaces in its real call
+        return None
+    return getattr(values, "shape", None)
+
+
+def batch_level(fn, y_true, y_pred) -> bool:
+    """Whether loss ``fn`` reduces over the whole batch itself (its values are one
+    scalar, e.g. ``keras.losses.Dice()`` with ``axis=None``): then the mean of its
+    values on row blocks is not its value on the batch."""
+    shape = loss_values_shape(fn, y_true, y_pred)
+    return shape is not None and shape.rank == 0 and tf.nest.flatten(y_pred)[0].shape.rank > 0
+
+
+def gradient_times(value, factor):
+    """``value`` whose gradient is ``factor`` times its own (the value unchanged)."""
+    if factor == 1:
+        return value
+    return value + (factor - 1) * (value - tf.stop_gradient(value))
+
+
+def gather_rows(tensors, ranks, name):
+    """Each of ``tensors`` (None stays None) with the rows of every rank of ``ranks``
+    in rank order (all-gathers; blocks may differ in rows); the gradient of each
+    is this rank's rows of the gradient of the whole (no collective)."""
+    from tfhybrid.comm import backend
+    from tfhybrid.comm.p2p import anchored
+
+    ranks = tuple(ranks)
+    me = ranks.index(runtime.current_grid().rank)
+    present = [t for t in tf.nest.flatten(tensors) if t is not None]
+    first = tf.convert_to_tensor(present[0])
+    # the block's rows read from the tensor: never a constant input to a collective
+    rows = anchored(tf.reshape(tf.cast(tf.shape(first)[0], tf.int64), [1]), [first])
+    counts = backend.allgather(rows, ranks, f"{name}.rows")
+    offset = tf.reduce_sum(counts[:me])
+
+    def whole(t, i):
+        t = tf.convert_to_tensor(t)
+
+        @tf.custom_gradient
+        def _gather(x):
+            def grad(dy):
+                n = tf.shape(x, out_type=tf.int64)[0]
+                return tf.slice(dy, tf.concat([[offset], tf.zeros([dy.shape.rank - 1], tf.int64)], 0),
+                                tf.concat([[n], tf.fill([dy.shape.rank - 1], tf.constant(-1, tf.int64))], 0))
+            return backend.allgather(x, ranks, f"{name}.{i}"), grad
+
+        return _gather(t)
+
+    flat = tf.nest.flatten(tensors)
+    out = [None if t is None else whole(t, i) for i, t in enumerate(flat)]
+    return tf.nest.pack_sequence_as(tensors, out)
 
 
 def whole_regularization(model, loss):

@@ -218,10 +218,11 @@ def set_row_copies(model, copies):
 def _sum_losses(model):
     """The names of ``model``'s compiled losses of reduction ``sum`` (row-block wrapped)."""
     compiled = getattr(model, "_compile_loss", None)
-    return [getattr(entry.loss, "name", "loss")
-            for entry in getattr(compiled, "_flat_losses", None) or ()
-            if isinstance(entry.loss, batch_losses.BlockRowsLoss)
-            and entry.loss.reduction == "sum"]
+    # a split output's sum loss is the ``block`` of its wrapper (spatial.output)
+    losses = [getattr(entry.loss, "block", entry.loss)
+              for entry in getattr(compiled, "_flat_losses", None) or ()]
+    return [getattr(loss, "name", "loss") for loss in losses
+            if isinstance(loss, batch_losses.BlockRowsLoss) and loss.reduction == "sum"]
 
 
 def _refuse_late_copies(model, copies, where):

@@ -169,17 +169,21 @@ def _wrap_flat_losses(model, compiled, flags):
                 f"{_output_name(model, out)!r} has reduction={reduction!r}: a split output's "
                 "loss must reduce to a scalar. Use 'sum_over_batch_size' (default), 'mean', "
                 "'sum' or 'mean_with_sample_weight'.")
-        if reduction in ("sum_over_batch_size", "mean") or grid.size == 1:
+        if grid.size == 1:
             continue
-        if reduction not in ("sum", "mean_with_sample_weight"):
+        if reduction not in ("sum_over_batch_size", "mean", "sum", "mean_with_sample_weight"):
             raise ValueError(
                 f"tfhybrid: the loss {getattr(fn, 'name', fn)!r} of the split output "
                 f"{_output_name(model, out)!r} has reduction={reduction!r}, which tfhybrid "
                 "cannot reduce over spatial blocks. Use 'sum_over_batch_size', 'mean', 'sum' "
                 "or 'mean_with_sample_weight'.")
-        loss = _BlockLoss(fn, reduction, k * grid.data_size, spatial)
-        loss.copies = getattr(model, "_tfhybrid_row_copies", None)   # data groups' copies
-        compiled._flat_losses[i] = entry._replace(loss=loss)
+        copies = getattr(model, "_tfhybrid_row_copies", None)    # data groups' copies
+        block = None
+        if reduction in ("sum", "mean_with_sample_weight"):
+            block = _BlockLoss(fn, reduction, k * grid.data_size, spatial)
+            block.copies = copies
+        compiled._flat_losses[i] = entry._replace(
+            loss=_SplitOutputLoss(fn, block, spatial, f"split_output.whole.{i}", copies))
 
 
 def _output_name(model, index):
@@ -206,6 +210,84 @@ class _BlockLoss(BlockRowsLoss):
         if _cut_into_blocks(weights.shape, self.spatial):
             return tuple(range(grid.size))
         return tuple(grid.data_group_ranks(grid.model_rank))
+
+
+class _SplitOutputLoss:
+    """A split output's compiled loss: per-voxel values (Keras' crossentropies,
+    MSE: the values keep the spatial axes) are reduced on the blocks as
+    described in the module docstring (``block``: the ``sum``/``mean_with_sample_weight``
+    share, else ``fn`` itself); a loss whose values drop the voxels (a Dice or
+    Tversky loss, a per-sample mean computed by the function) is not the mean of
+    its block values: it runs on the whole volume, its labels, predictions and
+    per-voxel weights put together over the model group (:func:`whole_volume`),
+    and also on the whole batch when its values are one scalar (gathered over the
+    data groups, :meth:`tfhybrid.batch_losses.BlockRowsLoss.whole_batch`). Its
+    gradient then enters ``K`` times (the value once), which the group mean in
+    ``compute_loss`` divides again."""
+
+    def __init__(self, fn, block, spatial, name, copies):
+        self.fn, self.block, self.spatial, self.collective = fn, block, tuple(spatial), name
+        self.copies = copies
+        self.name = getattr(fn, "name", "loss")
+        self.reduction = getattr(fn, "reduction", "sum_over_batch_size")
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        from tfhybrid.batch_losses import BlockRowsLoss, gradient_times, loss_values_shape
+
+        shape = loss_values_shape(self.fn, y_true, y_pred)
+        if shape is None or shape.rank is None or shape.rank > len(self.spatial):
+            return (self.block or self.fn)(y_true, y_pred, sample_weight)
+        grid = runtime.current_grid()
+        group = grid.group("model")
+        y_true, y_pred, sample_weight = (
+            t if t is None or not _cut_into_blocks(tf.convert_to_tensor(t).shape, self.spatial)
+            else whole_volume(t, self.spatial, group, f"{self.collective}.{j}")
+            for j, t in enumerate((y_true, y_pred, sample_weight)))
+        rows = BlockRowsLoss(self.fn, self.reduction, grid.data_size, grid.data_group_ranks(grid.model_rank))
+        rows.copies = self.copies
+        rows.collective = f"{self.collective}.weight_sum"
+        return gradient_times(rows(y_true, y_pred, sample_weight), group.size)
+
+
+def whole_volume(t, spatial, group, name):
+    """Per-voxel tensor ``t`` (this rank's block, ``(batch, spatial..., rest)``) put
+    together over the model ``group``'s row-major block grid ``spatial`` (one
+    allgather); the gradient of a float ``t`` is this rank's block of the
+    whole's gradient (no collective)."""
+    from tfhybrid.comm import backend
+
+    t = tf.convert_to_tensor(t)
+    n, grid = len(spatial), tuple(int(s) for s in spatial)
+    rank = t.shape.rank
+    static = t.shape.as_list()
+    perm = [n] + [a for i in range(n) for a in (i, n + 1 + i)] + list(range(2 * n + 1, n + rank))
+    whole_static = [static[0]] + [None if static[1 + i] is None else static[1 + i] * grid[i]
+                                  for i in range(n)] + static[1 + n:]
+
+    def assemble(x):
+        parts = backend.allgather(x[None], group.ranks, name)
+        shape = tf.shape(x)
+        parts = tf.reshape(parts, tf.concat([tf.constant(grid), shape], 0))
+        out = tf.transpose(parts, perm)
+        sizes = [shape[0]] + [shape[1 + i] * grid[i] for i in range(n)] + \
+            [shape[j] for j in range(1 + n, rank)]
+        out = tf.reshape(out, tf.stack(sizes))
+        out.set_shape(whole_static)
+        return out
+
+    if not t.dtype.is_floating:
+        return assemble(t)
+    coords = block_coords(grid)
+
+    @tf.custom_gradient
+    def _whole(x):
+        def grad(dy):
+            shape = tf.shape(x)
+            begin = [0] + [coords[i] * shape[1 + i] for i in range(n)] + [0] * (rank - 1 - n)
+            return tf.slice(dy, tf.stack(begin), shape)
+        return assemble(x), grad
+
+    return _whole(t)
 
 
 def _cut_into_blocks(shape, spatial):

@@ -20,7 +20,7 @@ INSTANCES = [
     lambda: L.SpatialCropping3D(1), lambda: L.SpatialZeroPadding3D(1),
     lambda: L.SpatialConv2DTranspose(4, 2), lambda: L.SpatialConv3DTranspose(4, 2),
     lambda: L.SpatialGroupNormalization(groups=2), lambda: L.SpatialDepthwiseConv2D(3),
-    lambda: L.SpatialSeparableConv2D(4, 3),
+    lambda: L.SpatialSeparableConv2D(4, 3), lambda: L.SpatialUpSampling2D(2),
 ]
 
 

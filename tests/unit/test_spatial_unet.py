@@ -112,10 +112,19 @@ def test_layers_that_need_neighbours_end_the_region():
     assert plan.split_outputs == (False,) and plan.outputs == (None,)
     i = keras.Input((8, 8, 2))
     x = keras.layers.Conv2D(4, 3, padding="same", name="conv1")(i)
-    x = keras.layers.UpSampling2D(interpolation="bilinear", name="up")(x)
+    x = keras.layers.UpSampling2D(interpolation="bicubic", name="up")(x)
     plan = plan_of(keras.Model(i, keras.layers.Conv2D(2, 1, name="head")(x)), "s", 2, 2)
     assert plan.node("up").conversions == ("space_gather",)
     assert kinds(plan)["head"] == "replicate"
+
+
+def test_bilinear_upsampling_runs_on_blocks():
+    i = keras.Input((8, 8, 2))
+    x = keras.layers.Conv2D(4, 3, padding="same", name="conv1")(i)
+    x = keras.layers.UpSampling2D(interpolation="bilinear", name="up")(x)
+    plan = plan_of(keras.Model(i, keras.layers.Conv2D(2, 1, name="head")(x)), "s", 2, 2)
+    assert plan.node("up").kind == "spatial" and plan.node("up").conversions == (None,)
+    assert kinds(plan)["head"] == "spatial" and plan.split_outputs == (True,)
 
 
 def test_output_padding_keeps_a_transposed_conv_replicated():

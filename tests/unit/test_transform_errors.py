@@ -128,7 +128,7 @@ def test_spatial_layers_beyond_a_convolution_that_does_not_split():
 def test_spatial_layers_beyond_a_layer_without_spatial_rule():
     i = keras.Input((8, 8, 3))
     x = keras.layers.Conv2D(4, 3, padding="same", name="conv1")(i)
-    x = keras.layers.UpSampling2D(interpolation="bilinear", name="up")(x)   # needs halos
+    x = keras.layers.UpSampling2D(interpolation="bicubic", name="up")(x)   # no spatial rule
     x = keras.layers.Conv2D(4, 3, padding="same", name="conv2")(x)
     model = keras.Model(i, keras.layers.Dense(2, name="out")(keras.layers.Flatten()(x)))
     with pytest.raises(ValueError, match=r"^Layer 'up' \(UpSampling2D\) cannot run on spatial "

@@ -8,7 +8,8 @@ from tfhybrid.layers.spatial import (SpatialAveragePooling2D, SpatialAveragePool
                                      SpatialScatter, SpatialZeroPadding2D,
                                      SpatialZeroPadding3D, SpatialConv2DTranspose,
                                      SpatialConv3DTranspose, SpatialGroupNormalization,
-                                     SpatialDepthwiseConv2D, SpatialSeparableConv2D)
+                                     SpatialDepthwiseConv2D, SpatialSeparableConv2D,
+                                     SpatialUpSampling2D)
 # -- end spatial ------------------------------------------------------------------
 
 # -- model parallelism (filter/channel), SplitBrain boundaries, sync batch norm --

@@ -95,7 +95,8 @@ _SPATIAL_COPIES = {"Conv2D": P.SpatialConv2D, "DepthwiseConv2D": P.SpatialDepthw
                    "ZeroPadding3D": P.SpatialZeroPadding3D, "Cropping3D": P.SpatialCropping3D,
                    "Conv2DTranspose": P.SpatialConv2DTranspose,
                    "Conv3DTranspose": P.SpatialConv3DTranspose,
-                   "GroupNormalization": P.SpatialGroupNormalization}
+                   "GroupNormalization": P.SpatialGroupNormalization,
+                   "UpSampling2D": P.SpatialUpSampling2D}
 
 
 def _spatial(layer, np, grid):

@@ -199,13 +199,23 @@ class Concat(Merge):
 
 class UpSampling(Channelwise):
     """UpSampling2D/3D: nearest-neighbour up-sampling of a ``space`` block is
-    the block of the up-sampled tensor (no communication); bilinear needs
-    its neighbours' rows and gathers first."""
+    the block of the up-sampled tensor (no communication); bilinear
+    UpSampling2D needs one row of each neighbour (SpatialUpSampling2D); the
+    other interpolations gather first."""
 
     def plan(self, node, layouts, kind, ctx):
         if layouts[0].kind == "space" and spatial_local(node):
             return Decision((None,), "replicate", layouts[0])
+        if layouts[0].kind == "space" and spatial_bilinear(node):
+            return Decision((None,), "spatial", layouts[0], {"split": ctx.spatial})
         return super().plan(node, layouts, kind, ctx)
+
+
+def spatial_bilinear(node) -> bool:
+    """True for bilinear UpSampling2D (channels_last): on ``space`` blocks with a
+    one-row halo (SpatialUpSampling2D)."""
+    return node.cls == "UpSampling2D" and node.attr("interpolation", "nearest") == "bilinear" \
+        and node.attr("data_format", "channels_last") == "channels_last"
 
 
 def spatial_local(node) -> bool:
@@ -253,7 +263,8 @@ def runs_on_blocks(node) -> bool:
     """True for layers that compute a ``space`` block from that block alone (they
     do not end the spatial region of s/ds): element-wise layers and merges,
     BatchNormalization (synchronised), softmax over channels, Concatenate
-    along channels, nearest UpSampling2D/3D, Dense and LayerNormalization per voxel,
+    along channels, nearest UpSampling2D/3D and bilinear UpSampling2D (a one-row
+    halo), Dense and LayerNormalization per voxel,
     GroupNormalization over channels (moments summed over the blocks).
 
     Example:
@@ -269,7 +280,7 @@ def runs_on_blocks(node) -> bool:
         return channels_last_axis(node)
     if node.cls in ("Concatenate", "GroupNormalization"):
         return channels_last_axis(node)
-    if spatial_local(node) or per_voxel(node):
+    if spatial_local(node) or spatial_bilinear(node) or per_voxel(node):
         return True
     return node.cls in ELEMENTWISE + MERGES + ("Activation", "BatchNormalization") and \
         node.attr("activation") not in CHANNEL_MIXING

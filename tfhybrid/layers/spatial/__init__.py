@@ -12,7 +12,8 @@ A spatially parallel region of a CNN::
 Element-wise layers (activations, dropout with a group-wide seed, Add),
 ``Concatenate`` along channels of equally split blocks (U-Net skips),
 nearest-neighbour ``UpSampling2D/3D`` and a softmax over channels work on
-blocks unchanged; ``SpatialConv2DTranspose``/``SpatialConv3DTranspose``
+blocks unchanged (bilinear ``UpSampling2D`` with a one-row halo:
+``SpatialUpSampling2D``, :mod:`.upsample`); ``SpatialConv2DTranspose``/``SpatialConv3DTranspose``
 up-sample with a halo, so a whole U-Net runs on blocks. Every layer here equals its Keras counterpart on
 the full input, block by block, in outputs and gradients; convolution
 weights are partial over the group (``VariableLayout("partial", group)``).
@@ -34,9 +35,11 @@ from tfhybrid.layers.spatial.io import SpatialGather, SpatialScatter
 from tfhybrid.layers.spatial.pool import (SpatialAveragePooling2D, SpatialAveragePooling3D,
                                           SpatialMaxPooling2D, SpatialMaxPooling3D)
 from tfhybrid.layers.spatial.transpose import SpatialConv2DTranspose, SpatialConv3DTranspose
+from tfhybrid.layers.spatial.upsample import SpatialUpSampling2D
 
 __all__ = ["SpatialConv2D", "SpatialConv3D", "SpatialMaxPooling2D", "SpatialMaxPooling3D",
            "SpatialAveragePooling2D", "SpatialAveragePooling3D", "SpatialScatter",
            "SpatialGather", "SpatialZeroPadding2D", "SpatialZeroPadding3D", "SpatialCropping2D",
            "SpatialCropping3D", "SpatialConv2DTranspose", "SpatialConv3DTranspose",
-           "SpatialGroupNormalization", "SpatialDepthwiseConv2D", "SpatialSeparableConv2D"]
+           "SpatialGroupNormalization", "SpatialDepthwiseConv2D", "SpatialSeparableConv2D",
+           "SpatialUpSampling2D"]

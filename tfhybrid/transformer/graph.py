@@ -19,7 +19,7 @@ import keras
 
 _ATTRS = ("units", "filters", "kernel_size", "strides", "padding", "dilation_rate", "groups",
           "data_format", "activation", "use_bias", "pool_size", "rate", "seed", "axis",
-          "cropping", "interpolation", "output_padding", "size")
+          "cropping", "interpolation", "output_padding", "size", "shared_axes")
 
 
 @dataclasses.dataclass(frozen=True)

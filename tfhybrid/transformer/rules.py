@@ -239,6 +239,29 @@ def per_voxel(node) -> bool:
     return node.cls == "LayerNormalization" and channels_last_axis(node)
 
 
+def prelu_on_blocks(node) -> bool:
+    """True for a PReLU on an image or volume whose ``alpha`` is shared along every
+    spatial axis (``shared_axes=[1, 2]`` / ``[1, 2, 3]``, V-Net's): one slope per
+    channel, the same on every block. A per-position ``alpha`` (the default) needs
+    the whole image."""
+    shape = node.in_shapes[0] if node.in_shapes else ()
+    if node.cls != "PReLU" or len(shape) not in (4, 5):
+        return False
+    shared = node.attr("shared_axes") or ()
+    shared = {int(a) for a in (shared if isinstance(shared, (list, tuple)) else (shared,))}
+    return all(a in shared for a in range(1, len(shape) - 1))
+
+
+class PReLU(Rule):
+    """PReLU with one slope per channel: ``space`` blocks pass (partial ``alpha``:
+    each block's gradient share, summed over the group)."""
+
+    def plan(self, node, layouts, kind, ctx):
+        if layouts[0].kind == "space" and prelu_on_blocks(node):
+            return Decision((None,), "replicate", layouts[0], {"weights": "partial"})
+        return super().plan(node, layouts, kind, ctx)
+
+
 class PerVoxel(Rule):
     """LayerNormalization over channels: ``space`` blocks pass (partial weights)."""
 
@@ -264,7 +287,7 @@ def runs_on_blocks(node) -> bool:
     do not end the spatial region of s/ds): element-wise layers and merges,
     BatchNormalization (synchronised), softmax over channels, Concatenate
     along channels, nearest UpSampling2D/3D and bilinear UpSampling2D (a one-row
-    halo), Dense and LayerNormalization per voxel,
+    halo), Dense and LayerNormalization per voxel, PReLU with one slope per channel,
     GroupNormalization over channels (moments summed over the blocks).
 
     Example:
@@ -280,7 +303,7 @@ def runs_on_blocks(node) -> bool:
         return channels_last_axis(node)
     if node.cls in ("Concatenate", "GroupNormalization"):
         return channels_last_axis(node)
-    if spatial_local(node) or spatial_bilinear(node) or per_voxel(node):
+    if spatial_local(node) or spatial_bilinear(node) or per_voxel(node) or prelu_on_blocks(node):
         return True
     return node.cls in ELEMENTWISE + MERGES + ("Activation", "BatchNormalization") and \
         node.attr("activation") not in CHANNEL_MIXING
@@ -517,7 +540,7 @@ for _names, _rule in ((ELEMENTWISE + ("Activation",), Elementwise()), (CHANNELWI
                       (MERGES, Merge()), (("BatchNormalization",), BatchNorm()),
                       (LINEAR + SPATIAL_WEIGHTED, Linear()), (("Concatenate",), Concat()),
                       (SPATIAL_UPSAMPLING, UpSampling()), (("LayerNormalization",), PerVoxel()),
-                      (("GroupNormalization",), GroupNorm())):
+                      (("GroupNormalization",), GroupNorm()), (("PReLU",), PReLU())):
     for _name in _names:
         _RULES[_name] = _rule
 _DEFAULT = FullInput()

@@ -316,6 +316,76 @@ def gather_rows(tensors, ranks, name):
     return tf.nest.pack_sequence_as(tensors, out)
 
 
+_METRICS_WRAPPED = "_tfhybrid_whole_batch_metrics"
+
+
+def wrap_metrics(model):
+    """Make ``model``'s compiled function metrics (``MeanMetricWrapper``: a
+    function or a loss passed in ``metrics=``) whose values drop the rows (one
+    scalar per batch, e.g. a Dice coefficient) or, on a split output, the
+    voxels, update on the whole batch / volume, gathered as for the losses
+    (:class:`BlockRowsLoss`): each block's value averaged over the ranks was
+    not the batch's. Every rank then adds the same value, which the summed
+    metric states (total and count alike) leave unchanged. Wrapped once per
+    compile, on the compiled metrics' build."""
+    compiled = getattr(model, "_compile_metrics", None)
+    if compiled is None or getattr(compiled, _METRICS_WRAPPED, False):
+        return
+    object.__setattr__(compiled, _METRICS_WRAPPED, True)
+    if runtime.current_grid().size == 1:
+        return
+    build = compiled.build
+
+    def build_and_wrap(y_true, y_pred):
+        build(y_true, y_pred)
+        _wrap_metric_lists(model, compiled)
+
+    compiled.build = build_and_wrap
+    if compiled.built:
+        _wrap_metric_lists(model, compiled)
+
+
+def _wrap_metric_lists(model, compiled):
+    flags = getattr(model, "_tfhybrid_split_outputs", ()) or ()
+    for lists in (compiled._flat_metrics, compiled._flat_weighted_metrics):
+        for out, metrics in enumerate(lists or ()):
+            split = out < len(flags) and flags[out]
+            for i, metric in enumerate(getattr(metrics, "metrics", None) or ()):
+                if callable(getattr(metric, "_fn", None)):
+                    _wrap_metric(model, metric, split, f"metric_whole.{out}.{i}")
+
+
+def _wrap_metric(model, metric, split, name):
+    keras_update = metric.update_state
+
+    def update_state(y_true, y_pred, sample_weight=None):
+        kwargs = getattr(metric, "_fn_kwargs", None) or {}
+        try:
+            values = metric._fn(y_true, y_pred, **kwargs)
+        except Exception:    # noqa: BLE001 - Keras' own call raises it below
+            return keras_update(y_true, y_pred, sample_weight=sample_weight)
+        rank = getattr(getattr(values, "shape", None), "rank", None)
+        tensors = (y_true, y_pred, sample_weight)
+        if rank is not None and split:
+            from tfhybrid.layers.spatial.output import (SPATIAL_GRID_ATTR, _cut_into_blocks,
+                                                        whole_volume)
+
+            spatial = getattr(model, SPATIAL_GRID_ATTR)
+            if rank <= len(spatial):        # the values drop the voxels: the whole volume
+                group = runtime.current_grid().group("model")
+                tensors = tuple(
+                    t if t is None or not _cut_into_blocks(tf.convert_to_tensor(t).shape, spatial)
+                    else whole_volume(t, spatial, group, f"{name}.{j}")
+                    for j, t in enumerate(tensors))
+        if rank == 0:                       # one value for the batch: the whole batch
+            blocks, ranks = row_blocks(model)
+            if blocks > 1 and len(ranks) > 1:
+                tensors = gather_rows(tensors, ranks, f"{name}.rows")
+        return keras_update(*tensors[:2], sample_weight=tensors[2])
+
+    object.__setattr__(metric, "update_state", update_state)
+
+
 def whole_regularization(model, loss):
     """``loss`` with every weight penalty entering once, as in one process.
 

@@ -1451,6 +1451,7 @@ def install(model, part=False):
     def train_step(self, data):
         data = full_labels_to_blocks(self, data)     # fit(x, y) with whole-volume labels
         batch_losses.wrap(self)                      # reduction="sum" losses: x row blocks
+        batch_losses.wrap_metrics(self)              # batch-level metric functions: whole
         # Only where ranks of a model group must feed the same rows (nothing to
         # compare otherwise: pure data parallelism, one process), and only on
         # the steps the GuardCallback checks.
@@ -1464,6 +1465,7 @@ def install(model, part=False):
 
     def test_step(self, data):
         batch_losses.wrap(self)
+        batch_losses.wrap_metrics(self)
         data = full_labels_to_blocks(self, data)
         if _config().guards and _data_replicas_checked(self):     # EvaluateRows' batch
             split = any(getattr(self, "_tfhybrid_split_outputs", ())) and isinstance(data, tuple)

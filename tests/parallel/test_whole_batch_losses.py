@@ -63,6 +63,23 @@ LOSSES = {
 }
 
 
+def dice_coef(y_true, y_pred):
+    """A user's metric: one Dice coefficient for the whole batch."""
+    y_true = tf.cast(y_true, y_pred.dtype)
+    return 2 * tf.reduce_sum(y_true * y_pred) / (tf.reduce_sum(y_true) + tf.reduce_sum(y_pred))
+
+
+def sample_dice(y_true, y_pred):
+    """Per sample, over its voxels (on a split output: the whole volume's)."""
+    y_true = tf.cast(y_true, y_pred.dtype)
+    axes = list(range(1, y_pred.shape.rank))
+    return 2 * tf.reduce_sum(y_true * y_pred, axes) / (
+        tf.reduce_sum(y_true, axes) + tf.reduce_sum(y_pred, axes))
+
+
+METRICS = [dice_coef, sample_dice, "binary_accuracy"]
+
+
 def _run(strategy, loss, mp, per_voxel=True, weighted=False, **options):
     tfhybrid.shutdown()
     tfhybrid.init(model_parallel=mp)
@@ -71,23 +88,26 @@ def _run(strategy, loss, mp, per_voxel=True, weighted=False, **options):
         y = y.reshape(ROWS, -1)[:, :3]
     make = _unet if per_voxel else _classifier
     reference = make()
-    reference.compile(optimizer=keras.optimizers.SGD(0.5), loss=LOSSES[loss]())
+    reference.compile(optimizer=keras.optimizers.SGD(0.5), loss=LOSSES[loss](),
+                      metrics=METRICS)
     kw = {"sample_weight": w} if weighted else {}
     want = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                         **kw).history["loss"]
+                         **kw).history
     want_eval = reference.evaluate(x, y, batch_size=BATCH, verbose=0, **kw)
     model = tfhybrid.transform(make(), strategy, **options)
     if strategy in ("s", "ds"):       # the loss sees blocks (else nothing to test here)
         assert model._tfhybrid_split_outputs == (True,)
     model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.5)),
-                  loss=LOSSES[loss]())
+                  loss=LOSSES[loss](), metrics=METRICS)
     rows = (x, y, w) if weighted else (x, y)
     data = tfhybrid.data.shard(tf.data.Dataset.from_tensor_slices(rows), model=model,
                                batch_size=BATCH)
     got = model.fit(data, epochs=EPOCHS, verbose=0,
-                    callbacks=tfhybrid.callbacks.standard()).history["loss"]
+                    callbacks=tfhybrid.callbacks.standard()).history
     got_eval = model.evaluate(data, verbose=0)
-    np.testing.assert_allclose(got, want, rtol=2e-5)
+    assert set(got) == set(want)
+    for key in want:                # the loss and every metric (dice_coef: batch-level)
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-5, err_msg=key)
     np.testing.assert_allclose(got_eval, want_eval, rtol=2e-5)
     whole = gather(model)
     for a, b, v in zip(whole.get_weights(), reference.get_weights(), reference.weights):
@@ -140,7 +160,7 @@ def test_ds_whole_batch_and_volume(loss):
 
 
 @pytest.mark.skipif(N < 4, reason="two row blocks of a model group need 4 ranks")
-@pytest.mark.parametrize("strategy", ["df", "gmp"])
+@pytest.mark.parametrize("strategy", ["df", "gmp", "ls"])
 def test_model_parallel_row_blocks(strategy):
     _run(strategy, "dice", 2, per_voxel=False, fallback="replicate")
 

@@ -322,6 +322,7 @@ class LayerSeparatedModel(keras.Model):
 
     def train_step(self, data):
         batch_losses.wrap(self)          # reduction="sum" etc. over the workers
+        batch_losses.wrap_metrics(self)  # batch-level metric functions: the whole batch
         x, y, sw = self._unpack(data)
         if self.is_fc:
             _, gathered = self._exchange_forward(x, True)
@@ -389,6 +390,7 @@ class LayerSeparatedModel(keras.Model):
 
     def test_step(self, data):
         batch_losses.wrap(self)
+        batch_losses.wrap_metrics(self)
         x, y, sw = self._unpack(data)
         y_pred = self._forward(x)
         # FC workers log their group's rows (evaluate counts the CONV workers' states

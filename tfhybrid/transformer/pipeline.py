@@ -420,6 +420,7 @@ class PipelineModel(keras.Model):
 
     def train_step(self, data):
         batch_losses.wrap(self)          # reduction="sum" etc. over the pipelines
+        batch_losses.wrap_metrics(self)  # batch-level metric functions: the whole batch
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         x0 = tf.nest.flatten(x)[0]
         self._check_rows(x0)
@@ -490,6 +491,7 @@ class PipelineModel(keras.Model):
 
     def test_step(self, data):
         batch_losses.wrap(self)
+        batch_losses.wrap_metrics(self)
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self._forward(x, False, "eval")
         loss = self._logged_loss(x, y, y_pred, sw, tf.nest.flatten(x)[0], "eval")

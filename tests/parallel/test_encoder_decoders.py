@@ -114,3 +114,56 @@ def test_prelu_with_a_slope_per_position_gathers():
     assert not any(getattr(model, "_tfhybrid_split_outputs", ()))
     assert not getattr(model.get_layer("act"), "_tfhybrid_on_blocks", False)
     tfhybrid.shutdown()
+
+
+def deep_supervision():
+    """A 3-D U-Net with a half-resolution side output (dict outputs: Keras orders
+    them by name, so the half-resolution 'aux' comes first)."""
+    i = keras.Input((8, 8, 8, 1))
+    e0 = L.Conv3D(4, 3, padding="same", activation="relu", name="e0")(i)
+    e1 = L.Conv3D(8, 3, padding="same", activation="relu", name="e1")(L.MaxPooling3D(2)(e0))
+    aux = L.Conv3D(1, 1, activation="sigmoid", name="aux")(e1)
+    x = L.Concatenate()([e0, L.UpSampling3D(2)(e1)])
+    x = L.Conv3D(4, 3, padding="same", activation="relu", name="d0")(x)
+    return keras.Model(i, {"main": L.Conv3D(1, 1, activation="sigmoid", name="main")(x),
+                           "aux": aux})
+
+
+@pytest.mark.parametrize("feed", ["shard", "numpy"])
+def test_deep_supervision_outputs_of_two_resolutions(feed):
+    """Labels of each split output are cut by that output's own block: the
+    full-resolution labels' block has the half-resolution output's whole size,
+    and were cut twice (a shape error in the loss) when 'aux' came first; labels
+    of whole volumes fed to fit(x, y) were not cut for 'aux'."""
+    tfhybrid.shutdown()
+    tfhybrid.init(model_parallel=N)
+    r = np.random.default_rng(2)
+    x = r.standard_normal((8, 8, 8, 8, 1)).astype(np.float32)
+    y = (r.random((8, 8, 8, 8, 1)) > 0.6).astype(np.float32)
+    labels = {"main": y, "aux": y[:, ::2, ::2, ::2]}
+
+    def compile_(model, optimizer):
+        model.compile(optimizer=optimizer, loss={"main": keras.losses.Dice(),
+                                                 "aux": keras.losses.BinaryCrossentropy()},
+                      loss_weights={"main": 1.0, "aux": 0.4})
+
+    keras.utils.set_random_seed(1)
+    reference = deep_supervision()
+    compile_(reference, keras.optimizers.SGD(0.5))
+    want = reference.fit(x, labels, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+    keras.utils.set_random_seed(1)
+    model = tfhybrid.transform(deep_supervision(), "s")
+    assert model._tfhybrid_split_outputs == (True, True)
+    compile_(model, tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.5)))
+    if feed == "shard":
+        data = tfhybrid.data.shard(tf.data.Dataset.from_tensor_slices((x, labels)), model=model,
+                                   batch_size=4)
+        got = model.fit(data, epochs=2, verbose=0, callbacks=tfhybrid.callbacks.standard())
+    else:
+        got = model.fit(x, labels, batch_size=4, epochs=2, shuffle=False, verbose=0,
+                        callbacks=tfhybrid.callbacks.standard())
+    for key in want:
+        np.testing.assert_allclose(got.history[key], want[key], rtol=2e-5, err_msg=key)
+    for a, b, v in zip(gather(model).get_weights(), reference.get_weights(), reference.weights):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=v.path)
+    tfhybrid.shutdown()

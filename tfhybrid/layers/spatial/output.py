@@ -486,35 +486,54 @@ def full_labels_to_blocks(model, data):
     arrays or a dataset of whole volumes pass them whole (the input is split
     by the model's SpatialScatter), which failed in Keras' loss with a shape
     mismatch. A tensor is cut when its spatial sizes along the split axes
-    are the whole output's (block x blocks); tensors already at block size,
-    per-sample labels and broadcast weights pass unchanged. Static shapes
+    are its output's whole size (block x blocks); tensors already at block size,
+    per-sample labels and broadcast weights pass unchanged. Each split output
+    is judged by its own block (deep supervision: a half-resolution output's
+    whole size is the full-resolution output's block size). Static shapes
     decide (at trace time).
     """
     split = split_outputs_of(model)
     if split is None or not isinstance(data, (tuple, list)) or len(data) < 2:
         return data
     flags, spatial = split
-    outputs = [o for o, f in zip(model.outputs, flags) if f]
-    block = tuple(outputs[0].shape[1:1 + len(spatial)])
+    checks = [_whole_check(o, spatial) if f else None for o, f in zip(model.outputs, flags)]
+    names = list(getattr(model, "output_names", None) or [])
+    default = next(c for c in checks if c is not None)
+
+    def cut_whole(value, what):
+        def cut(check):
+            return lambda t: label_block(t, spatial, what) if check(t) else t
+
+        if isinstance(value, dict) and len(names) == len(flags):
+            return {k: tf.nest.map_structure(cut(checks[names.index(k)]), v)
+                    if k in names and checks[names.index(k)] is not None else v
+                    for k, v in value.items()}
+        if len(flags) > 1 and isinstance(value, (tuple, list)) and len(value) == len(flags):
+            return type(value)(v if c is None else tf.nest.map_structure(cut(c), v)
+                               for v, c in zip(value, checks))
+        return tf.nest.map_structure(cut(default), value)
+
+    out = list(data)
+    for i, what in ((1, "labels"), (2, "sample weights")):
+        if i < len(out) and out[i] is not None:
+            out[i] = cut_whole(out[i], what)
+    return type(data)(out) if isinstance(data, tuple) else out
+
+
+def _whole_check(output, spatial):
+    """Whether a label tensor has ``output``'s whole spatial size (its block x the
+    blocks) along every split axis."""
+    block = tuple(output.shape[1:1 + len(spatial)])
     full = tuple(None if b is None else b * k for b, k in zip(block, spatial))
+    axes = [d for d, k in enumerate(spatial) if k > 1]
 
     def whole(t):
         shape = tuple(getattr(t, "shape", ()))
         if len(shape) < len(spatial) + 1:
             return False
-        axes = [d for d, k in enumerate(spatial) if k > 1]
         return bool(axes) and all(shape[d + 1] == full[d] and full[d] != block[d]
                                   for d in axes)
-
-    if not any(whole(t) for t in tf.nest.flatten(list(data[1:]))):
-        return data
-    names = list(getattr(model, "output_names", None) or [])
-    out = list(data)
-    for i, what in ((1, "labels"), (2, "sample weights")):
-        if i < len(out) and out[i] is not None:
-            value = out[i]
-            out[i] = _cut(value, spatial, flags, what, names, where=whole)
-    return type(data)(out) if isinstance(data, tuple) else out
+    return whole
 
 
 def whole_predictions(model, result):

@@ -62,3 +62,20 @@ def check_fit_equals_single_process(build, x, y, batch, strategy, options, layer
     diff = max(float(np.max(np.abs(a - e))) for a, e in zip(actual, expected))
     print(f"\n{strategy} {options}: max |gathered - reference| = {diff:.2e} "
           f"(largest update {moved:.2e})")
+
+
+def fit_like_one_process(model, reference, x, y, lr, epochs, batch=8, loss=LOSS):
+    """Fit ``reference`` (unmodified, one process) and transformed ``model``
+    (``DistributedOptimizer``, ``data.shard`` of global batches of ``batch``)
+    with SGD(``lr``) for ``epochs`` on ``(x, y)``; assert equal History losses
+    (rtol 1e-5) and gathered weights (rtol 1e-4, atol 1e-6)."""
+    reference.compile(optimizer=keras.optimizers.SGD(lr), loss=loss)
+    want = reference.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False,
+                         verbose=0).history["loss"]
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(lr)), loss=loss)
+    data = tfhybrid.data.shard(tf.data.Dataset.from_tensor_slices((x, y)), model=model,
+                               batch_size=batch)
+    got = model.fit(data, epochs=epochs, verbose=0, callbacks=tfhybrid.callbacks.standard())
+    np.testing.assert_allclose(got.history["loss"], want, rtol=1e-5)
+    for a, b, v in zip(gather(model).get_weights(), reference.get_weights(), reference.weights):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=v.path)

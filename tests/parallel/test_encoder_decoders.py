@@ -18,6 +18,7 @@ import tfhybrid
 from tfhybrid.transformer import gather
 
 from conftest import world_size
+from spatial_fit import fit_like_one_process
 
 N = world_size()
 L = keras.layers
@@ -85,22 +86,13 @@ def test_encoder_decoder_on_blocks_equals_one_process(name, strategy, mp):
     r = np.random.default_rng(0)
     x = r.standard_normal((8,) + reference.input_shape[1:]).astype(np.float32)
     y = r.integers(0, CLASSES, (8,) + reference.output_shape[1:-1]).astype(np.int32)
-    reference.compile(optimizer=keras.optimizers.SGD(0.2), loss="sparse_categorical_crossentropy")
-    want = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
     model = tfhybrid.transform(make(), strategy)
     assert model._tfhybrid_split_outputs == (True,)
     on_blocks = {"vnet": ("a0", "a1"), "unet_plus_plus": ("x02",),
                  "normalisations": ("inorm", "lnorm", "up")}[name]
     for layer in on_blocks:          # PReLU/LayerNormalization: their weights partial
         assert getattr(model.get_layer(layer), "_tfhybrid_on_blocks", False), layer
-    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.2)),
-                  loss="sparse_categorical_crossentropy")
-    data = tfhybrid.data.shard(tf.data.Dataset.from_tensor_slices((x, y)), model=model,
-                               batch_size=8)
-    got = model.fit(data, epochs=2, verbose=0, callbacks=tfhybrid.callbacks.standard())
-    np.testing.assert_allclose(got.history["loss"], want, rtol=1e-5)
-    for a, b, v in zip(gather(model).get_weights(), reference.get_weights(), reference.weights):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=v.path)
+    fit_like_one_process(model, reference, x, y, lr=0.2, epochs=2)
     tfhybrid.shutdown()
 
 

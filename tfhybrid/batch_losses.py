@@ -367,16 +367,11 @@ def _wrap_metric(model, metric, split, name):
         rank = getattr(getattr(values, "shape", None), "rank", None)
         tensors = (y_true, y_pred, sample_weight)
         if rank is not None and split:
-            from tfhybrid.layers.spatial.output import (SPATIAL_GRID_ATTR, _cut_into_blocks,
-                                                        whole_volume)
+            from tfhybrid.layers.spatial.output import SPATIAL_GRID_ATTR, whole_volumes
 
             spatial = getattr(model, SPATIAL_GRID_ATTR)
             if rank <= len(spatial):        # the values drop the voxels: the whole volume
-                group = runtime.current_grid().group("model")
-                tensors = tuple(
-                    t if t is None or not _cut_into_blocks(tf.convert_to_tensor(t).shape, spatial)
-                    else whole_volume(t, spatial, group, f"{name}.{j}")
-                    for j, t in enumerate(tensors))
+                tensors = whole_volumes(tensors, spatial, name)
         if rank == 0:                       # one value for the batch: the whole batch
             blocks, ranks = row_blocks(model)
             if blocks > 1 and len(ranks) > 1:

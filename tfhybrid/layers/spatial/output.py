@@ -238,15 +238,23 @@ class _SplitOutputLoss:
         if shape is None or shape.rank is None or shape.rank > len(self.spatial):
             return (self.block or self.fn)(y_true, y_pred, sample_weight)
         grid = runtime.current_grid()
-        group = grid.group("model")
-        y_true, y_pred, sample_weight = (
-            t if t is None or not _cut_into_blocks(tf.convert_to_tensor(t).shape, self.spatial)
-            else whole_volume(t, self.spatial, group, f"{self.collective}.{j}")
-            for j, t in enumerate((y_true, y_pred, sample_weight)))
+        y_true, y_pred, sample_weight = whole_volumes((y_true, y_pred, sample_weight),
+                                                      self.spatial, self.collective)
         rows = BlockRowsLoss(self.fn, self.reduction, grid.data_size, grid.data_group_ranks(grid.model_rank))
         rows.copies = self.copies
         rows.collective = f"{self.collective}.weight_sum"
-        return gradient_times(rows(y_true, y_pred, sample_weight), group.size)
+        return gradient_times(rows(y_true, y_pred, sample_weight), grid.group("model").size)
+
+
+def whole_volumes(tensors, spatial, name):
+    """Each of ``tensors`` (labels, predictions, weights; None stays None) that
+    was cut into this rank's block (:func:`_cut_into_blocks`) put together into
+    the whole volume over the model group (:func:`whole_volume`); the others as
+    they are."""
+    group = runtime.current_grid().group("model")
+    return tuple(t if t is None or not _cut_into_blocks(tf.convert_to_tensor(t).shape, spatial)
+                 else whole_volume(t, spatial, group, f"{name}.{j}")
+                 for j, t in enumerate(tensors))
 
 
 def whole_volume(t, spatial, group, name):
@@ -460,21 +468,27 @@ def split_labels(element, spatial, flags=None, names=None):
 
 def _cut(value, spatial, flags, what, names=None, where=None):
     """``value`` (labels or weights, maybe one entry per output) with the
-    entries of split outputs cut to this rank's block; ``where(t)``: cut only
-    the tensors it holds true for (default: all)."""
-    def cut(t):
-        return label_block(t, spatial, what) if where is None or where(t) else t
+    entries of split outputs cut to this rank's block; ``where``: one predicate
+    per output (None: cut every tensor of a split output), cutting only the
+    tensors it holds true for; entries not matched to an output use the first
+    split output's."""
+    def cut(check):
+        return lambda t: label_block(t, spatial, what) if check is None or check(t) else t
 
+    checks = list(where) if where is not None else [None] * len(flags or ())
+    default = next((c for c, f in zip(checks, flags or ()) if f), None)
     if flags is not None and isinstance(value, dict) and names and len(names) == len(flags):
         split = dict(zip(names, flags))
-        return {k: tf.nest.map_structure(cut, v) if split.get(k, True) else v
-                for k, v in value.items()}
+        check = dict(zip(names, checks))
+        return {k: tf.nest.map_structure(cut(check.get(k, default)), v)
+                if split.get(k, True) else v for k, v in value.items()}
 
     if flags is not None and len(flags) > 1 and isinstance(value, (tuple, list)) and \
             len(value) == len(flags):
-        parts = [tf.nest.map_structure(cut, v) if split else v for v, split in zip(value, flags)]
+        parts = [tf.nest.map_structure(cut(c), v) if split else v
+                 for v, split, c in zip(value, flags, checks)]
         return type(value)(parts)
-    return tf.nest.map_structure(cut, value)
+    return tf.nest.map_structure(cut(default), value)
 
 
 def full_labels_to_blocks(model, data):
@@ -498,25 +512,10 @@ def full_labels_to_blocks(model, data):
     flags, spatial = split
     checks = [_whole_check(o, spatial) if f else None for o, f in zip(model.outputs, flags)]
     names = list(getattr(model, "output_names", None) or [])
-    default = next(c for c in checks if c is not None)
-
-    def cut_whole(value, what):
-        def cut(check):
-            return lambda t: label_block(t, spatial, what) if check(t) else t
-
-        if isinstance(value, dict) and len(names) == len(flags):
-            return {k: tf.nest.map_structure(cut(checks[names.index(k)]), v)
-                    if k in names and checks[names.index(k)] is not None else v
-                    for k, v in value.items()}
-        if len(flags) > 1 and isinstance(value, (tuple, list)) and len(value) == len(flags):
-            return type(value)(v if c is None else tf.nest.map_structure(cut(c), v)
-                               for v, c in zip(value, checks))
-        return tf.nest.map_structure(cut(default), value)
-
     out = list(data)
     for i, what in ((1, "labels"), (2, "sample weights")):
         if i < len(out) and out[i] is not None:
-            out[i] = cut_whole(out[i], what)
+            out[i] = _cut(out[i], spatial, flags, what, names, where=checks)
     return type(data)(out) if isinstance(data, tuple) else out
 
 

@@ -32,9 +32,11 @@ transformed model check for them itself:
   False)`` keeps Keras' per-rank values);
 - ``summary`` adds a line saying the counts are this rank's (per-rank blocks).
 
-A guarded step costs one small eager allgather (a few floats per rank) and
-one pass over the weights in numpy; other steps add one ``tf.cond`` on a
-flag to the traced step: the batch checksum (one reduction per input
+A guarded step costs one small allgather (a few floats per rank): eager
+after the first steps' batch checks; inside the traced step, after the
+update, where it carries the weight checksums (one pass over the weights in
+traced ops, :func:`gather_step_sums`). Other steps add ``tf.cond``\ s on
+flags to the traced step: the batch checksum (one reduction per input
 tensor) runs only on guarded steps, and only where ranks of a model group
 must feed the same rows (not under pure data parallelism, nor in one
 process, where there is nothing to compare). ``Config(guards=False)``
@@ -116,6 +118,68 @@ def weight_checksums(variables) -> np.ndarray:
         out.append(float(np.dot(flat.astype(np.float64, copy=False),
                                 _position_weights(flat.size))))
     return np.asarray(out)
+
+
+def weight_checksums_in_step(variables):
+    """:func:`weight_checksums` as traced ops (float64, one per variable): the
+    guards' weight check runs inside the training step it follows
+    (:func:`gather_step_sums`), with no eager pass over the weights in numpy.
+    Same position weights (``1 + (i mod 97)/97``), summed by a matrix-vector
+    product of the variable viewed as rows of 97 (no weight vector as large
+    as the variable) plus the last ``size mod 97`` elements."""
+    cols = 1.0 + tf.range(97, dtype=tf.float64) / 97.0
+    out = []
+    for v in variables:
+        flat = tf.reshape(tf.cast(v, tf.float64), [-1])
+        size = int(np.prod(v.shape))
+        whole = size - size % 97
+        total = tf.reduce_sum(tf.linalg.matvec(tf.reshape(flat[:whole], [-1, 97]), cols))
+        if whole < size:
+            total += tf.reduce_sum(flat[whole:] * cols[:size - whole])
+        out.append(total)
+    return tf.stack(out) if out else tf.zeros([0], tf.float64)
+
+
+def gather_step_sums(model, checksum, due):
+    """In ``train_step``, after the update: when ``due`` (a traced bool, set by the
+    :class:`GuardCallback` before the steps whose weights it compares), gather
+    this step's batch checksum and weight checksums over the world and keep
+    them in the model's step-sums variable for the callback to verify. The
+    allgather then runs in the traced step, instead of an eager pass over the
+    weights in numpy and an eager allgather between two steps (measured on
+    the README's data-parallel fit at 2 ranks: 12-50 ms per fit). Nothing
+    when the variable is missing or sized for other variables (a train
+    function traced before ``fit`` made it): the callback then finds it
+    unwritten and runs the eager check."""
+    sums = getattr(model, "_tfhybrid_step_sums", None)
+    variables = model.trainable_variables
+    if sums is None or sums.shape[1] != 1 + len(variables):
+        return
+    from tfhybrid.comm import backend
+
+    world = tuple(range(runtime.current_grid().size))
+
+    def gather():
+        values = tf.concat([tf.reshape(checksum.read_value(), [1]),
+                            weight_checksums_in_step(variables)], 0)
+        sums.assign(backend.allgather(values[None, :], world, "guard.step_sums"))
+        return tf.constant(True)
+
+    tf.cond(due, gather, lambda: tf.constant(False))
+
+
+def step_sums_variable(model):
+    """The model's step-sums variable (world x (1 + trainable variables), float64),
+    made or remade eagerly at the start of ``fit`` (before Keras traces its
+    train function) when missing or sized for other variables."""
+    width = 1 + len(model.trainable_variables)
+    sums = getattr(model, "_tfhybrid_step_sums", None)
+    if sums is None or tuple(sums.shape) != (runtime.current_grid().size, width):
+        with tf.init_scope():
+            sums = tf.Variable(np.full((runtime.current_grid().size, width), np.nan),
+                               trainable=False, name="tfhybrid_step_sums", dtype=tf.float64)
+        object.__setattr__(model, "_tfhybrid_step_sums", sums)
+    return sums
 
 
 def batch_checksum(data, position=None):
@@ -569,9 +633,12 @@ def check_batch(model, checksum, step):
         _check_batch_sums(_world_gather([checksum], "guard.batch")[:, 0], step)
 
 
-def check_step(model, checksum, step, weights=True):
+def check_step(model, checksum, step, weights=True, gathered=None):
     """:func:`check_batch` and (with ``weights``) :func:`check_weights` after a step,
-    in one collective (one allgather of the batch and weight checksums)."""
+    in one collective (one allgather of the batch and weight checksums).
+    ``gathered``: that allgather's result, already made inside the step
+    (:func:`gather_step_sums`: world x (batch checksum, weight checksums));
+    no collective here then."""
     grid = runtime.current_grid()
     shared = _batch_shared(model)
     # at the weight check's step: its allgather carries the batch checksum too
@@ -580,8 +647,11 @@ def check_step(model, checksum, step, weights=True):
     variables = model.trainable_variables if weights else []
     if grid.size == 1 or not (batch or variables):
         return
-    values = ([checksum] if batch else []) + list(weight_checksums(variables))
-    sums = _world_gather(values, "guard.step")
+    if gathered is not None and variables:
+        sums = gathered if batch else gathered[:, 1:]
+    else:
+        values = ([checksum] if batch else []) + list(weight_checksums(variables))
+        sums = _world_gather(values, "guard.step")
     if shared:
         _check_batch_sums(sums[:, 0], step)
     if duplicates:
@@ -642,23 +712,46 @@ class GuardCallback(keras.callbacks.Callback):
     broadcast callbacks). ``every``: period after the first steps (0: none).
     """
 
-    def __init__(self, checksum_variable, every, due_variable=None):
+    def __init__(self, checksum_variable, every, due_variable=None, weights_due_variable=None):
         super().__init__()
         self._checksum = checksum_variable
         self._every = every
         self._due = due_variable
         self._due_value = None
+        self._weights_due = weights_due_variable
+        self._weights_due_value = None
         self._step = 0
 
     def _scheduled(self, step):
         return step <= FIRST_STEPS or (bool(self._every) and step % self._every == 0)
 
-    def _set_due(self, value):
+    def _weights_scheduled(self, step):
+        return step == FIRST_STEPS or (bool(self._every) and step % self._every == 0)
+
+    def _set_due(self, value, weights=False):
         """Tell ``train_step`` whether the next step's batch checksum is needed
-        (one assign per change of value: at most two per period)."""
+        (one assign per change of value: at most two per period) and whether
+        it gathers the weight checksums (:func:`gather_step_sums`; the
+        step-sums variable is marked unwritten first)."""
         if self._due is not None and value != self._due_value:
             self._due.assign(value)
             self._due_value = value
+        sums = getattr(self.model, "_tfhybrid_step_sums", None)
+        weights = weights and sums is not None
+        if self._weights_due is not None and weights != self._weights_due_value:
+            self._weights_due.assign(weights)
+            self._weights_due_value = weights
+        if weights:
+            sums.assign(tf.fill(tf.shape(sums), tf.constant(np.nan, tf.float64)))
+
+    def _gathered(self):
+        """The step-sums matrix the step just gathered, or None when the step did
+        not (all NaN: the same on every rank, so every rank then gathers eagerly)."""
+        sums = getattr(self.model, "_tfhybrid_step_sums", None)
+        if sums is None or self._weights_due is None:
+            return None
+        value = sums.numpy()
+        return None if np.isnan(value).all() else value
 
     def on_train_begin(self, logs=None):
         self._step = 0
@@ -667,7 +760,8 @@ class GuardCallback(keras.callbacks.Callback):
         if check is not None:      # no broadcast callback of this fit carried it
             object.__setattr__(self.model, "_tfhybrid_start_check", None)
             check.run_alone()
-        self._set_due(True)
+        self._weights_due_value = None
+        self._set_due(True, self._weights_scheduled(1))
         # A broadcast callback of this fit (listed before this one) has just made
         # every replica rank 0's: nothing to compare (one allgather less per fit).
         if not getattr(self.model, "_tfhybrid_broadcast_in_fit", False):
@@ -675,16 +769,20 @@ class GuardCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1
-        periodic = bool(self._every) and self._step % self._every == 0
-        if self._step <= FIRST_STEPS or periodic:
+        weights = self._weights_scheduled(self._step)
+        checked = self._step <= FIRST_STEPS or weights
+        gathered = self._gathered() if weights else None
+        checksum = float(self._checksum.numpy()) if checked else None
+        # before the check, which may raise: no step outside fit gathers
+        self._set_due(self._scheduled(self._step + 1), self._weights_scheduled(self._step + 1))
+        if checked:
             # weights once replicas could have drifted (after the last first step: a
             # drift at step 1 persists); batches after every first step (each its rows)
-            check_step(self.model, float(self._checksum.numpy()), self._step,
-                       weights=self._step == FIRST_STEPS or periodic)
-        self._set_due(self._scheduled(self._step + 1))
+            check_step(self.model, checksum, self._step, weights=weights, gathered=gathered)
 
     def on_train_end(self, logs=None):
-        self._set_due(True)     # a later train_step outside fit computes its checksum
+        # a later train_step outside fit computes its checksum, and gathers nothing
+        self._set_due(True, False)
 
 
 class EvaluateRows(keras.callbacks.Callback):
@@ -1408,6 +1506,9 @@ def install(model, part=False):
     # True before the steps whose batch the GuardCallback compares (set by it):
     # the traced step skips the checksum's work on the other steps.
     due = tf.Variable(True, trainable=False, name="tfhybrid_batch_checksum_due")
+    # True before the steps whose weights the GuardCallback compares: the traced
+    # step gathers the checksums itself (gather_step_sums)
+    weights_due = tf.Variable(False, trainable=False, name="tfhybrid_weight_checksums_due")
     # True for the first step of an evaluate whose rows are compared (EvaluateRows)
     evaluate_due = tf.Variable(False, trainable=False, name="tfhybrid_evaluate_checksum_due")
     # ranks of a row-block group feeding the very same rows (batch_losses' sum)
@@ -1461,7 +1562,10 @@ def install(model, part=False):
             rows = data[0] if split else data
             checksum.assign(tf.cond(due, lambda: batch_checksum(rows), checksum.read_value))
         with batch_losses.weighted_rows(self, batch_losses.rows_factor(self, data, weighting)):
-            return cls.train_step(self, data)
+            logs = cls.train_step(self, data)
+        if _config().guards and runtime.current_grid().size > 1:
+            gather_step_sums(self, checksum, weights_due)
+        return logs
 
     def test_step(self, data):
         batch_losses.wrap(self)
@@ -1507,7 +1611,8 @@ def install(model, part=False):
                 object.__setattr__(self, "_tfhybrid_start_check", check)
             else:       # before the first collective of the fit
                 check.run_alone()
-            extra.append(GuardCallback(checksum, config.guard_every_steps, due))
+            step_sums_variable(self)
+            extra.append(GuardCallback(checksum, config.guard_every_steps, due, weights_due))
         if config.guards and runtime.current_grid().size > 1 and not part:
             extra.append(EvaluateRows(checksum, evaluate_due))   # validation on a dataset
         if part and config.guards and part_rows(self) is not None:

@@ -29,6 +29,8 @@ def test_plain_optimizer_unseeded_shuffle_and_sample_datasets_at_4_ranks():
     ("perturbed", "differs between ranks 0 and 1 at the start of fit"),
     ("late_rows", "fed different rows at step 4"),     # checksum skipped at step 3 only
     ("pydataset_shuffle", "keras.utils.set_random_seed(seed) with one seed on every rank"),
+    ("drift", "weight 'fc2/bias' of model 'functional' differs between ranks 0 and 1 after step 2"),
+    ("late_drift", "differs between ranks 0 and 1 after step 8, but they must hold the same"),
 ])
 def test_disagreeing_ranks_raise_on_every_rank(case, phrase):
     run = launch("guard_cases.py", np=2, args=[case], timeout=240)

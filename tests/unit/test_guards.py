@@ -35,6 +35,46 @@ def test_weight_checksums_follow_values():
     assert before[0] == after[0] and before[1] != after[1]
 
 
+@pytest.mark.parametrize("shape", [(3, 2), (97,), (200, 3), (5, 5, 4, 8), (1,)])
+def test_traced_weight_checksums_equal_the_numpy_ones(shape):
+    """The in-step checksums (rows of 97 times the position weights, plus the
+    tail) are the numpy ones: same weights per position, float64 sums."""
+    rng = np.random.default_rng(0)
+    variables = [tf.Variable(rng.standard_normal(shape).astype(np.float32)),
+                 tf.Variable(rng.standard_normal(7).astype(np.float32))]
+    traced = tf.function(guards.weight_checksums_in_step)(variables).numpy()
+    np.testing.assert_allclose(traced, guards.weight_checksums(variables), rtol=1e-12)
+    variables[0].assign(tf.reverse(variables[0], [0]) if shape[0] > 1 else variables[0] + 1)
+    assert tf.function(guards.weight_checksums_in_step)(variables).numpy()[0] != traced[0]
+
+
+def test_guard_callback_asks_for_weight_gathers_on_checked_steps_only():
+    """The traced step gathers the weight checksums at step 2 and every
+    ``every`` steps; the step-sums variable is marked unwritten (NaN) before
+    each, so a step that did not gather is told apart (then the eager check)."""
+    model = tfhybrid.transform(_model(), "d")
+    weights_due = tf.Variable(False)
+    sums = guards.step_sums_variable(model)
+    assert tuple(sums.shape) == (1, 1 + len(model.trainable_variables))
+    cb = guards.GuardCallback(model._tfhybrid_batch_checksum, 4,
+                              model._tfhybrid_batch_checksum_due, weights_due)
+    cb.set_model(model)
+    cb.on_train_begin()
+    seen = [bool(weights_due.numpy())]      # before step 1
+    for step in range(1, 9):
+        sums.assign(np.zeros(sums.shape))   # as a gathering step writes it
+        if step in (2, 4, 8):
+            assert cb._gathered() is not None
+        cb.on_train_batch_end(step - 1)
+        seen.append(bool(weights_due.numpy()))
+        if seen[-1]:
+            assert np.isnan(sums.numpy()).all() and cb._gathered() is None
+    assert seen == [False, True, False, True, False, False, False, True, False]
+    cb.on_train_end()
+    assert not bool(weights_due.numpy())     # no gather in a step outside fit
+    assert guards.step_sums_variable(model) is sums     # same variables: kept
+
+
 def test_transformed_model_is_guarded_and_trains_alone():
     model = tfhybrid.transform(_model(), "d")
     assert model._tfhybrid_guarded

@@ -4,6 +4,8 @@
     horovodrun -np 2 python guard_cases.py per_rank_shuffle
     horovodrun -np 2 python guard_cases.py perturbed
     horovodrun -np 2 python guard_cases.py late_rows     # guard_every_steps=4
+    horovodrun -np 2 python guard_cases.py drift         # d; weights apart after step 1
+    horovodrun -np 2 python guard_cases.py late_drift    # after step 5, every 4 steps
 
 ``good``: a plain Keras optimizer (wrapped by compile, with a warning; the
 weights after 3 steps equal single-process training), an unseeded
@@ -124,6 +126,38 @@ def late_rows(grid):
               callbacks=tfhybrid.callbacks.standard())
 
 
+class _Nudge(keras.callbacks.Callback):
+    """On rank 1 only, nudge a replicated weight after step ``after``: the
+    replicas drift apart, as a rank-local ``set_weights`` in a callback does."""
+
+    def __init__(self, rank, after):
+        super().__init__()
+        self.rank, self.after = rank, after
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.rank == 1 and batch + 1 == self.after:
+            w = self.model.get_layer("fc2").bias
+            w.assign(w + 1e-3)
+
+
+def drift(grid, after=1):
+    """Data parallelism (``d``); rank 1 changes a weight after step ``after``:
+    the weight check (inside the traced step at step 2 and every
+    guard_every_steps steps) must name the weight and the step."""
+    x, y = data(B * 9)
+    model = tfhybrid.transform(make_model(), "d")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=loss())
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True)
+    model.fit(tfhybrid.data.shard(ds, model=model), epochs=1, verbose=0,
+              callbacks=tfhybrid.callbacks.standard() + [_Nudge(grid.rank, after)])
+
+
+def late_drift(grid):
+    """As ``drift``, after step 5 with guard_every_steps=4: steps 6 and 7 gather
+    nothing, step 8's traced step must gather the weights again."""
+    drift(grid, after=5)
+
+
 def pydataset_shuffle(grid):
     """The Keras tutorial's PyDataset, reshuffled with the unseeded np.random
     (tfhybrid.init seeds TensorFlow only): each rank of a model group reads
@@ -154,10 +188,11 @@ def pydataset_shuffle(grid):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("case", choices=["good", "per_rank_shuffle", "perturbed", "late_rows",
-                                         "pydataset_shuffle"])
+                                         "pydataset_shuffle", "drift", "late_drift"])
     args = ap.parse_args()
-    every = 4 if args.case == "late_rows" else 1
-    grid = tfhybrid.init(model_parallel=2, config=tfhybrid.Config(guard_every_steps=every))
+    every = 4 if args.case in ("late_rows", "late_drift") else 1
+    grid = tfhybrid.init(model_parallel=1 if "drift" in args.case else 2,
+                         config=tfhybrid.Config(guard_every_steps=every))
     globals()[args.case](grid)
 
 

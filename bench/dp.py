@@ -27,8 +27,9 @@ written the way users write them instead (issue 20's comparison):
   loop has not, which short fits (``--steps``) weigh more: one allgather of
   every rank's state digest (rank 0's state is broadcast only where it
   differs) carrying the guards' structure/steps check, the guards' weight
-  check after step 2 (one allgather) and the epoch-end metric average (one
-  allreduce). Measured at load ~15-19 on 2 cores (CPU, paired rounds): 100-step
+  check after step 2 (one allgather inside the traced step; as an eager
+  pass and allgather between steps 2 and 3 it cost 12-50 ms, now ~1 ms) and
+  the epoch-end metric average (one allreduce). Measured at load ~15-19 on 2 cores (CPU, paired rounds): 100-step
   fits 1.016x median (0.959-1.241), 30-step fits 0.919x (0.799-1.492).
 
 ``--pair`` also times ``tfhybrid fit (README, tf.data autotune on)``: the same

@@ -100,9 +100,13 @@ def structure_digest(model) -> float:
     return float(int.from_bytes(digest[:6], "little"))   # exact in float64
 
 
+#: Period of the weight checksums' position weights ``1 + (i mod P)/P``.
+_POSITION_PERIOD = 97
+
+
 @functools.lru_cache(maxsize=128)
 def _position_weights(size: int) -> np.ndarray:
-    return 1.0 + (np.arange(size) % 97) / 97.0
+    return 1.0 + (np.arange(size) % _POSITION_PERIOD) / _POSITION_PERIOD
 
 
 def weight_checksums(variables) -> np.ndarray:
@@ -124,16 +128,18 @@ def weight_checksums_in_step(variables):
     """:func:`weight_checksums` as traced ops (float64, one per variable): the
     guards' weight check runs inside the training step it follows
     (:func:`gather_step_sums`), with no eager pass over the weights in numpy.
-    Same position weights (``1 + (i mod 97)/97``), summed by a matrix-vector
-    product of the variable viewed as rows of 97 (no weight vector as large
-    as the variable) plus the last ``size mod 97`` elements."""
-    cols = 1.0 + tf.range(97, dtype=tf.float64) / 97.0
+    Same position weights (``1 + (i mod P)/P``, :data:`_POSITION_PERIOD`),
+    summed by a matrix-vector product of the variable viewed as rows of P (no
+    weight vector as large as the variable) plus the last ``size mod P``
+    elements."""
+    period = _POSITION_PERIOD
+    cols = tf.constant(_position_weights(period))
     out = []
     for v in variables:
         flat = tf.reshape(tf.cast(v, tf.float64), [-1])
         size = int(np.prod(v.shape))
-        whole = size - size % 97
-        total = tf.reduce_sum(tf.linalg.matvec(tf.reshape(flat[:whole], [-1, 97]), cols))
+        whole = size - size % period
+        total = tf.reduce_sum(tf.linalg.matvec(tf.reshape(flat[:whole], [-1, period]), cols))
         if whole < size:
             total += tf.reduce_sum(flat[whole:] * cols[:size - whole])
         out.append(total)
@@ -722,11 +728,13 @@ class GuardCallback(keras.callbacks.Callback):
         self._weights_due_value = None
         self._step = 0
 
-    def _scheduled(self, step):
-        return step <= FIRST_STEPS or (bool(self._every) and step % self._every == 0)
-
     def _weights_scheduled(self, step):
+        """Weights compared after ``step``: the last first step, then every ``every``."""
         return step == FIRST_STEPS or (bool(self._every) and step % self._every == 0)
+
+    def _scheduled(self, step):
+        """Batches compared after ``step``: every first step, and the weights' steps."""
+        return step <= FIRST_STEPS or self._weights_scheduled(step)
 
     def _set_due(self, value, weights=False):
         """Tell ``train_step`` whether the next step's batch checksum is needed
@@ -770,7 +778,7 @@ class GuardCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1
         weights = self._weights_scheduled(self._step)
-        checked = self._step <= FIRST_STEPS or weights
+        checked = self._scheduled(self._step)
         gathered = self._gathered() if weights else None
         checksum = float(self._checksum.numpy()) if checked else None
         # before the check, which may raise: no step outside fit gathers

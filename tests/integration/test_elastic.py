@@ -33,7 +33,8 @@ import os
 
 import pytest
 
-from userscripts import HOROVODRUN, ROOT, SCRIPTS, Run, env_for, results
+from userscripts import (HOROVODRUN, ROOT, SCRIPTS, Run, env_for, results,
+                         without_driver_dropped_requests)
 
 
 def _launch_elastic(np, discovery, args, timeout=400):
@@ -75,4 +76,30 @@ def test_lost_worker_survivors_finish_exactly(strategy, mp, np, discovery, mp_af
     for row in rows:
         assert row["size"] == 2 and row["resets"] == 1, row
         assert row["weights_rel"] < 1e-5, row
-    assert "Traceback" not in run.out, run
+    # The driver's rendezvous server may report a request whose worker died
+    # mid-read (BrokenPipeError in horovod/runner/http/http_server.py; seen
+    # once in ~30 runs): Horovod's driver output, not a worker's. Any other
+    # traceback fails the test.
+    assert "Traceback" not in without_driver_dropped_requests(run.out), run
+
+
+_DROPPED = """----------------------------------------
+Exception occurred during processing of request from ('127.0.0.1', 36412)
+Traceback (most recent call last):
+  File "/usr/lib/python3.11/socketserver.py", line 691, in process_request_thread
+    self.finish_request(request, client_address)
+  File "/venv/lib/python3.11/site-packages/horovod/runner/http/http_server.py", line 58, in do_GET
+    self.wfile.write(value)
+BrokenPipeError: [Errno 32] Broken pipe
+----------------------------------------
+"""
+
+
+def test_only_the_drivers_dropped_requests_are_ignored():
+    """The filter removes the rendezvous server's broken-pipe report and nothing else."""
+    worker = "[1]<stderr>:Traceback (most recent call last):\n[1]<stderr>:ValueError: x\n"
+    assert without_driver_dropped_requests("a\n" + _DROPPED + worker) == "a\n" + worker
+    elsewhere = _DROPPED.replace("horovod/runner/http/http_server.py", "tfhybrid/elastic.py")
+    assert without_driver_dropped_requests(elsewhere) == elsewhere
+    other_error = _DROPPED.replace("BrokenPipeError: [Errno 32] Broken pipe", "KeyError: 'x'")
+    assert "Traceback" in without_driver_dropped_requests(other_error)

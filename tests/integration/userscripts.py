@@ -77,3 +77,24 @@ _RESULT = re.compile(r"RESULT (\{.*\})")
 def results(run: Run) -> list:
     """The ``RESULT {json}`` dicts the ranks printed, in output order."""
     return [json.loads(m.group(1)) for m in _RESULT.finditer(run.out)]
+
+
+# socketserver's report of a request whose client went away, printed by the
+# horovodrun driver's rendezvous HTTP server (horovod/runner/http/http_server.py)
+# when a worker dies or is stopped while it reads a key: the driver's own
+# stderr, not a worker's, and it does not change the run.
+_DRIVER_DROPPED_REQUEST = re.compile(
+    r"-{40}\nException occurred during processing of request from [^\n]*\n"
+    r"Traceback \(most recent call last\):\n(?:[ \t][^\n]*\n)*?"
+    r"(?:BrokenPipeError|ConnectionResetError)[^\n]*\n-{40}\n")
+
+
+def without_driver_dropped_requests(out: str) -> str:
+    """``out`` without the driver's reports of requests from a worker that went away.
+
+    Only reports whose frames include Horovod's rendezvous server
+    (``http_server.py``) and that end in a broken or reset connection are
+    removed; any other traceback stays in the text.
+    """
+    return _DRIVER_DROPPED_REQUEST.sub(
+        lambda m: "" if "horovod/runner/http/http_server.py" in m.group(0) else m.group(0), out)

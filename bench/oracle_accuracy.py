@@ -275,7 +275,9 @@ def worker(args):
     times, probes = _interleaved(steps, args.rounds, args.steps, say, probe)
     if rank == 0:
         _set_contention(args.machine_out, probes, say)
-    say(f"timed in {time.time() - t0:.0f} s; measuring phases")
+    from tfhybrid.comm import backend as _backend  # noqa: WPS433
+    say(f"timed in {time.time() - t0:.0f} s (Horovod process sets: "
+        f"{_backend.process_set_mode()}); measuring phases")
     t0 = time.time()
     out = {name: dict(info, seconds=_typical(times[name], args.steps), best_s=min(times[name]),
                       rounds=times[name])

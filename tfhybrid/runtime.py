@@ -53,7 +53,7 @@ def init(model_parallel: int = 1, config: Config | None = None) -> ProcessGrid:
     config.apply()
     if config.pin_gpu:
         _pin_gpu()
-    size, rank, _ = backend.init()
+    size, rank, _ = backend.init(groups=_launched_groups(backend.launched_size(), model_parallel))
     grid = ProcessGrid(size=size, rank=rank, model_parallel=model_parallel)
     backend.register_groups(grid.all_groups())
     from tfhybrid import guards   # an unseeded shuffle built after init agrees on every rank
@@ -177,6 +177,25 @@ def _pin_gpu():
     for gpu in gpus:
         tf.config.experimental.set_memory_growth(gpu, True)
     tf.config.set_visible_devices(gpus[gpu_for_local_rank(local, len(gpus))], "GPU")
+
+
+def _launched_groups(size, model_parallel):
+    """The process sets Horovod starts with (static: see tfhybrid/comm/backend.py)
+    for the launcher's world size: the grid's model and data groups and, in model
+    groups of more than two ranks, each pair of neighbouring ranks (the stage
+    pairs of ``p`` and the ``pairs`` halo method of a 1-D split; a later group
+    switches Horovod to dynamic sets once). None when that grid is invalid: the
+    grid built after Horovod starts raises the usual error."""
+    try:
+        grid = ProcessGrid(size=size, rank=0, model_parallel=model_parallel)
+    except (ValueError, TypeError):
+        return None
+    groups = list(grid.all_groups())
+    for d in range(grid.data_size):
+        ranks = grid.model_group_ranks(d)
+        if len(ranks) > 2:
+            groups += [tuple(ranks[i:i + 2]) for i in range(len(ranks) - 1)]
+    return tuple(groups)
 
 
 def shutdown():

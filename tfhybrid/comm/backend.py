@@ -26,14 +26,14 @@ tail-loss probe, with all ranks idle and no stall warning: 40 MB allreduce
 ``SO_SNDBUF``) and a local sum.
 
 Process sets are *static* when they can be: ``tfhybrid.init`` passes the
-grid's model and data groups to :func:`init`, which hands them to
-``hvd.init(process_sets=[...])``. With ``process_sets="dynamic"`` Horovod's
+grid's model and data groups (and neighbouring ranks of model groups larger
+than two) to :func:`init`, which hands them to ``hvd.init(process_sets=[...])``. With ``process_sets="dynamic"`` Horovod's
 background thread runs one more world-wide allgather in every cycle (to agree
 on sets being added or removed), so every collective waits for all ranks'
 background threads twice per cycle: a chain of 8-float allreduces at -np 4 on
 the 2-core box took 10.9-11.6 ms each with dynamic sets, 5.0-5.3 ms static
 (1.16 ms either way at -np 2). A group registered later (block-grid
-sub-groups, pipeline and halo pairs, another grid) switches the process to
+sub-groups, halo pairs of 2-D splits, another grid) switches the process to
 dynamic sets once (:func:`register_groups`: Horovod shut down and started
 again, the known sets registered again in the same order, so their ids and
 the graphs traced with them stay valid). ``TFHYBRID_PROCESS_SETS=dynamic``
@@ -121,39 +121,38 @@ def init(groups=None):
             over_world = hvd is not None and _groups_over_world_env()
             static = None
             if hvd is not None:
-                static = _static_groups(groups, over_world)
+                # a script's own dynamic Horovod is kept as it is
                 keep = hvd.is_initialized() and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1"
-                if hvd.is_initialized() and not keep:
-                    # The script called hvd.init() first (a Horovod habit): its
-                    # Horovod has none of tfhybrid's process sets, and without
-                    # dynamic ones none can be added ("Set HOROVOD_DYNAMIC_PROCESS_SETS=1
-                    # ..." from add_process_set). Horovod starts again with them;
-                    # hvd.rank()/size() are unchanged.
-                    hvd.shutdown()
-                if keep:
-                    static = None
-                elif static is not None:
-                    sets = [hvd.ProcessSet(list(ranks)) for ranks in static]
-                    hvd.init(process_sets=sets)
-                    _STATE["sets"].update(zip(static, sets))
-                else:
-                    hvd.init(process_sets="dynamic")
+                if not keep and groups is not None and not over_world and \
+                        os.environ.get("TFHYBRID_PROCESS_SETS") != "dynamic":
+                    static = _new_groups(groups, tuple(range(launched_size())))
+                if not keep:
+                    if hvd.is_initialized():
+                        # The script called hvd.init() first (a Horovod habit): its
+                        # Horovod has none of tfhybrid's process sets, and without
+                        # dynamic ones none can be added ("Set HOROVOD_DYNAMIC_PROCESS_SETS=1
+                        # ..." from add_process_set). Horovod starts again with them;
+                        # hvd.rank()/size() are unchanged.
+                        hvd.shutdown()
+                    if static is not None:
+                        sets = [hvd.ProcessSet(list(ranks)) for ranks in static]
+                        hvd.init(process_sets=sets)
+                        _STATE["sets"].update(zip(static, sets))
+                    else:
+                        hvd.init(process_sets="dynamic")
             _STATE.update(hvd=hvd, mpi_ops=mpi_ops, initialized=True, over_world=over_world,
                           static=static is not None)
     return size(), rank(), local_rank()
 
 
-def _static_groups(groups, over_world):
-    """The distinct groups of ``groups`` that need a process set (more than one
-    rank, not the whole launched world), in order; None when Horovod should
-    start with dynamic process sets instead."""
-    if groups is None or over_world or os.environ.get("TFHYBRID_PROCESS_SETS") == "dynamic":
-        return None
-    world = tuple(range(launched_size()))
+def _new_groups(groups, world):
+    """The groups of ``groups`` that need a process set, as tuples of ints, in
+    order, each once: more than one rank, not ``world``, not registered yet."""
     out = []
     for ranks in groups:
         ranks = tuple(int(r) for r in ranks)
-        if len(ranks) > 1 and ranks != world and ranks not in out:
+        if len(ranks) > 1 and ranks != world and ranks not in _STATE["sets"] \
+                and ranks not in out:
             out.append(ranks)
     return out
 
@@ -229,11 +228,7 @@ def register_groups(groups):
     registered are skipped, so the call is idempotent.
     """
     hvd = _hvd()
-    world = tuple(range(size()))
-    for ranks in groups:
-        ranks = tuple(int(r) for r in ranks)
-        if len(ranks) <= 1 or ranks == world or ranks in _STATE["sets"]:
-            continue
+    for ranks in _new_groups(groups, tuple(range(size()))):
         if _STATE["static"]:     # a group init did not know: dynamic sets from here on
             _become_dynamic(hvd)
         if _STATE["over_world"]:     # elastic: no process sets (see the module docstring)

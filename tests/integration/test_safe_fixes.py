@@ -45,7 +45,7 @@ def test_quickstart_df_and_gmp_at_4_ranks():
 
 def test_hvd_init_before_tfhybrid_init():
     """A script migrating from Horovod keeps its ``hvd.init()`` before
-    ``tfhybrid.init``: tfhybrid restarts Horovod with dynamic process sets."""
+    ``tfhybrid.init``: tfhybrid restarts Horovod with its process sets."""
     run = launch("safe_quickstart.py", np=4, args=["--hvd-init-first", "df"])
     found = _check_ok(run, expected=4)
     assert "HOROVOD_DYNAMIC_PROCESS_SETS" not in run.out, run

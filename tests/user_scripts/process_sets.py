@@ -1,12 +1,15 @@
 """Horovod's process sets as tfhybrid starts them (run at -np 4).
 
 ``tfhybrid.init(model_parallel=2)`` starts Horovod with the grid's model and
-data groups as static process sets. A group registered afterwards switches
-Horovod to dynamic sets once, registering the known sets again in their
-order: a collective traced before the switch (its process-set id baked into
-the graph) must still reach its own group afterwards, and the new group must
-work. Each rank prints ``RESULT {json}``: the mode before/after and the sums.
-``--dynamic-first`` sets ``TFHYBRID_PROCESS_SETS=dynamic`` before init.
+data groups as static process sets. A group registered afterwards starts
+Horovod again with the known sets in their order, then the new ones (static;
+dynamic after ``TFHYBRID_STATIC_RESTARTS`` restarts): a collective traced
+before (its process-set id baked into the graph) must still reach its own
+group afterwards, and the new groups must work. Two registrations: the pairs
+(0, 3), (1, 2), then the triples (0, 1, 2), (1, 2, 3). Each rank prints
+``RESULT {json}``: the mode after init and after each registration, and the
+sums. ``--dynamic-first`` sets ``TFHYBRID_PROCESS_SETS=dynamic`` before init;
+``--max-restarts N`` sets ``TFHYBRID_STATIC_RESTARTS``.
 """
 import json
 import os
@@ -14,6 +17,8 @@ import sys
 
 if "--dynamic-first" in sys.argv:
     os.environ["TFHYBRID_PROCESS_SETS"] = "dynamic"
+if "--max-restarts" in sys.argv:
+    os.environ["TFHYBRID_STATIC_RESTARTS"] = sys.argv[sys.argv.index("--max-restarts") + 1]
 
 import tensorflow as tf  # noqa: E402
 
@@ -27,20 +32,28 @@ data_group = tuple(grid.data_group_ranks(grid.model_rank))
 x = tf.constant([float(2 ** rank)])      # sums name the ranks they came from
 
 
+def want(group):
+    return float(sum(2 ** r for r in group))
+
+
 @tf.function
 def group_sums(v):
     return (backend.allreduce(v, model_group, "ps.model"),
             backend.allreduce(v, data_group, "ps.data"))
 
 
-start = backend.process_set_mode()
-before = [float(t.numpy()[0]) for t in group_sums(x)]
-backend.register_groups([(0, 3), (1, 2)])     # neither a model nor a data group
-after_mode = backend.process_set_mode()
-after = [float(t.numpy()[0]) for t in group_sums(x)]     # traced before the switch
-cross = (0, 3) if rank in (0, 3) else (1, 2)
-new = float(backend.allreduce(x, cross, "ps.cross").numpy()[0])
+def sums():
+    return [float(t.numpy()[0]) for t in group_sums(x)]     # traced at the first call
+
+
+modes, traced, new = [backend.process_set_mode()], [sums()], []
+for groups in ([(0, 3), (1, 2)], [(0, 1, 2), (1, 2, 3)]):   # neither model nor data groups
+    backend.register_groups(groups)
+    modes.append(backend.process_set_mode())
+    traced.append(sums())
+    for g in groups:
+        if rank in g:
+            new.append([float(backend.allreduce(x, g, f"ps.{len(g)}").numpy()[0]), want(g)])
 print("RESULT " + json.dumps({
-    "rank": rank, "start": start, "after": after_mode, "before": before, "after_sums": after,
-    "want": [float(sum(2 ** r for r in model_group)), float(sum(2 ** r for r in data_group))],
-    "new": new, "want_new": float(sum(2 ** r for r in cross))}), flush=True)
+    "rank": rank, "modes": modes, "traced": traced,
+    "want": [want(model_group), want(data_group)], "new": new}), flush=True)

@@ -33,11 +33,14 @@ on sets being added or removed), so every collective waits for all ranks'
 background threads twice per cycle: a chain of 8-float allreduces at -np 4 on
 the 2-core box took 10.9-11.6 ms each with dynamic sets, 5.0-5.3 ms static
 (1.16 ms either way at -np 2). A group registered later (block-grid
-sub-groups, halo pairs of 2-D splits, another grid) switches the process to
-dynamic sets once (:func:`register_groups`: Horovod shut down and started
-again, the known sets registered again in the same order, so their ids and
-the graphs traced with them stay valid). ``TFHYBRID_PROCESS_SETS=dynamic``
-starts dynamic as before.
+sub-groups, halo pairs of 2-D splits, another grid, calibration's blocks)
+starts Horovod again with static sets: the known ones in the same order (so
+their ids and the graphs traced with them stay valid), then the new ones
+(:func:`register_groups`; ~0.6 s plus ~0.1 s per set at -np 4 here, and a
+world of 4 has at most 11 groups). With 10 sets the chain took 4.9-5.4 ms
+static, 7.8 ms dynamic. After ``TFHYBRID_STATIC_RESTARTS`` (16) such restarts
+a job switches to dynamic sets for good; ``TFHYBRID_PROCESS_SETS=dynamic``
+starts dynamic.
 
 Elastic runs (``horovodrun --min-np/--max-np``, which exports
 ``HOROVOD_ELASTIC=1``) register no process sets: a collective over a group
@@ -71,7 +74,11 @@ from tfhybrid import watchdog
 
 _LOCK = threading.Lock()
 _STATE = {"hvd": None, "mpi_ops": None, "initialized": False, "sets": {}, "over_world": False,
-          "static": False}
+          "static": False, "restarts": 0}
+# Horovod restarts that add static process sets before a job switches to dynamic
+# sets (a restart costs ~0.6 s + ~0.1 s per set at -np 4 here; a world of 4 has
+# at most 11 groups, so the test suites and real jobs stay static)
+_MAX_STATIC_RESTARTS = int(os.environ.get("TFHYBRID_STATIC_RESTARTS", "16"))
 
 _LAUNCH_ENV_SIZE = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -103,10 +110,10 @@ def init(groups=None):
 
     ``groups``: the groups of ranks to register as *static* process sets
     (``tfhybrid.init`` passes its grid's model and data groups, computed from
-    the launcher's world size); None (``tfhybrid calibrate``, direct calls),
-    an elastic run or ``TFHYBRID_PROCESS_SETS=dynamic``: dynamic process
-    sets. See the module docstring for why static sets are preferred and how
-    a later group switches to dynamic ones.
+    the launcher's world size; None: none yet). An elastic run or
+    ``TFHYBRID_PROCESS_SETS=dynamic``: dynamic process sets. See the module
+    docstring for why static sets are preferred and how a later group is
+    added to them.
 
     Whoever initialises first (``tfhybrid.init``, ``tfhybrid calibrate`` or a
     direct call) gets tfhybrid's default Horovod settings (Gloo timeout 600 s
@@ -123,9 +130,9 @@ def init(groups=None):
             if hvd is not None:
                 # a script's own dynamic Horovod is kept as it is
                 keep = hvd.is_initialized() and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1"
-                if not keep and groups is not None and not over_world and \
+                if not keep and not over_world and \
                         os.environ.get("TFHYBRID_PROCESS_SETS") != "dynamic":
-                    static = _new_groups(groups, tuple(range(launched_size())))
+                    static = _new_groups(groups or (), tuple(range(launched_size())))
                 if not keep:
                     if hvd.is_initialized():
                         # The script called hvd.init() first (a Horovod habit): its
@@ -157,26 +164,43 @@ def _new_groups(groups, world):
     return out
 
 
-def _become_dynamic(hvd):
-    """Restart Horovod with dynamic process sets (collective: every rank calls it
-    from :func:`register_groups` with the same groups), registering the known
-    sets again in their order: Horovod numbers sets 1, 2, ... in registration
-    order both ways, so the ids that traced graphs carry stay the same. A world
-    barrier first: a rank that shut Horovod down while another still waited in
-    a collective failed that collective ("Process set provided does not exist")."""
-    known = list(_STATE["sets"])
+def _restart(hvd, process_sets, known):
+    """Shut Horovod down and start it again with ``process_sets`` (``"dynamic"``
+    or a list of ``hvd.ProcessSet``), registering the ``known`` groups again in
+    their order (collective: every rank calls it from :func:`register_groups`
+    with the same groups). Horovod numbers sets 1, 2, ... in registration
+    order, statically and dynamically alike, so the ids that traced graphs
+    carry stay the same (checked). A world barrier first: a rank that shut
+    Horovod down while another still waited in a collective failed that
+    collective ("Process set provided does not exist")."""
     barrier()
     hvd.shutdown()
-    hvd.init(process_sets="dynamic")
+    hvd.init(process_sets=process_sets)
+    _STATE["restarts"] += 1
     for ranks in known:
-        ps = hvd.add_process_set(list(ranks))
+        ps = (hvd.add_process_set(list(ranks)) if process_sets == "dynamic"
+              else next(s for s in process_sets if tuple(s.ranks) == ranks))
         if ps.process_set_id != _STATE["sets"][ranks].process_set_id:
             raise RuntimeError(
                 f"Horovod gave the process set {list(ranks)} the id {ps.process_set_id} "
-                f"after switching to dynamic process sets (was "
-                f"{_STATE['sets'][ranks].process_set_id}). Set TFHYBRID_PROCESS_SETS=dynamic "
-                "to start with dynamic process sets.")
+                f"after starting again (was {_STATE['sets'][ranks].process_set_id}). Set "
+                "TFHYBRID_PROCESS_SETS=dynamic to start with dynamic process sets.")
         _STATE["sets"][ranks] = ps
+
+
+def _restart_static(hvd, new):
+    """Start Horovod again with static process sets: the known ones, in their
+    order (same ids), then ``new``."""
+    known = list(_STATE["sets"])
+    sets = [hvd.ProcessSet(list(ranks)) for ranks in known + list(new)]
+    _restart(hvd, sets, known)
+    _STATE["sets"].update(zip(new, sets[len(known):]))
+
+
+def _become_dynamic(hvd):
+    """Start Horovod again with dynamic process sets, the known ones registered
+    again in their order (same ids)."""
+    _restart(hvd, "dynamic", list(_STATE["sets"]))
     _STATE["static"] = False
 
 
@@ -228,9 +252,13 @@ def register_groups(groups):
     registered are skipped, so the call is idempotent.
     """
     hvd = _hvd()
-    for ranks in _new_groups(groups, tuple(range(size()))):
-        if _STATE["static"]:     # a group init did not know: dynamic sets from here on
-            _become_dynamic(hvd)
+    new = _new_groups(groups, tuple(range(size())))
+    if new and _STATE["static"]:
+        if _STATE["restarts"] < _MAX_STATIC_RESTARTS:
+            _restart_static(hvd, new)
+            return
+        _become_dynamic(hvd)    # a job that keeps adding groups: restart no more
+    for ranks in new:
         if _STATE["over_world"]:     # elastic: no process sets (see the module docstring)
             if list(ranks) != sorted(set(ranks)):
                 raise ValueError(

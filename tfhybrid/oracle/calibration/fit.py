@@ -206,7 +206,7 @@ def _best_time(fn, reps):
     return min(times)
 
 
-def best_times_interleaved(fns, reps):
+def best_times_interleaved(fns, reps, before=None):
     """Minimum seconds of each of ``fns`` over ``reps`` rounds in which every
     function runs once in turn (after one warm-up call each): outside load
     that comes and goes hits every function alike, so their ratios and
@@ -221,6 +221,8 @@ def best_times_interleaved(fns, reps):
     best = [float("inf")] * len(fns)
     for _ in range(reps):
         for i, fn in enumerate(fns):
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             best[i] = min(best[i], time.perf_counter() - t0)
@@ -297,7 +299,7 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4) -> list:
         # of one size's whole series (a 9 ms minimum at 4 KB among 1-2 ms was seen
         # with one series after the other at load 17)
         sync(backend)
-        best = best_times_interleaved(calls, reps)
+        best = best_times_interleaved(calls, reps, before=lambda: sync(backend))
         samples += [(kind, g, nbytes, sec / chain) for (kind, nbytes), sec in zip(cases, best)]
         sync(backend)
         if backend.rank() == 0:

@@ -31,3 +31,19 @@ def test_later_groups_keep_traced_collectives(args, modes):
         assert len(r["new"]) == (2 if r["rank"] in (0, 3) else 3), r
         for got, expected in r["new"]:
             assert got == expected, r
+
+
+@pytest.mark.parametrize("method", ["pairs", "neighbour"])
+def test_block_grid_fit_in_a_fresh_job(method):
+    """A fresh job's 2x2 spatial grid: with the ``pairs`` halo method it
+    registers its neighbour pairs while ``fit`` traces the step, so Horovod
+    restarts inside the trace (its barrier runs eagerly); either way training
+    equals the single-process run."""
+    run = launch("spatial_grid_fit.py", np=4, args=[method])
+    assert run.rc == 0, run
+    assert "Traceback" not in run.out, run
+    rows = results(run)
+    assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3], run
+    for r in rows:
+        assert r["start"] == r["end"] == "static", r
+        assert r["loss_max_rel"] < 1e-5 and r["weights_max_rel"] < 1e-4, r

@@ -172,8 +172,11 @@ def _restart(hvd, process_sets, known):
     order, statically and dynamically alike, so the ids that traced graphs
     carry stay the same (checked). A world barrier first: a rank that shut
     Horovod down while another still waited in a collective failed that
-    collective ("Process set provided does not exist")."""
-    barrier()
+    collective ("Process set provided does not exist"). Layers register their
+    groups while a step is traced (a block grid's neighbour pairs), so the
+    barrier runs eagerly, outside the graph being built."""
+    with tf.init_scope():
+        barrier()
     hvd.shutdown()
     hvd.init(process_sets=process_sets)
     _STATE["restarts"] += 1

@@ -184,7 +184,7 @@ def _launched_groups(size, model_parallel):
     for the launcher's world size: the grid's model and data groups and, in model
     groups of more than two ranks, each pair of neighbouring ranks (the stage
     pairs of ``p`` and the ``pairs`` halo method of a 1-D split; a later group
-    switches Horovod to dynamic sets once). None when that grid is invalid: the
+    restarts Horovod with the known sets and it). None when that grid is invalid: the
     grid built after Horovod starts raises the usual error."""
     try:
         grid = ProcessGrid(size=size, rank=0, model_parallel=model_parallel)

@@ -142,9 +142,7 @@ def init(groups=None):
                         # hvd.rank()/size() are unchanged.
                         hvd.shutdown()
                     if static is not None:
-                        sets = [hvd.ProcessSet(list(ranks)) for ranks in static]
-                        hvd.init(process_sets=sets)
-                        _STATE["sets"].update(zip(static, sets))
+                        _STATE["sets"].update(zip(static, _init_static(hvd, static)))
                     else:
                         hvd.init(process_sets="dynamic")
             _STATE.update(hvd=hvd, mpi_ops=mpi_ops, initialized=True, over_world=over_world,
@@ -164,47 +162,43 @@ def _new_groups(groups, world):
     return out
 
 
-def _restart(hvd, process_sets, known):
-    """Shut Horovod down and start it again with ``process_sets`` (``"dynamic"``
-    or a list of ``hvd.ProcessSet``), registering the ``known`` groups again in
-    their order (collective: every rank calls it from :func:`register_groups`
-    with the same groups). Horovod numbers sets 1, 2, ... in registration
-    order, statically and dynamically alike, so the ids that traced graphs
-    carry stay the same (checked). A world barrier first: a rank that shut
-    Horovod down while another still waited in a collective failed that
-    collective ("Process set provided does not exist"). Layers register their
-    groups while a step is traced (a block grid's neighbour pairs), so the
-    barrier runs eagerly, outside the graph being built."""
+def _init_static(hvd, groups):
+    """``hvd.init`` with ``groups`` as static process sets, in order (Horovod
+    numbers them 1, 2, ...); returns the sets."""
+    sets = [hvd.ProcessSet(list(ranks)) for ranks in groups]
+    hvd.init(process_sets=sets)
+    return sets
+
+
+def _restart(hvd, new=(), dynamic=False):
+    """Shut Horovod down and start it again with the known process sets in
+    their order, then ``new`` (static sets), or with dynamic sets (the known
+    ones added again in their order). Collective: every rank calls it from
+    :func:`register_groups` with the same groups. Horovod numbers sets 1, 2,
+    ... in registration order, statically and dynamically alike, so the ids
+    that traced graphs carry stay the same (checked). A world barrier first:
+    a rank that shut Horovod down while another still waited in a collective
+    failed that collective ("Process set provided does not exist"). Layers
+    register their groups while a step is traced (a block grid's neighbour
+    pairs), so the barrier runs eagerly, outside the graph being built."""
+    known = list(_STATE["sets"])
     with tf.init_scope():
         barrier()
     hvd.shutdown()
-    hvd.init(process_sets=process_sets)
+    if dynamic:
+        hvd.init(process_sets="dynamic")
+        sets = [hvd.add_process_set(list(ranks)) for ranks in known]
+    else:
+        sets = _init_static(hvd, known + list(new))
     _STATE["restarts"] += 1
-    for ranks in known:
-        ps = (hvd.add_process_set(list(ranks)) if process_sets == "dynamic"
-              else next(s for s in process_sets if tuple(s.ranks) == ranks))
+    for ranks, ps in zip(known, sets):
         if ps.process_set_id != _STATE["sets"][ranks].process_set_id:
             raise RuntimeError(
                 f"Horovod gave the process set {list(ranks)} the id {ps.process_set_id} "
                 f"after starting again (was {_STATE['sets'][ranks].process_set_id}). Set "
                 "TFHYBRID_PROCESS_SETS=dynamic to start with dynamic process sets.")
-        _STATE["sets"][ranks] = ps
-
-
-def _restart_static(hvd, new):
-    """Start Horovod again with static process sets: the known ones, in their
-    order (same ids), then ``new``."""
-    known = list(_STATE["sets"])
-    sets = [hvd.ProcessSet(list(ranks)) for ranks in known + list(new)]
-    _restart(hvd, sets, known)
-    _STATE["sets"].update(zip(new, sets[len(known):]))
-
-
-def _become_dynamic(hvd):
-    """Start Horovod again with dynamic process sets, the known ones registered
-    again in their order (same ids)."""
-    _restart(hvd, "dynamic", list(_STATE["sets"]))
-    _STATE["static"] = False
+    _STATE["sets"].update(zip(known + list(new), sets))
+    _STATE["static"] = not dynamic
 
 
 def _groups_over_world_env() -> bool:
@@ -258,9 +252,9 @@ def register_groups(groups):
     new = _new_groups(groups, tuple(range(size())))
     if new and _STATE["static"]:
         if _STATE["restarts"] < _MAX_STATIC_RESTARTS:
-            _restart_static(hvd, new)
+            _restart(hvd, new)
             return
-        _become_dynamic(hvd)    # a job that keeps adding groups: restart no more
+        _restart(hvd, dynamic=True)    # a job that keeps adding groups: restart no more
     for ranks in new:
         if _STATE["over_world"]:     # elastic: no process sets (see the module docstring)
             if list(ranks) != sorted(set(ranks)):

@@ -302,6 +302,7 @@ def plan(args):
         print("\n".join(integrated_lines(model, prof, args.p, args.batch, machine)))
     meta = {"model": label, "p": args.p, "batch": args.batch, "machine": machine.to_dict()}
     meta["machine"].pop("layer_times", None)
+    meta["machine"].pop("split_scales", None)
     if args.json:
         report.write_json(args.json, preds, meta, args.dataset_size)
         print(f"wrote {args.json}")

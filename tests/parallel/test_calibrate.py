@@ -48,6 +48,12 @@ def test_machine_file_is_valid(spec):
     assert all(f >= 1.0 for f in m.compute_contention.values())
     assert all(t.latency >= 0 for t in m.tiers)
     assert "overlap" in doc and 0.0 <= m.overlap <= 1.0    # measured with --model at size > 1
+    # the model's split layers timed at 1/k width (entries only for layers timed
+    # above an empty call: these tiny ones may have none)
+    assert "split_scales" in doc
+    for name, row in (m.split_scales or {}).items():
+        assert name in ("cv", "fc") and set(row) <= {"f2", "c2", "f4", "c4"}, (name, row)
+        assert all(1.0 / int(k[1:]) <= v <= 1.0 for k, v in row.items())
 
 
 def test_fits_cover_every_collective_and_group(spec):

@@ -38,6 +38,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Any, Mapping
 
 _NUMBER_FIELDS = ("alpha", "beta", "latency", "flop_rate", "memory_bytes", "phi", "gamma",
@@ -93,6 +94,17 @@ class Machine:
             covers every layer).
         layer_times: Measured ``{layer_name: (forward_s, backward_s)}`` per
             sample; these override ``flop_rate`` for the layers they name.
+        split_scales: Measured ``{layer_name: {"f4": share, "c2": share,
+            "s2x2": share, ...}}``: the fraction of the layer's whole
+            forward+backward time one rank pays when the layer is split k
+            ways by output units (``f<k>``) or input channels (``c<k>``), or
+            its spatial axes by a block grid (``s<ph>x<pw>``, trailing 1s
+            dropped: ``s4`` is 4 ways along the first axis), timed at the split
+            size by ``tfhybrid calibrate --model``. Small layers do not speed
+            up k times (on the 2-core box a 16-filter convolution split 4
+            ways by filters took 0.76 of its whole time, 4 ways by height
+            0.47, not 0.25); without an entry the share is 1/k (f, c) or the
+            block's fraction of the output (s).
         memory_bytes: Memory capacity of one rank (None: no memory limit).
         phi: Contention penalty: beta is multiplied by phi for the data-parallel
             gradient allreduce of hybrid strategies whose concurrent groups share
@@ -140,6 +152,7 @@ class Machine:
     tiers: tuple = ()
     flop_rate: float | None = None
     layer_times: Mapping[str, tuple] | None = None
+    split_scales: Mapping[str, Mapping[str, float]] | None = None
     memory_bytes: float | None = None
     phi: float = 1.0
     gamma: float = 1.0
@@ -171,6 +184,8 @@ class Machine:
         object.__setattr__(self, "tiers", tuple(sorted(tiers, key=lambda t: t.max_ranks)))
         if self.layer_times is not None:
             object.__setattr__(self, "layer_times", _check_layer_times(self.layer_times))
+        if self.split_scales is not None:
+            object.__setattr__(self, "split_scales", _check_split_scales(self.split_scales))
         if self.compute_contention is not None:
             object.__setattr__(self, "compute_contention",
                                _check_contention(self.compute_contention))
@@ -216,7 +231,37 @@ class Machine:
             out["layer_times"] = {k: list(v) for k, v in self.layer_times.items()}
         if self.compute_contention is not None:
             out["compute_contention"] = {str(k): v for k, v in self.compute_contention.items()}
+        if self.split_scales is not None:
+            out["split_scales"] = {k: dict(v) for k, v in self.split_scales.items()}
         return out
+
+    def split_share(self, layer: str, how: str, k: int) -> float:
+        """Fraction of ``layer``'s whole forward+backward seconds one rank pays
+        when the layer is split ``k`` ways by output units (``how="f"``) or
+        input channels (``"c"``): the calibrated ``split_scales`` entry, else 1/k.
+
+        Example:
+            >>> m = Machine(alpha=0, beta=0, flop_rate=1.0, split_scales={"conv": {"f4": 0.6}})
+            >>> m.split_share("conv", "f", 4), m.split_share("conv", "c", 4), m.split_share("x", "f", 1)
+            (0.6, 0.25, 1.0)
+        """
+        if k <= 1:
+            return 1.0
+        share = (self.split_scales or {}).get(layer, {}).get(f"{how}{k}")
+        return 1.0 / k if share is None else share
+
+    def spatial_share(self, layer: str, grid, default: float) -> float | None:
+        """Fraction of ``layer``'s whole forward+backward seconds one rank pays on
+        its block of the spatial block grid ``grid`` (parts per spatial axis):
+        the calibrated ``split_scales`` entry ``s<ph>x<pw>...``, else ``default``.
+
+        Example:
+            >>> m = Machine(alpha=0, beta=0, flop_rate=1.0, split_scales={"conv": {"s2x2": 0.4}})
+            >>> m.spatial_share("conv", (2, 2), 0.25), m.spatial_share("conv", (4, 1), 0.25)
+            (0.4, 0.25)
+        """
+        share = (self.split_scales or {}).get(layer, {}).get(spatial_key(grid))
+        return default if share is None else share
 
     def replace(self, **changes) -> "Machine":
         """A copy with some fields changed (validated again)."""
@@ -350,6 +395,45 @@ def _check_layer_times(times) -> dict:
         for v in value:
             _check_number(f"layer_times[{name!r}]", v)
         out[str(name)] = (float(value[0]), float(value[1]))
+    return out
+
+
+_SPLIT_KEY = re.compile(r"^([fc][1-9][0-9]*|s[1-9][0-9]*(x[1-9][0-9]*)*)$")
+
+
+def spatial_key(grid) -> str:
+    """The ``split_scales`` key of a spatial block grid: ``s`` and the parts per
+    axis joined by ``x``, trailing 1s dropped (``(4, 1)`` -> ``"s4"``, ``(2, 2)``
+    -> ``"s2x2"``, ``(1, 4)`` -> ``"s1x4"``).
+
+    Example:
+        >>> spatial_key((4, 1)), spatial_key((1, 2, 1)), spatial_key((1, 1))
+        ('s4', 's1x2', 's1')
+    """
+    parts = [int(g) for g in grid]
+    while len(parts) > 1 and parts[-1] == 1:
+        parts.pop()
+    return "s" + "x".join(str(g) for g in parts)
+
+
+def _check_split_scales(table) -> dict:
+    if not isinstance(table, Mapping):
+        raise ValueError(f"`split_scales` must map layer names to {{'f<k>'|'c<k>': share}}; "
+                         f"received {type(table).__name__}.")
+    out = {}
+    for name, shares in table.items():
+        if not isinstance(shares, Mapping):
+            raise ValueError(f"`split_scales[{name!r}]`={shares!r}; expected a dict such as "
+                             "{'f2': 0.6, 'c2': 0.7} (share of the whole layer's time).")
+        row = {}
+        for key, share in shares.items():
+            if not _SPLIT_KEY.match(str(key)):
+                raise ValueError(f"`split_scales[{name!r}]` key {key!r} is not 'f<k>' (split "
+                                 "by output units k ways), 'c<k>' (by input channels) or "
+                                 "'s<ph>x<pw>' (a spatial block grid).")
+            _check_number(f"split_scales[{name!r}][{key!r}]", share, allow_zero=False)
+            row[str(key)] = float(share)
+        out[str(name)] = row
     return out
 
 

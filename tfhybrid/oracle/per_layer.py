@@ -133,8 +133,16 @@ class _Costs:
         weighted = ctx.weighted()
         self.first = weighted[0] if weighted else -1
 
-    def comp(self, i, share=1.0):
-        return (self.nb * self.ctx.fb[i] * share + self.ctx.wu[i] * share) * self.slow
+    def comp(self, i, share=1.0, how=None):
+        """Row i's compute at ``share`` of its width; ``how`` ("f"/"c": row i
+        split k ways; "s": its first spatial axis split k ways) takes the
+        forward+backward share from the machine's calibrated ``split_scales``
+        instead (the update stays ``share``)."""
+        if how == "s":
+            fb = self.ctx.spatial_share(i, (self.k,))
+        else:
+            fb = self.ctx.split_share(i, how, self.k) if how else share
+        return (self.nb * self.ctx.fb[i] * fb + self.ctx.wu[i] * share) * self.slow
 
     def grad(self, i, parts):
         """Weight-gradient allreduce of row i's 1/parts shard over the data groups."""
@@ -150,7 +158,7 @@ class _Costs:
         if r.filters % k:
             return math.inf
         bwd = m.t_allreduce(k, self.nb * r.x * self.d) if i != self.first else 0.0
-        return self.comp(i, 1 / k) + m.t_allgather(k, self.nb * r.y * self.d / k) + bwd + \
+        return self.comp(i, 1 / k, "f") + m.t_allgather(k, self.nb * r.y * self.d / k) + bwd + \
             self.grad(i, k)
 
     def c(self, i):
@@ -158,7 +166,7 @@ class _Costs:
         if r.channels % k:
             return math.inf
         bwd = m.t_allgather(k, self.nb * r.x * self.d / k) if i != self.first else 0.0
-        return self.comp(i, 1 / k) + m.t_allreduce(k, self.nb * r.y * self.d) + bwd + \
+        return self.comp(i, 1 / k, "c") + m.t_allreduce(k, self.nb * r.y * self.d) + bwd + \
             self.grad(i, k)
 
     def pair(self, a, b):
@@ -170,8 +178,8 @@ class _Costs:
             return math.inf, math.inf
         inner = sum(self.comp(j, 1 / k) for j in range(a + 1, b))
         bwd = m.t_allreduce(k, self.nb * ra.x * self.d) if a != self.first else 0.0
-        return (self.comp(a, 1 / k) + bwd + self.grad(a, k) + inner,
-                self.comp(b, 1 / k) + m.t_allreduce(k, self.nb * rb.y * self.d) +
+        return (self.comp(a, 1 / k, "f") + bwd + self.grad(a, k) + inner,
+                self.comp(b, 1 / k, "c") + m.t_allreduce(k, self.nb * rb.y * self.d) +
                 self.grad(b, k))
 
     def spatial(self, i):
@@ -180,7 +188,6 @@ class _Costs:
         e = r.spatial_out[0] if r.spatial_out else 1
         if self.k > e:
             return math.inf
-        frac = math.ceil(e / self.k) / e
         halo = 0.0
         if r.kernel:   # comm.halo's neighbour-only alltoall (strategies.halo_sent)
             hx, hdy = halo_sent(r, (self.k,) + (1,) * (len(r.kernel) - 1))
@@ -189,7 +196,7 @@ class _Costs:
             if hdy and i != self.first:
                 halo += m.t_neighbours(self.k, self.nb * self.d * hdy, self.k)
         grad = m.t_allreduce(self.p, r.params * self.d) if r.params else 0.0
-        return self.comp(i, frac) + halo + grad
+        return self.comp(i, 1 / self.k, "s") + halo + grad
 
 
 def _dp(ctx, costs, todo):
@@ -236,7 +243,7 @@ def _unweighted(ctx, costs, lo, hi, region_end, picks):
     for j in range(lo, hi):
         if j in weighted or j in inside_pair:
             continue
-        total += costs.comp(j, 1 / costs.k if j < region_end else 1.0)
+        total += costs.comp(j, 1 / costs.k, "s") if j < region_end else costs.comp(j)
     return total
 
 

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
 PHASES = ("FB-allgather", "FB-allreduce", "halo", "GE-allreduce", "p2p")
@@ -138,6 +139,24 @@ class Context:
             self.wu.append(machine.wu_flops_per_param * r.params / rate if rate else 0.0)
         self.fb = [f + b for f, b in zip(self.fw, self.bw)]
         self.split = getattr(prof, "split", None)
+
+    def split_share(self, i: int, how: str, k: int) -> float:
+        """Share of row i's per-sample seconds one rank pays when the row is split
+        ``k`` ways by output units (``how="f"``) or input channels (``"c"``):
+        the machine's calibrated ``split_scales``, else 1/k."""
+        return self.m.split_share(self.rows[i].name, how, k)
+
+    def spatial_share(self, i: int, grid) -> float:
+        """Share of row i's per-sample seconds one rank pays on its block of the
+        spatial block grid ``grid``: the machine's calibrated ``split_scales``,
+        else the block's fraction of the row's output (ceil(e / parts) / e per
+        split axis)."""
+        r, frac = self.rows[i], 1.0
+        for axis, parts in enumerate(grid):
+            if parts > 1 and axis < len(r.spatial_out):
+                e = r.spatial_out[axis]
+                frac *= math.ceil(e / parts) / e
+        return self.m.spatial_share(r.name, grid, frac)
 
     def batch_norm_sync_s(self, group: int) -> float:
         """Seconds of the moment allreduces of every BatchNormalization row over

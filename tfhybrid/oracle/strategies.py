@@ -206,15 +206,6 @@ def halo_sent(row, grid):
     return sx, sy
 
 
-def _spatial_fraction(row, grid):
-    frac = 1.0
-    for axis, parts in enumerate(grid):
-        if parts > 1 and axis < len(row.spatial_out):
-            e = row.spatial_out[axis]
-            frac *= math.ceil(e / parts) / e
-    return frac
-
-
 def _grids(n, ndim):
     if ndim <= 1:
         return [(n,)]
@@ -227,7 +218,7 @@ def _spatial_part(ctx, p_sp, grid, nb, span):
     comp = halo = 0.0
     for i in idx:
         r = ctx.rows[i]
-        comp += nb * ctx.fb[i] * _spatial_fraction(r, grid)
+        comp += nb * ctx.fb[i] * ctx.spatial_share(i, grid)
         sx, sy = halo_sent(r, grid)
         if sx or sy:   # one neighbour-only alltoall forward, one backward (comm.halo)
             halo += m.t_neighbours(p_sp, nb * d * sx, span)
@@ -397,8 +388,11 @@ def _model_parallel(ctx, p, p1, p2, kind, pairing=True, fallback="error"):
         idx = [i for i in idx if getattr(ctx.rows[i], attr) % p2 == 0]
     part, nb = set(idx), B / p1
     ag, ar, inner, pairs = _collectives(ctx, idx, nb, p2, kind, pairing)
-    split = part | inner
-    comp = sum(nb * ctx.fb[i] / (p2 if i in split else 1) for i in range(len(ctx.rows)))
+    how = {i: kind for i in part}
+    how.update({i: h for ab in pairs for i, h in zip(ab, "fc")})   # a pair: f then c
+    share = {i: ctx.split_share(i, how[i], p2) for i in part}
+    share.update({i: 1.0 / p2 for i in inner})
+    comp = sum(nb * ctx.fb[i] * share.get(i, 1.0) for i in range(len(ctx.rows)))
     comp += sum(ctx.wu[i] / (p2 if i in part else 1) for i in range(len(ctx.rows)))
     w_data = sum(r.params / (p2 if i in part else 1) for i, r in enumerate(ctx.rows))
     ge = m.t_allreduce(p1, w_data * d, span=p, phi=m.phi if p2 > 1 else 1.0)

@@ -145,21 +145,26 @@ def _gmp_one(ctx, p, mp, ccr_threshold, scheme):
     part, kept = _gmp_layers(ctx, mp, ccr_threshold) if mp > 1 else ([], [])
     pset, start = set(part), (part[0] if part else len(ctx.rows))
     comp = sum(ctx.wu[i] / (mp if i in pset else 1) for i in range(len(ctx.rows)))
+    # a partitioned layer runs the group's mp * b rows at its share of the width
+    # (1/mp, or the machine's calibrated split_scales: f, or c as a pair's second)
+    how = {i: "f" for i in part}
+    how.update({c: "c" for _, c in (pairs_of(ctx, part, mp) if part else [])})
+    share = [ctx.split_share(i, how[i], mp) if i in pset else 1.0
+             for i in range(len(ctx.rows))]
     terms, nb_group = [], (mp * b if scheme == "BK" else b)
     for i, r in enumerate(ctx.rows):
         if i < start:
             comp += b * ctx.fb[i]
             terms.append((r, b, 1, 1))
         elif i in pset:
-            comp += b * ctx.fb[i]
+            comp += mp * b * ctx.fb[i] * share[i]
             terms.append((_half_split(r, mp), nb_group, 1, mp))
         else:
             comp += mp * b * ctx.fb[i]
             terms.append((r, nb_group, 1, 1))
     if scheme == "B" and part:   # each round's forward runs again in the backward pass
         fwd = 1.0 - ctx.backward_share()
-        comp += fwd * sum(mp * b * ctx.fb[i] / (mp if i in pset else 1)
-                          for i in range(start, len(ctx.rows)))
+        comp += fwd * sum(mp * b * ctx.fb[i] * share[i] for i in range(start, len(ctx.rows)))
     reasons = _batch_reasons(B, p)
     if p % mp:
         reasons.append(f"mp={mp} does not divide the world size p={p}")

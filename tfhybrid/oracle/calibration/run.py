@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import time
@@ -143,6 +144,129 @@ def layer_shares(model, names, batch, reps=7):
         t_f = max(best[1 + 2 * k] - base, 0.0)
         t_fb = max(best[2 + 2 * k] - base, 0.0)
         out[name] = (t_f, max(t_fb - t_f, 0.0))
+    return out
+
+
+def _split_variants(layer, k):
+    """``{"f<k>": (layer, input shape), "c<k>": ...}`` of a plain Conv/Dense layer
+    (channels last): ``f`` keeps the input and 1/k of the output units (what a
+    filter-parallel rank computes), ``c`` takes 1/k of the input channels into
+    every output unit, without bias or activation (a channel-parallel rank's
+    partial sums). Layers of other kinds, or whose units or channels k does
+    not divide, have no variants."""
+    cls, cfg = type(layer), layer.get_config()
+    units = "filters" if "filters" in cfg else ("units" if cls.__name__ == "Dense" else None)
+    try:
+        shape = tuple(layer.input.shape)
+    except (AttributeError, ValueError):
+        return {}
+    if units is None or cfg.get("data_format", "channels_last") != "channels_last" \
+            or int(cfg.get("groups", 1) or 1) != 1 or "Transpose" in cls.__name__ \
+            or shape[-1] is None:
+        return {}
+    out = {}
+    if cfg[units] % k == 0:
+        out[f"f{k}"] = (cls.from_config({**cfg, "name": None, units: cfg[units] // k}), shape)
+    if shape[-1] % k == 0:
+        part = {**cfg, "name": None, "activation": "linear", "use_bias": False}
+        out[f"c{k}"] = (cls.from_config(part), shape[:-1] + (shape[-1] // k,))
+    return out
+
+
+def _spatial_variants(layer, k):
+    """``{"s<ph>x<pw>": (layer, input shape)}`` of a single-input layer with
+    spatial axes (channels last): the layer itself on one block of each 2-D
+    block grid of ``k`` ranks (``k`` ways along the only axis of a 1-D
+    layer), ``ceil(extent / parts)`` input rows per split axis."""
+    from tfhybrid.oracle.machine import spatial_key  # noqa: WPS433
+    from tfhybrid.oracle.record import divisors  # noqa: WPS433
+    try:
+        shape = tuple(layer.input.shape)
+    except (AttributeError, ValueError):
+        return {}
+    spatial = shape[1:-1]
+    if not spatial or any(e is None for e in spatial) \
+            or layer.get_config().get("data_format", "channels_last") != "channels_last":
+        return {}
+    grids = [(k,)] if len(spatial) == 1 else [(a, k // a) for a in divisors(k)]
+    out = {}
+    for grid in grids:
+        if any(parts > e for parts, e in zip(grid, spatial)):
+            continue
+        rows = [-(-e // grid[a]) if a < len(grid) else e for a, e in enumerate(spatial)]
+        out[spatial_key(grid)] = (layer, (shape[0], *rows, shape[-1]))
+    return out
+
+
+def measure_split_scales(model, names, batch, ks, reps=7, spatial_names=()) -> dict:
+    """``{layer: {"f<k>": share, "c<k>": share, "s<ph>x<pw>": share}}``: each
+    Conv/Dense layer of ``names`` timed alone (traced forward+backward at
+    ``batch``, as :func:`layer_shares` times it) whole and split ``k`` ways by
+    output units and by input channels for each k of ``ks``, and each layer
+    of ``spatial_names`` (the spatial region) whole and on one block of each
+    block grid of k ranks, less an empty traced call; ``share`` = split /
+    whole, kept in [1/k, 1]. A k-way split of a small layer does not run k
+    times faster (16 filters of 3x3 on 32x32x3, batch 64, on the 2-core box:
+    1.41 ms split 4 ways by filters, 0.87 ms on a quarter of the rows, vs
+    1.85 ms whole: shares 0.76 and 0.47, not 0.25), and the strategies that
+    split it (f, c, df, gmp; s, ds) are priced with the measured share
+    (:meth:`tfhybrid.oracle.machine.Machine.split_share`, ``spatial_share``)."""
+    tf = _tf()
+    empty = tf.function(lambda a: a)
+    probe = tf.zeros([1])
+    needs_grad = _inputs_needing_grad(model)
+    calls, keys = [lambda: empty(probe).numpy()], []
+
+    def timed(layer, shape, watch):
+        x = tf.random.uniform([batch, *shape[1:]])
+
+        @tf.function
+        def fwd_bwd(a):
+            with tf.GradientTape() as tape:
+                if watch:
+                    tape.watch(a)
+                s = tf.reduce_sum(layer(a, training=True))
+            return tape.gradient(s, [a, layer.trainable_weights] if watch
+                                 else layer.trainable_weights)
+
+        return lambda: [t.numpy() for t in tf.nest.flatten(fwd_bwd(x)) if t is not None]
+
+    for name in list(names) + [n for n in spatial_names if n not in names]:
+        try:
+            layer = model.get_layer(name)
+        except ValueError:
+            continue
+        watch = needs_grad.get(name, True)
+        variants = {}
+        for k in ks:
+            if name in names:
+                variants.update(_split_variants(layer, k))
+            if name in spatial_names:
+                variants.update(_spatial_variants(layer, k))
+        if not variants:
+            continue
+        calls.append(timed(layer, tuple(layer.input.shape), watch))
+        keys.append((name, None))
+        for key, (part, shape) in variants.items():
+            calls.append(timed(part, shape, watch))
+            keys.append((name, key))
+    if not keys:
+        return {}
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel("ERROR")     # one traced function per variant: no retracing advice
+    try:
+        best = cal.best_times_interleaved(calls, reps)
+    finally:
+        logger.setLevel(level)
+    base, whole, out = best[0], {}, {}
+    for (name, key), t in zip(keys, best[1:]):
+        t = max(t - base, 0.0)
+        if key is None:
+            whole[name] = t
+        elif whole.get(name):
+            k = math.prod(int(g) for g in key[1:].split("x"))
+            out.setdefault(name, {})[key] = min(max(t / whole[name], 1.0 / k), 1.0)
     return out
 
 
@@ -345,8 +469,9 @@ def _group_sizes(world):
     return gs + [world] if world > 1 else []
 
 
-def _model_part(model_name, batches, log, reps=5):
+def _model_part(model_name, batches, log, reps=5, split_ks=()):
     from tfhybrid.oracle.models import build_model  # noqa: WPS433
+    from tfhybrid.oracle.profile import profile  # noqa: WPS433
     from tfhybrid.oracle.api import predict  # noqa: WPS433
     model = build_model(model_name)
     naive = predict(model, "serial", 1, batches[0],
@@ -360,11 +485,27 @@ def _model_part(model_name, batches, log, reps=5):
     log(f"  timing {model.name} forward/backward at batches {list(batches)}")
     times, fixed, fwd_bwd_s = measure_layer_times(model, batches, reps=4 * reps)
     log(f"  fixed forward+backward cost {fixed * 1e3:.3g} ms per iteration")
+    scales = {}
+    if split_ks:
+        rows = profile(model).rows
+        names = [r.name for r in rows if r.kind in ("conv", "dense")]
+        region = []            # the spatial region: leading rows that keep spatial axes
+        for r in rows:
+            if r.kind == "dense" or not r.spatial_out:
+                break
+            if r.kind in ("conv", "pool", "norm", "elementwise"):
+                region.append(r.name)
+        scales = measure_split_scales(model, names, batches[-1], split_ks, reps=4 * reps,
+                                      spatial_names=region)
+        shown = ", ".join(f"{n} {' '.join(f'{k} {v:.2f}' for k, v in sorted(s.items()))}"
+                          for n, s in scales.items())
+        log(f"  split layers' share of their whole time at batch {batches[-1]}: "
+            f"{shown or 'none (no plain Conv/Dense layer)'}")
     batch = batches[1] if len(batches) > 1 else batches[0]
     update = measure_update_overhead(model, batch, fwd_bwd_s[batch], reps=4 * reps)
     log(f"  train_on_batch beyond forward+backward (loss, update, Keras): "
         f"{update * 1e3:.3g} ms")
-    return times, gamma, fixed, update
+    return times, gamma, fixed, update, scales
 
 
 def measure_update_overhead(model, batch, fwd_bwd_s, reps=20) -> float:
@@ -388,7 +529,7 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
     samples = cal.time_collectives(_sizes(max_bytes, n_sizes), _group_sizes(world), reps, say)
     cal.sync(backend)
     slots = cal.compute_slots()
-    rate, overhead, times, gamma, fixed = None, 0.0, None, 1.0, 0.0
+    rate, overhead, times, gamma, fixed, scales = None, 0.0, None, 1.0, 0.0, None
     if rank == 0:   # compute alone (others wait): prediction scales by compute_slots
         rate = measure_flop_rate()
         say(f"  flop rate {rate / 1e9:.3g} GFLOP/s on one rank ({slots} compute slots)")
@@ -397,7 +538,8 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
         if model:   # from half the local batch up to the global one (what serial runs):
             # four sizes, so one noisy timing cannot tilt the fixed/per-sample split
             sizes = sorted({max(1, batch // 2), batch, 2 * batch, batch * max(world, 2)})
-            times, gamma, fixed, update = _model_part(model, sizes, say, reps)
+            times, gamma, fixed, update, scales = _model_part(
+                model, sizes, say, reps, split_ks=_group_sizes(world))
             overhead = max(overhead, update)
     cal.sync(backend)
     contention = None
@@ -435,6 +577,7 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
     cal.sync(backend)
     spec = _spec(samples, rate, times, gamma, overhead, slots, world, backend.local_size())
     spec["compute_fixed_s"] = fixed
+    spec["split_scales"] = scales or None
     spec["compute_contention"] = contention
     spec["overlap"] = overlap
     if rank == 0:

@@ -745,8 +745,8 @@ class GuardCallback(keras.callbacks.Callback):
         if self._due is not None and value != self._due_value:
             self._due.assign(value)
             self._due_value = value
-        sums = getattr(self.model, "_tfhybrid_step_sums", None)
-        weights = weights and sums is not None
+        sums = getattr(self.model, "_tfhybrid_step_sums", None) if weights else None
+        weights = sums is not None      # (the model's attribute lookup: only when due)
         if self._weights_due is not None and weights != self._weights_due_value:
             self._weights_due.assign(weights)
             self._weights_due_value = weights

@@ -102,9 +102,10 @@ class Machine:
             dropped: ``s4`` is 4 ways along the first axis), timed at the split
             size by ``tfhybrid calibrate --model``. Small layers do not speed
             up k times (on the 2-core box a 16-filter convolution split 4
-            ways by filters took 0.76 of its whole time, 4 ways by height
-            0.47, not 0.25); without an entry the share is 1/k (f, c) or the
-            block's fraction of the output (s).
+            ways by filters took 0.64-0.76 of its whole time, not 0.25; a
+            32-filter one on a quarter of its rows 0.30-0.33); without an
+            entry the share is 1/k (f, c) or the block's fraction of the
+            output (s).
         memory_bytes: Memory capacity of one rank (None: no memory limit).
         phi: Contention penalty: beta is multiplied by phi for the data-parallel
             gradient allreduce of hybrid strategies whose concurrent groups share

@@ -122,21 +122,8 @@ def layer_shares(model, names, batch, reps=7):
             return None
         arg = xs if isinstance(layer.input, list) else xs[0]
         fwd = tf.function(lambda a, layer=layer: layer(a, training=True))
-        watch = needs_grad.get(name, True)
-
-        @tf.function
-        def fwd_bwd(a, layer=layer, watch=watch):
-            with tf.GradientTape() as tape:
-                if watch:
-                    tape.watch(a)
-                s = tf.reduce_sum(layer(a, training=True))
-            return tape.gradient(s, [a, layer.trainable_weights] if watch
-                                 else layer.trainable_weights)
-
-        def run(fn, a=arg):
-            return [t.numpy() for t in tf.nest.flatten(fn(a)) if t is not None]
-
-        calls += [lambda run=run, fwd=fwd: run(fwd), lambda run=run, fb=fwd_bwd: run(fb)]
+        fwd_bwd = _traced_fwd_bwd(layer, needs_grad.get(name, True))
+        calls += [lambda fwd=fwd, a=arg: _run(fwd, a), lambda fb=fwd_bwd, a=arg: _run(fb, a)]
     # every layer in turn, round after round (a burst of outside load hits all alike)
     best = cal.best_times_interleaved(calls, reps)
     base, out = best[0], {}
@@ -145,6 +132,28 @@ def layer_shares(model, names, batch, reps=7):
         t_fb = max(best[2 + 2 * k] - base, 0.0)
         out[name] = (t_f, max(t_fb - t_f, 0.0))
     return out
+
+
+def _traced_fwd_bwd(layer, watch):
+    """``layer`` alone, traced: forward and the gradient of its output's sum
+    with respect to its weights, and to its input when ``watch`` (what
+    back-propagation computes there: :func:`_inputs_needing_grad`)."""
+    tf = _tf()
+
+    @tf.function
+    def fwd_bwd(a):
+        with tf.GradientTape() as tape:
+            if watch:
+                tape.watch(a)
+            s = tf.reduce_sum(layer(a, training=True))
+        return tape.gradient(s, [a, layer.trainable_weights] if watch
+                             else layer.trainable_weights)
+    return fwd_bwd
+
+
+def _run(fn, a):
+    """``fn(a)`` run to completion (every output fetched)."""
+    return [t.numpy() for t in _tf().nest.flatten(fn(a)) if t is not None]
 
 
 def _split_variants(layer, k):
@@ -207,8 +216,8 @@ def measure_split_scales(model, names, batch, ks, reps=7, spatial_names=()) -> d
     block grid of k ranks, less an empty traced call; ``share`` = split /
     whole, kept in [1/k, 1]. A k-way split of a small layer does not run k
     times faster (16 filters of 3x3 on 32x32x3, batch 64, on the 2-core box:
-    1.41 ms split 4 ways by filters, 0.87 ms on a quarter of the rows, vs
-    1.85 ms whole: shares 0.76 and 0.47, not 0.25), and the strategies that
+    split 4 ways by filters a share of 0.64-0.76 of its whole time, not 0.25;
+    on a quarter of its rows 0.27-0.33), and the strategies that
     split it (f, c, df, gmp; s, ds) are priced with the measured share
     (:meth:`tfhybrid.oracle.machine.Machine.split_share`, ``spatial_share``)."""
     tf = _tf()
@@ -218,18 +227,8 @@ def measure_split_scales(model, names, batch, ks, reps=7, spatial_names=()) -> d
     calls, keys = [lambda: empty(probe).numpy()], []
 
     def timed(layer, shape, watch):
-        x = tf.random.uniform([batch, *shape[1:]])
-
-        @tf.function
-        def fwd_bwd(a):
-            with tf.GradientTape() as tape:
-                if watch:
-                    tape.watch(a)
-                s = tf.reduce_sum(layer(a, training=True))
-            return tape.gradient(s, [a, layer.trainable_weights] if watch
-                                 else layer.trainable_weights)
-
-        return lambda: [t.numpy() for t in tf.nest.flatten(fwd_bwd(x)) if t is not None]
+        fwd_bwd, x = _traced_fwd_bwd(layer, watch), tf.random.uniform([batch, *shape[1:]])
+        return lambda: _run(fwd_bwd, x)
 
     for name in list(names) + [n for n in spatial_names if n not in names]:
         try:

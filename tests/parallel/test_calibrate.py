@@ -4,6 +4,7 @@ Run: TF_NUM_INTRAOP_THREADS=1 horovodrun -np 2 --gloo .venv/bin/python -m pytest
      tests/parallel/test_calibrate.py -q -x -p no:cacheprovider
 """
 import json
+import math
 import os
 
 import keras
@@ -51,9 +52,12 @@ def test_machine_file_is_valid(spec):
     # the model's split layers timed at 1/k width (entries only for layers timed
     # above an empty call: these tiny ones may have none)
     assert "split_scales" in doc
+    keys = {"f2", "c2", "f4", "c4", "s2", "s1x2", "s4", "s2x2", "s1x4"}   # <= 4 ranks
     for name, row in (m.split_scales or {}).items():
-        assert name in ("cv", "fc") and set(row) <= {"f2", "c2", "f4", "c4"}, (name, row)
-        assert all(1.0 / int(k[1:]) <= v <= 1.0 for k, v in row.items())
+        assert name in ("cv", "fc") and set(row) <= keys, (name, row)
+        for key, share in row.items():
+            parts = math.prod(int(g) for g in key[1:].split("x"))
+            assert 1.0 / parts <= share <= 1.0, (name, key, share)
 
 
 def test_fits_cover_every_collective_and_group(spec):

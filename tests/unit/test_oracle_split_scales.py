@@ -113,5 +113,25 @@ def test_measured_shares_lie_between_one_over_k_and_one():
     Machine.from_dict({**BASE, "split_scales": scales})   # a valid machine entry
 
 
+def test_spatial_blocks_of_valid_windows_hold_their_halo():
+    """A ``valid`` 3x3 convolution's block is its output rows plus the kernel's
+    halo (the calibration of ``tfhybrid calibrate --model`` at -np 4 raised on
+    rank 0 alone for a block narrower than the kernel, and left the other ranks
+    waiting); a split finer than the output rows is not timed."""
+    model = keras.Sequential([
+        keras.Input((8, 8, 2)), keras.layers.Conv2D(4, 3, name="cv"),
+        keras.layers.MaxPooling2D(2, name="mp"),
+        keras.layers.Conv2D(4, 3, strides=2, padding="same", name="cs")])
+    cv = {k: v[1][1:3] for k, v in calibrate_run._spatial_variants(model.get_layer("cv"), 4).items()}
+    assert cv == {"s4": (4, 8), "s2x2": (5, 5), "s1x4": (8, 4)}    # 6 rows out: 2 + 2 halo
+    mp = calibrate_run._spatial_variants(model.get_layer("mp"), 4)
+    assert set(mp) == {"s2x2"}                  # 3 rows out: no 4-way split of one axis
+    cs = calibrate_run._spatial_variants(model.get_layer("cs"), 2)
+    assert {k: v[1][1:3] for k, v in cs.items()} == {"s2": (2, 3), "s1x2": (3, 2)}
+    scales = calibrate_run.measure_split_scales(model, ["cv", "cs"], 16, [2, 4], reps=2,
+                                                spatial_names=["cv", "mp", "cs"])
+    assert set(scales) <= {"cv", "mp", "cs"}
+
+
 if __name__ == "__main__":
     pytest.main([__file__])

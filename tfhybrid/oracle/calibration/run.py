@@ -182,28 +182,53 @@ def _split_variants(layer, k):
     return out
 
 
+def _block_rows(layer, axis, extent_out, parts, extent_in):
+    """Input rows along ``axis`` of one block of ``parts``: what a rank computes
+    ``ceil(extent_out / parts)`` output rows from. A ``valid`` window (kernel or
+    pool) needs its halo as well; a ``same`` one pads by itself."""
+    cfg = layer.get_config()
+    window = cfg.get("kernel_size", cfg.get("pool_size"))
+    out = -(-extent_out // parts)
+    if window is None or str(cfg.get("padding", "valid")).lower() == "same":
+        return -(-extent_in // parts)
+    at = (lambda v: v[axis] if isinstance(v, (list, tuple)) else v)
+    stride = at(cfg.get("strides") or window)
+    dilation = at(cfg.get("dilation_rate", 1) or 1)
+    return (out - 1) * stride + (at(window) - 1) * dilation + 1
+
+
 def _spatial_variants(layer, k):
     """``{"s<ph>x<pw>": (layer, input shape)}`` of a single-input layer with
     spatial axes (channels last): the layer itself on one block of each 2-D
     block grid of ``k`` ranks (``k`` ways along the only axis of a 1-D
-    layer), ``ceil(extent / parts)`` input rows per split axis."""
+    layer), the input rows one block's output needs per split axis
+    (:func:`_block_rows`). Grids with more parts than output rows, and
+    blocks the layer refuses, have no variant."""
     from tfhybrid.oracle.machine import spatial_key  # noqa: WPS433
     from tfhybrid.oracle.record import divisors  # noqa: WPS433
     try:
-        shape = tuple(layer.input.shape)
+        shape, out_shape = tuple(layer.input.shape), tuple(layer.output.shape)
     except (AttributeError, ValueError):
         return {}
-    spatial = shape[1:-1]
-    if not spatial or any(e is None for e in spatial) \
+    spatial, spatial_out = shape[1:-1], out_shape[1:-1]
+    if not spatial or len(spatial_out) != len(spatial) \
+            or any(e is None for e in spatial + spatial_out) \
             or layer.get_config().get("data_format", "channels_last") != "channels_last":
         return {}
     grids = [(k,)] if len(spatial) == 1 else [(a, k // a) for a in divisors(k)]
     out = {}
     for grid in grids:
-        if any(parts > e for parts, e in zip(grid, spatial)):
+        if any(parts > e for parts, e in zip(grid, spatial_out)):
             continue
-        rows = [-(-e // grid[a]) if a < len(grid) else e for a, e in enumerate(spatial)]
-        out[spatial_key(grid)] = (layer, (shape[0], *rows, shape[-1]))
+        rows = [_block_rows(layer, a, spatial_out[a], grid[a], e) if a < len(grid) and
+                grid[a] > 1 else e for a, e in enumerate(spatial)]
+        block = (shape[0], *rows, shape[-1])
+        try:
+            if any(d is not None and d <= 0 for d in layer.compute_output_shape(block)):
+                continue
+        except Exception:  # noqa: BLE001 - a block this layer cannot take: not timed
+            continue
+        out[spatial_key(grid)] = (layer, block)
     return out
 
 
@@ -494,8 +519,13 @@ def _model_part(model_name, batches, log, reps=5, split_ks=()):
                 break
             if r.kind in ("conv", "pool", "norm", "elementwise"):
                 region.append(r.name)
-        scales = measure_split_scales(model, names, batches[-1], split_ks, reps=4 * reps,
-                                      spatial_names=region)
+        try:
+            scales = measure_split_scales(model, names, batches[-1], split_ks,
+                                          reps=4 * reps, spatial_names=region)
+        except Exception as err:  # noqa: BLE001 - rank 0 alone: never leave the others waiting
+            log(f"  split layers not timed ({type(err).__name__}: {err}); split "
+                "strategies keep 1/k per layer")
+            scales = {}
         shown = ", ".join(f"{n} {' '.join(f'{k} {v:.2f}' for k, v in sorted(s.items()))}"
                           for n, s in scales.items())
         log(f"  split layers' share of their whole time at batch {batches[-1]}: "

@@ -72,3 +72,30 @@ def test_calibrated_machine_predicts(spec):
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
     r = predict(model, "d", size, 8, doc)
     assert r.feasible and r.total_s > 0 and r.comm_s["GE-allreduce"] > 0
+
+
+def test_a_failure_in_rank_0s_compute_part_stops_every_rank(monkeypatch):
+    """Rank 0 times compute alone while the others wait; an exception there
+    (a layer it could not time) left rank 0 out of calibration and the others
+    waiting in its next collective until the watchdog ended the job. Every
+    rank now raises: rank 0 its own error, the others a RuntimeError naming it."""
+    from tfhybrid.oracle.calibration import run as calibrate_run
+
+    size, rank, _ = backend.init()
+    if size < 2:
+        pytest.skip("needs horovodrun -np >= 2")
+
+    def broken(*_, **__):
+        raise ValueError("injected: this layer cannot be timed")
+
+    if rank == 0:
+        monkeypatch.setattr(calibrate_run, "measure_flop_rate", broken)
+    out = os.path.join(job_dir(), "calib_failed.json")
+    with pytest.raises((ValueError, RuntimeError)) as err:
+        calibrate_run.run(out, max_bytes=8192, n_sizes=2, reps=1, log=lambda *_: None)
+    if rank == 0:
+        assert err.type is ValueError and "injected" in str(err.value)
+    else:
+        assert err.type is RuntimeError and "on another rank" in str(err.value)
+    backend.barrier()         # still in step: every rank reaches the same collective
+    assert not os.path.exists(out)

@@ -412,21 +412,29 @@ def save(model, path, epoch: int | None = None, step: int | None = None,
     state = ls() if ls is not None else gather_optimizer_state(model)   # ls / p: own gather
     rng = gather_rng_state(model)
     exclusions = _part_exclusions(model) if ls is not None else None
+    failed = None
     if runtime.is_root():
-        meta = _meta(model, state, epoch, step, exclusions)
-        meta["global_seed"] = rng["global_seed"]
-        _write_side_file(path, meta, state, rng)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".tfhybrid-", suffix=".keras", dir=directory)
-        os.close(fd)
         try:
-            full.save(tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            meta = _meta(model, state, epoch, step, exclusions)
+            meta["global_seed"] = rng["global_seed"]
+            _write_side_file(path, meta, state, rng)
+            directory = os.path.dirname(os.path.abspath(path))
+            fd, tmp = tempfile.mkstemp(prefix=".tfhybrid-", suffix=".keras", dir=directory)
+            os.close(fd)
+            try:
+                full.save(tmp)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except Exception as err:  # noqa: BLE001 - raised below on every rank at once
+            failed = err
     if runtime.current_grid().size > 1:
-        backend.barrier()   # every rank returns once the files exist
+        # every rank returns once the files exist, or raises when rank 0 could not
+        # write them (a layer Keras cannot serialise, a full disk)
+        backend.raise_together(failed, f"tfhybrid.save({path!r}) on rank 0")
+    elif failed is not None:
+        raise failed
 
 
 def _read_side_meta(path) -> dict:

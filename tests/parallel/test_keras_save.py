@@ -178,3 +178,31 @@ def test_keras_backup_and_restore_on_split_models_is_refused_before_training(gri
         model.fit(x, y, epochs=1, verbose=0,
                   callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "b"))])
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_save_that_fails_on_rank_0_raises_on_every_rank(grid_of, monkeypatch):
+    """tfhybrid.save writes on rank 0 while the others wait; a write that failed
+    there (here an injected full disk) raised on rank 0 alone, and a script
+    catching it left the other ranks waiting in rank 0's next collective. Every
+    rank now raises (rank 0 its OSError, the others a RuntimeError naming the
+    save), and the next collective pairs up."""
+    import tfhybrid.checkpoint as checkpoint
+
+    grid_of(min(2, world_size()))
+    model, _ = fitted("f", fallback="replicate")
+
+    def full_disk(*_, **__):
+        raise OSError(28, "No space left on device")
+
+    if backend.rank() == 0:
+        monkeypatch.setattr(checkpoint, "_write_side_file", full_disk)
+    path = os.path.join(job_dir(), "full_disk.keras")
+    with pytest.raises((OSError, RuntimeError)) as err:
+        tfhybrid.save(model, path, epoch=1)
+    if backend.rank() == 0:
+        assert err.type is OSError and "No space left" in str(err.value)
+    else:
+        assert err.type is RuntimeError and "tfhybrid.save" in str(err.value)
+    monkeypatch.undo()
+    tfhybrid.save(model, path, epoch=1)      # in step: the next save works on every rank
+    assert os.path.exists(path)

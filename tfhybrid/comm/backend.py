@@ -629,6 +629,36 @@ def barrier(ranks=None):
         allreduce(tf.zeros([1]), ranks, "barrier").numpy()
 
 
+def raise_together(error, what, ranks=None):
+    """A barrier over ``ranks`` (default: the world) that also tells every rank
+    whether ``error`` (this rank's exception, or None) happened on any of them;
+    then every rank raises: the rank that failed its own error, the others a
+    RuntimeError naming ``what``. Use it after work some ranks do alone (rank 0
+    writing a file, timing compute) instead of a plain barrier: a script or a
+    test that catches the exception then finds every rank out of step alike,
+    not one rank gone while the others wait in its next collective.
+
+    Example:
+        >>> failed = None
+        >>> if rank() == 0:
+        ...     try:
+        ...         write_the_file()
+        ...     except Exception as err:
+        ...         failed = err
+        >>> raise_together(failed, "writing the file on rank 0")
+    """
+    ranks = tuple(ranks) if ranks else tuple(range(size())) if _hvd() is not None else ()
+    failed = False
+    if len(ranks) > 1:
+        flag = tf.constant([0.0 if error is None else 1.0])
+        failed = float(allreduce(flag, ranks, "raise_together").numpy()[0]) > 0
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"tfhybrid: {what} failed on another rank (its error is in that "
+                           "rank's output); every rank of the group stops here.")
+
+
 def join():
     """Horovod join (for uneven final batches); returns the last rank to join."""
     hvd = _hvd()

@@ -574,7 +574,7 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
                 overhead = max(overhead, update)
         except Exception as err:  # noqa: BLE001 - re-raised below, on every rank at once
             failed = err
-    _raise_together(backend, failed, "timing compute on rank 0")
+    backend.raise_together(failed, "calibrate's compute timing on rank 0")
     contention = None
     if model and world > 1:   # every rank computes at once: the measured slowdown
         from tfhybrid.oracle.models import build_model  # noqa: WPS433
@@ -620,22 +620,6 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
         say(f"wrote {out} in {time.time() - t0:.1f} s")
     cal.sync(backend)
     return spec
-
-
-def _raise_together(backend, error, what):
-    """A world barrier that also tells every rank whether ``error`` (this rank's
-    exception, or None) happened on any rank: then every rank raises (the rank
-    that failed its own error), instead of one rank leaving calibration while
-    the others wait for it in the next collective."""
-    tf = _tf()
-    flag = tf.constant([0.0 if error is None else 1.0])
-    failed = backend.size() > 1 and float(backend.allreduce(
-        flag, tuple(range(backend.size())), "calib.failed").numpy()[0]) > 0
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"tfhybrid calibrate failed while {what} on another rank (its "
-                           "error is in that rank's output); every rank stops.")
 
 
 def _spec(samples, rate, times, gamma, overhead, slots, world, local):

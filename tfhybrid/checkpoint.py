@@ -940,42 +940,65 @@ def save_sharded(model, directory, epoch=None, step=None, redundant=False):
     info = info_of(model)
     grid = runtime.current_grid()
     tmp = directory + ".tmp"
-    if runtime.is_root():
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    if grid.size > 1:
-        backend.barrier()
+    what = f"tfhybrid.save({directory!r}, sharded=True)"
+
+    def together(work):
+        """``work()``, then every rank raises if it failed on any rank (a full disk
+        on one rank must not leave the others waiting in the next collective)."""
+        failed = None
+        try:
+            work()
+        except Exception as err:  # noqa: BLE001 - raised below on every rank at once
+            failed = err
+        if grid.size > 1:
+            backend.raise_together(failed, what)
+        elif failed is not None:
+            raise failed
+
+    def make_tmp():
+        if runtime.is_root():
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+
+    together(make_tmp)
     arrays, iterations = _shard_arrays(model)
     payload = _npz_bytes(arrays)
-    with open(_rank_file(tmp, grid.rank), "wb") as f:
-        f.write(payload)
-    if redundant and grid.size > 1:
-        previous = (grid.rank - 1) % grid.size
-        with open(_rank_file(tmp, previous, copy=True), "wb") as f:
-            f.write(_pass_to_next_rank(payload, "checkpoint.redundant"))
-    if runtime.is_root():
-        slot_names = sorted({k.split("/")[1] for k in arrays if k.startswith("slot/")})
-        manifest = {
-            "format": FORMAT, "sharded": True, "strategy": info.plan.strategy,
-            "world_size": grid.size, "model_parallel": grid.model_size,
-            "epoch": epoch, "step": step, "iterations": iterations, "slot_names": slot_names,
-            "redundant": bool(redundant), "source": info.source,
-            "variables": _variable_records(model),
-            "compile": _compile_config(model), "counters": optimizer_counters(model),
-        }
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f)
-    if grid.size > 1:
-        backend.barrier()   # every rank's file is in tmp
-    if runtime.is_root():
-        old = directory + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(directory):
-            os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-    if grid.size > 1:
-        backend.barrier()
+    # the copy for the next rank moves before anything can fail (a collective)
+    copy = _pass_to_next_rank(payload, "checkpoint.redundant") \
+        if redundant and grid.size > 1 else None
+
+    def write_files():
+        with open(_rank_file(tmp, grid.rank), "wb") as f:
+            f.write(payload)
+        if copy is not None:
+            previous = (grid.rank - 1) % grid.size
+            with open(_rank_file(tmp, previous, copy=True), "wb") as f:
+                f.write(copy)
+        if runtime.is_root():
+            slot_names = sorted({k.split("/")[1] for k in arrays if k.startswith("slot/")})
+            manifest = {
+                "format": FORMAT, "sharded": True, "strategy": info.plan.strategy,
+                "world_size": grid.size, "model_parallel": grid.model_size,
+                "epoch": epoch, "step": step, "iterations": iterations,
+                "slot_names": slot_names, "redundant": bool(redundant), "source": info.source,
+                "variables": _variable_records(model),
+                "compile": _compile_config(model), "counters": optimizer_counters(model),
+            }
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump(manifest, f)
+
+    together(write_files)     # every rank's file is in tmp
+
+    def publish():
+        if runtime.is_root():
+            old = directory + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            if os.path.exists(directory):
+                os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+
+    together(publish)
 
 
 def read_manifest(directory) -> dict:

@@ -206,3 +206,33 @@ def test_a_save_that_fails_on_rank_0_raises_on_every_rank(grid_of, monkeypatch):
     monkeypatch.undo()
     tfhybrid.save(model, path, epoch=1)      # in step: the next save works on every rank
     assert os.path.exists(path)
+
+
+def test_a_sharded_save_that_fails_on_one_rank_raises_on_every_rank(grid_of, monkeypatch):
+    """Sharded checkpoints: every rank writes its own file. A write that failed on
+    the last rank (an injected full disk) raised there alone and left the others
+    waiting; every rank now raises, no checkpoint directory is published, and
+    the next save works."""
+    import tfhybrid.checkpoint as checkpoint
+
+    grid_of(min(2, world_size()))
+    model, _ = fitted("f", fallback="replicate")
+    last = world_size() - 1
+
+    def full_disk(*_, **__):
+        raise OSError(28, "No space left on device")
+
+    if backend.rank() == last:
+        monkeypatch.setattr(checkpoint, "_rank_file", full_disk)
+    path = os.path.join(job_dir(), "full_disk_sharded")
+    with pytest.raises((OSError, RuntimeError)) as err:
+        tfhybrid.save(model, path, epoch=1, sharded=True)
+    if backend.rank() == last:
+        assert err.type is OSError and "No space left" in str(err.value)
+    else:
+        assert err.type is RuntimeError and "sharded=True" in str(err.value)
+    assert not os.path.exists(path)
+    monkeypatch.undo()
+    backend.barrier()
+    tfhybrid.save(model, path, epoch=1, sharded=True)
+    assert os.path.isdir(path)

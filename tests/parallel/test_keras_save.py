@@ -188,7 +188,7 @@ def test_a_save_that_fails_on_rank_0_raises_on_every_rank(grid_of, monkeypatch):
     save), and the next collective pairs up."""
     import tfhybrid.checkpoint as checkpoint
 
-    grid_of(min(2, world_size()))
+    grid_of(world_size())                    # f: one model group over the world
     model, _ = fitted("f", fallback="replicate")
 
     def full_disk(*_, **__):
@@ -215,7 +215,7 @@ def test_a_sharded_save_that_fails_on_one_rank_raises_on_every_rank(grid_of, mon
     the next save works."""
     import tfhybrid.checkpoint as checkpoint
 
-    grid_of(min(2, world_size()))
+    grid_of(world_size())                    # f: one model group over the world
     model, _ = fitted("f", fallback="replicate")
     last = world_size() - 1
 

@@ -412,9 +412,10 @@ def save(model, path, epoch: int | None = None, step: int | None = None,
     state = ls() if ls is not None else gather_optimizer_state(model)   # ls / p: own gather
     rng = gather_rng_state(model)
     exclusions = _part_exclusions(model) if ls is not None else None
-    failed = None
-    if runtime.is_root():
-        try:
+    # every rank returns once the files exist, or raises when rank 0 could not
+    # write them (a layer Keras cannot serialise, a full disk)
+    with backend.together(f"tfhybrid.save({path!r}) on rank 0"):
+        if runtime.is_root():
             meta = _meta(model, state, epoch, step, exclusions)
             meta["global_seed"] = rng["global_seed"]
             _write_side_file(path, meta, state, rng)
@@ -427,14 +428,6 @@ def save(model, path, epoch: int | None = None, step: int | None = None,
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        except Exception as err:  # noqa: BLE001 - raised below on every rank at once
-            failed = err
-    if runtime.current_grid().size > 1:
-        # every rank returns once the files exist, or raises when rank 0 could not
-        # write them (a layer Keras cannot serialise, a full disk)
-        backend.raise_together(failed, f"tfhybrid.save({path!r}) on rank 0")
-    elif failed is not None:
-        raise failed
 
 
 def _read_side_meta(path) -> dict:
@@ -940,34 +933,19 @@ def save_sharded(model, directory, epoch=None, step=None, redundant=False):
     info = info_of(model)
     grid = runtime.current_grid()
     tmp = directory + ".tmp"
+    # each phase ends on every rank together: a write that fails on one rank (a
+    # full disk) raises on all, and nothing is published
     what = f"tfhybrid.save({directory!r}, sharded=True)"
-
-    def together(work):
-        """``work()``, then every rank raises if it failed on any rank (a full disk
-        on one rank must not leave the others waiting in the next collective)."""
-        failed = None
-        try:
-            work()
-        except Exception as err:  # noqa: BLE001 - raised below on every rank at once
-            failed = err
-        if grid.size > 1:
-            backend.raise_together(failed, what)
-        elif failed is not None:
-            raise failed
-
-    def make_tmp():
+    with backend.together(what):
         if runtime.is_root():
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-
-    together(make_tmp)
     arrays, iterations = _shard_arrays(model)
     payload = _npz_bytes(arrays)
     # the copy for the next rank moves before anything can fail (a collective)
     copy = _pass_to_next_rank(payload, "checkpoint.redundant") \
         if redundant and grid.size > 1 else None
-
-    def write_files():
+    with backend.together(what):      # every rank's file is in tmp
         with open(_rank_file(tmp, grid.rank), "wb") as f:
             f.write(payload)
         if copy is not None:
@@ -986,10 +964,7 @@ def save_sharded(model, directory, epoch=None, step=None, redundant=False):
             }
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(manifest, f)
-
-    together(write_files)     # every rank's file is in tmp
-
-    def publish():
+    with backend.together(what):
         if runtime.is_root():
             old = directory + ".old"
             shutil.rmtree(old, ignore_errors=True)
@@ -997,8 +972,6 @@ def save_sharded(model, directory, epoch=None, step=None, redundant=False):
                 os.replace(directory, old)
             os.replace(tmp, directory)
             shutil.rmtree(old, ignore_errors=True)
-
-    together(publish)
 
 
 def read_manifest(directory) -> dict:

@@ -633,20 +633,8 @@ def raise_together(error, what, ranks=None):
     """A barrier over ``ranks`` (default: the world) that also tells every rank
     whether ``error`` (this rank's exception, or None) happened on any of them;
     then every rank raises: the rank that failed its own error, the others a
-    RuntimeError naming ``what``. Use it after work some ranks do alone (rank 0
-    writing a file, timing compute) instead of a plain barrier: a script or a
-    test that catches the exception then finds every rank out of step alike,
-    not one rank gone while the others wait in its next collective.
-
-    Example:
-        >>> failed = None
-        >>> if rank() == 0:
-        ...     try:
-        ...         write_the_file()
-        ...     except Exception as err:
-        ...         failed = err
-        >>> raise_together(failed, "writing the file on rank 0")
-    """
+    RuntimeError naming ``what``. One process (or one rank in ``ranks``):
+    ``error`` is raised, nothing else. :func:`together` wraps it around a block."""
     ranks = tuple(ranks) if ranks else tuple(range(size())) if _hvd() is not None else ()
     failed = False
     if len(ranks) > 1:
@@ -657,6 +645,27 @@ def raise_together(error, what, ranks=None):
     if failed:
         raise RuntimeError(f"tfhybrid: {what} failed on another rank (its error is in that "
                            "rank's output); every rank of the group stops here.")
+
+
+@contextlib.contextmanager
+def together(what, ranks=None):
+    """Run the block, then :func:`raise_together` (collective): use it around work
+    some ranks do alone (rank 0 writing a file, timing compute) instead of
+    ending it with a plain barrier. A script or a test that catches the
+    exception then finds every rank out of step alike, not one rank gone while
+    the others wait in its next collective.
+
+    Example:
+        >>> with together("writing the file on rank 0"):
+        ...     if rank() == 0:
+        ...         write_the_file()
+    """
+    error = None
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - raised by raise_together on every rank
+        error = err
+    raise_together(error, what, ranks)
 
 
 def join():

@@ -559,9 +559,10 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
     cal.sync(backend)
     slots = cal.compute_slots()
     rate, overhead, times, gamma, fixed, scales = None, 0.0, None, 1.0, 0.0, None
-    failed = None
-    if rank == 0:   # compute alone (others wait): prediction scales by compute_slots
-        try:
+    # compute alone (others wait; a failure raises on every rank): prediction
+    # scales by compute_slots
+    with backend.together("calibrate's compute timing on rank 0"):
+        if rank == 0:
             rate = measure_flop_rate()
             say(f"  flop rate {rate / 1e9:.3g} GFLOP/s on one rank ({slots} compute slots)")
             overhead = measure_step_overhead(reps=3 * reps)
@@ -572,9 +573,6 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
                 times, gamma, fixed, update, scales = _model_part(
                     model, sizes, say, reps, split_ks=_group_sizes(world))
                 overhead = max(overhead, update)
-        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank at once
-            failed = err
-    backend.raise_together(failed, "calibrate's compute timing on rank 0")
     contention = None
     if model and world > 1:   # every rank computes at once: the measured slowdown
         from tfhybrid.oracle.models import build_model  # noqa: WPS433

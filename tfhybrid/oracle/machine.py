@@ -248,7 +248,7 @@ class Machine:
         """
         if k <= 1:
             return 1.0
-        share = (self.split_scales or {}).get(layer, {}).get(f"{how}{k}")
+        share = self._measured_share(layer, f"{how}{k}")
         return 1.0 / k if share is None else share
 
     def spatial_share(self, layer: str, grid, default: float) -> float | None:
@@ -261,8 +261,12 @@ class Machine:
             >>> m.spatial_share("conv", (2, 2), 0.25), m.spatial_share("conv", (4, 1), 0.25)
             (0.4, 0.25)
         """
-        share = (self.split_scales or {}).get(layer, {}).get(spatial_key(grid))
+        share = self._measured_share(layer, spatial_key(grid))
         return default if share is None else share
+
+    def _measured_share(self, layer: str, key: str) -> float | None:
+        """The ``split_scales`` entry ``key`` of ``layer``, or None."""
+        return (self.split_scales or {}).get(layer, {}).get(key)
 
     def replace(self, **changes) -> "Machine":
         """A copy with some fields changed (validated again)."""

@@ -344,6 +344,16 @@ def pairs_of(ctx, idx, g):
     return out
 
 
+def split_shares(ctx, part, pairs, k, kind="f"):
+    """``{row: share of its whole per-sample seconds on one rank}`` for the rows
+    of ``part`` split ``k`` ways: by ``kind`` ("f" output units, "c" input
+    channels), a pair's first row by filters and its second by channels
+    (:meth:`Context.split_share`: calibrated, else 1/k)."""
+    how = {i: kind for i in part}
+    how.update({i: h for ab in pairs for i, h in zip(ab, "fc")})
+    return {i: ctx.split_share(i, how[i], k) for i in part}
+
+
 def _collectives(ctx, idx, nb, p2, kind, pairing):
     """(allgather s, allreduce s, rows split by pairs) of f or c over groups of p2."""
     m, d = ctx.m, ctx.delta
@@ -388,9 +398,7 @@ def _model_parallel(ctx, p, p1, p2, kind, pairing=True, fallback="error"):
         idx = [i for i in idx if getattr(ctx.rows[i], attr) % p2 == 0]
     part, nb = set(idx), B / p1
     ag, ar, inner, pairs = _collectives(ctx, idx, nb, p2, kind, pairing)
-    how = {i: kind for i in part}
-    how.update({i: h for ab in pairs for i, h in zip(ab, "fc")})   # a pair: f then c
-    share = {i: ctx.split_share(i, how[i], p2) for i in part}
+    share = split_shares(ctx, part, pairs, p2, kind)
     share.update({i: 1.0 / p2 for i in inner})
     comp = sum(nb * ctx.fb[i] * share.get(i, 1.0) for i in range(len(ctx.rows)))
     comp += sum(ctx.wu[i] / (p2 if i in part else 1) for i in range(len(ctx.rows)))

@@ -52,7 +52,7 @@ import math
 from tfhybrid.oracle import formulas
 from tfhybrid.oracle.record import divisors
 from tfhybrid.oracle.strategies import (STRATEGIES, _batch_reasons, _best, _result, pairs_of,
-                                        strategy)
+                                        split_shares, strategy)
 
 STRATEGIES_HYBRID = {}
 
@@ -145,12 +145,11 @@ def _gmp_one(ctx, p, mp, ccr_threshold, scheme):
     part, kept = _gmp_layers(ctx, mp, ccr_threshold) if mp > 1 else ([], [])
     pset, start = set(part), (part[0] if part else len(ctx.rows))
     comp = sum(ctx.wu[i] / (mp if i in pset else 1) for i in range(len(ctx.rows)))
+    comm, pairs = _gmp_comm(ctx, p, mp, part, b, scheme)
     # a partitioned layer runs the group's mp * b rows at its share of the width
     # (1/mp, or the machine's calibrated split_scales: f, or c as a pair's second)
-    how = {i: "f" for i in part}
-    how.update({c: "c" for _, c in (pairs_of(ctx, part, mp) if part else [])})
-    share = [ctx.split_share(i, how[i], mp) if i in pset else 1.0
-             for i in range(len(ctx.rows))]
+    shares = split_shares(ctx, part, pairs, mp)
+    share = [shares.get(i, 1.0) for i in range(len(ctx.rows))]
     terms, nb_group = [], (mp * b if scheme == "BK" else b)
     for i, r in enumerate(ctx.rows):
         if i < start:
@@ -170,7 +169,6 @@ def _gmp_one(ctx, p, mp, ccr_threshold, scheme):
         reasons.append(f"mp={mp} does not divide the world size p={p}")
     opts = {"mp": mp, "scheme": scheme, "partitioned_layers": [ctx.rows[i].name for i in part],
             "replicated_layers": kept, "param_memory_bytes": _param_mem(ctx, part, mp)}
-    comm, pairs = _gmp_comm(ctx, p, mp, part, b, scheme)
     opts["pairs"] = [(ctx.rows[a].name, ctx.rows[c].name) for a, c in pairs]
     return _result(ctx, "gmp", p, comp * ctx.m.oversubscription(p), comm, ctx.mem(terms),
                    opts, reasons)

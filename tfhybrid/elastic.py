@@ -179,7 +179,6 @@ class _CommitCallback(keras.callbacks.Callback):
 def run(func):
     """Decorate ``func(state)``: on a lost worker it is run again on the
     survivors from the last commit (Horovod elastic's retry loop)."""
-    from tfhybrid import exit_barrier
     from tfhybrid.comm import backend
 
-    return backend.elastic_run(func, on_reset=exit_barrier.reinstall)
+    return backend.elastic_run(func)

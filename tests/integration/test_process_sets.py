@@ -31,6 +31,10 @@ def test_later_groups_keep_traced_collectives(args, modes):
         assert len(r["new"]) == (2 if r["rank"] in (0, 3) else 3), r
         for got, expected in r["new"]:
             assert got == expected, r
+    # rank 0 ended first; the exit barrier kept its process sets for the others
+    late = sorted(line.split()[1:] for line in run.out.splitlines() if "LATE " in line)
+    assert [[line[-2], line[-1]] for line in late] == [["1", "14.0"], ["2", "14.0"],
+                                                       ["3", "14.0"]], run
 
 
 @pytest.mark.parametrize("method", ["pairs", "neighbour"])

@@ -10,10 +10,17 @@ group afterwards, and the new groups must work. Two registrations: the pairs
 ``RESULT {json}``: the mode after init and after each registration, and the
 sums. ``--dynamic-first`` sets ``TFHYBRID_PROCESS_SETS=dynamic`` before init;
 ``--max-restarts N`` sets ``TFHYBRID_STATIC_RESTARTS``.
+
+Then rank 0's script ends at once while ranks 1-3 sleep and sum over
+(1, 2, 3) once more (``LATE rank sum``), with no barrier of the script's
+own: tfhybrid's exit barrier must keep rank 0's Horovod (started again by
+the registrations, so its shutdown was registered after the barrier) up
+until they are done.
 """
 import json
 import os
 import sys
+import time
 
 if "--dynamic-first" in sys.argv:
     os.environ["TFHYBRID_PROCESS_SETS"] = "dynamic"
@@ -57,3 +64,7 @@ for groups in ([(0, 3), (1, 2)], [(0, 1, 2), (1, 2, 3)]):   # neither model nor 
 print("RESULT " + json.dumps({
     "rank": rank, "modes": modes, "traced": traced,
     "want": [want(model_group), want(data_group)], "new": new}), flush=True)
+if rank != 0:
+    time.sleep(2.0)
+    late = backend.allreduce(x, (1, 2, 3), "ps.late").numpy()[0]
+    print(f"LATE {rank} {float(late)}", flush=True)

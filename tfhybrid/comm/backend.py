@@ -199,6 +199,17 @@ def _restart(hvd, new=(), dynamic=False):
                 "TFHYBRID_PROCESS_SETS=dynamic to start with dynamic process sets.")
     _STATE["sets"].update(zip(known + list(new), sets))
     _STATE["static"] = not dynamic
+    _exit_barrier_last()
+
+
+def _exit_barrier_last():
+    """``hvd.init`` registers Horovod's shutdown with ``atexit`` each time it
+    runs; after a restart that shutdown would run before tfhybrid's exit
+    barrier (handlers run last-registered first), so a rank ending its script
+    took its process sets from ranks still in a collective. Register the
+    barrier again, after it (a no-op unless ``tfhybrid.init`` installed it)."""
+    from tfhybrid import exit_barrier   # pure Python; no import cycle at load
+    exit_barrier.reinstall()
 
 
 def _groups_over_world_env() -> bool:
@@ -690,6 +701,7 @@ def reset():
         _STATE["sets"].clear()
         _STATE["static"] = False
         hvd.init(process_sets="dynamic")
+        _exit_barrier_last()
 
 
 def elastic_object_state(**values):
@@ -700,11 +712,12 @@ def elastic_object_state(**values):
     return ObjectState(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **values)
 
 
-def elastic_run(func, on_reset):
+def elastic_run(func):
     """Horovod's elastic retry loop around ``func(state)``: on a lost worker
     (``HorovodInternalError``, including TensorFlow's wrapping of it) the state
-    is restored, Horovod re-initialised with dynamic process sets, ``on_reset()``
-    called, and ``func`` run again after ``state.sync()``."""
+    is restored, Horovod re-initialised with dynamic process sets (:func:`reset`,
+    which keeps the exit barrier after Horovod's shutdown), and ``func`` run
+    again after ``state.sync()``."""
     from horovod.common.elastic import run_fn
     from horovod.common.exceptions import HorovodInternalError
     from tensorflow.python.framework.errors_impl import UnknownError
@@ -717,8 +730,4 @@ def elastic_run(func, on_reset):
                 raise HorovodInternalError(err) from err
             raise
 
-    def do_reset():
-        reset()
-        on_reset()
-
-    return run_fn(guarded, do_reset)
+    return run_fn(guarded, reset)

@@ -16,6 +16,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # (long eager references on one rank while the others wait in a collective),
 # yet one that ends a hung session long before the suite's timeout.
 os.environ.setdefault("TFHYBRID_WATCHDOG_SECONDS", "600")
+# Horovod's background loop at its default 1 ms cycle burns 12-39 % of a core per
+# rank while the rank waits (measured: 4 ranks sleeping 4 s, no process sets
+# beyond the world), ~1.2 of the box's 2 cores at -np 4, taken from the ranks
+# that are computing a reference or tracing. At 5 ms it is 2-12 %. The same three
+# test files at -np 4: 264 s and 385 s at 1 ms, 197 s and 205 s at 5 ms (327 s at
+# 3 ms, 262 s at 10 ms). Collectives are the same at any cycle time; the
+# integration tests run users' scripts at Horovod's default.
+os.environ.setdefault("HOROVOD_CYCLE_TIME", "5")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 

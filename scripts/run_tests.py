@@ -12,6 +12,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -88,6 +89,9 @@ def main():
     env = dict(os.environ, TF_NUM_INTRAOP_THREADS=os.environ.get("TF_NUM_INTRAOP_THREADS", "1"),
                TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
                HOROVOD_STALL_CHECK_TIME_SECONDS="60", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="240")
+    # single-process references, computed once per run by rank 0 (tests/parallel/conftest.py)
+    references = tempfile.TemporaryDirectory(prefix="tfhybrid-test-references-")
+    env.setdefault("TFHYBRID_TEST_REFERENCES", references.name)
     total = [0, 0, 0]
     bad = []
     for name, np_, cmd in suites(args.only, extra):
@@ -107,6 +111,7 @@ def main():
         if rc not in (0,) or rank_failures or p == 0:
             bad.append(name)
         total = [a + b for a, b in zip(total, (p, max(f, rank_failures), s))]
+    references.cleanup()
     print(f"\nsuites failing: {', '.join(bad) if bad else 'none'}")
     print(f"{total[0]} passed, {total[1]} failed, {total[2]} skipped")
     return 1 if bad else 0

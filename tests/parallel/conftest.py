@@ -116,15 +116,16 @@ def compiled_pair(make, strategy, *args):
 
 
 def assert_weights_like(got_model, reference, rtol=1e-4, atol_of_scale=1e-5):
-    """``got_model``'s weights equal ``reference``'s within ``rtol``, and an
-    absolute tolerance of ``atol_of_scale`` x the largest weight: an entry whose
-    gradients are rounding error only (a bias before a BatchNormalization, or
-    under Adam, which divides by sqrt(v)) moves by rounding error."""
-    want = reference.get_weights()
+    """``got_model``'s weights equal ``reference``'s (a model, or its
+    ``get_weights()`` list) within ``rtol``, and an absolute tolerance of
+    ``atol_of_scale`` x the largest weight: an entry whose gradients are
+    rounding error only (a bias before a BatchNormalization, or under Adam,
+    which divides by sqrt(v)) moves by rounding error."""
+    want = reference if isinstance(reference, list) else reference.get_weights()
     got = got_model.get_weights()
     assert len(got) == len(want)
     scale = max(float(np.max(np.abs(w))) for w in want)
-    for a, e, v in zip(got, want, reference.weights):
+    for a, e, v in zip(got, want, got_model.weights):
         np.testing.assert_allclose(a, e, rtol=rtol, atol=atol_of_scale * scale, err_msg=v.path)
 
 
@@ -244,3 +245,110 @@ def _world_barrier_at_session_end():
         port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", f"alone-{os.getpid()}")
         shutil.rmtree(os.path.join(tempfile.gettempdir(), f"tfhybrid-test-job-{port}"),
                       ignore_errors=True)
+
+
+# -- single-process references computed once --------------------------------------------
+
+def reference_once(compute, *key):
+    """``compute()``'s result, computed by rank 0 only and read by every rank.
+
+    A parallel test compares the transformed model with the unmodified one
+    trained in one process. Every rank used to train that reference itself:
+    at -np 4 four copies of the same single-process run shared the 2 cores.
+    Here rank 0 runs ``compute`` once and writes its result (anything pickle
+    takes: arrays, lists, dicts, floats) to a file the other ranks read.
+    ``make test`` (scripts/run_tests.py) gives its -np 2 and -np 4 sessions
+    one directory (``TFHYBRID_TEST_REFERENCES``, removed at its end), so a
+    reference that does not depend on the world size is computed once per
+    run; without it, once per horovodrun job (:func:`job_dir`).
+
+    ``key``: every input the result depends on (arrays by their bytes,
+    functions by name) -- the code is the same throughout one run. ``compute``
+    must set the seeds it needs; the process-wide state it changes on rank 0
+    (Keras' layer-name counters, Python's, NumPy's and TensorFlow's global
+    random state, Keras' global seed generator) is put back, so every rank
+    leaves this call alike. Collective: every rank calls it at the same point,
+    and a failure on rank 0 fails every rank (no rank waits for a file).
+    """
+    import hashlib
+    import pickle
+
+    digest = hashlib.sha256()
+    _digest(digest, (getattr(compute, "__module__", ""), getattr(compute, "__qualname__", "")))
+    _digest(digest, key)
+    folder = os.environ.get("TFHYBRID_TEST_REFERENCES") or job_dir()
+    path = os.path.join(folder, f"reference-{digest.hexdigest()[:24]}.pkl")
+    if not backend.is_initialized():
+        tfhybrid.init()
+    error = None
+    if backend.rank() == 0 and not os.path.exists(path):
+        try:
+            with _process_state_kept():
+                result = compute()
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, path)
+        except Exception as err:  # noqa: BLE001 - raised on every rank just below
+            error = err
+    backend.raise_together(error, "the single-process reference (computed by rank 0)")
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _digest(h, value):
+    """Feed ``value`` into the hash ``h``: arrays by dtype, shape and bytes,
+    callables by module and name, containers element by element."""
+    if isinstance(value, np.ndarray):
+        h.update(f"array{value.dtype}{value.shape}".encode())
+        h.update(np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__}{len(value)}(".encode())
+        for v in value:
+            _digest(h, v)
+        h.update(b")")
+    elif isinstance(value, dict):
+        h.update(f"dict{len(value)}(".encode())
+        for k in sorted(value, key=repr):
+            _digest(h, k)
+            _digest(h, value[k])
+        h.update(b")")
+    elif callable(value) and hasattr(value, "__qualname__"):
+        h.update(f"fn:{value.__module__}.{value.__qualname__}".encode())
+    else:
+        h.update(f"{type(value).__name__}:{value!r}".encode())
+
+
+@contextlib.contextmanager
+def _process_state_kept():
+    """Put back what building and training models on one rank changes and the
+    ranks must agree on: Keras' auto-name counters (collective names come from
+    layer names), Python's and NumPy's global random state, TensorFlow's
+    global seed and op-seed counter, Keras' global seed generator."""
+    import random
+
+    from keras.src.backend.common import global_state
+    from tensorflow.python.eager import context
+
+    names = dict(global_state.get_global_attribute("object_name_uids", {}) or {})
+    py_state, np_state = random.getstate(), np.random.get_state()
+    ctx = context.context()
+    tf_seed, tf_rng = ctx._seed, getattr(ctx, "_rng", None)
+    tf_rng_state = None if tf_rng is None else tf_rng.getstate()
+    generator = global_state.get_global_attribute("global_seed_generator")
+    generator_state = None if generator is None else np.array(generator.state.numpy())
+    try:
+        yield
+    finally:
+        uids = global_state.get_global_attribute("object_name_uids")
+        if uids is not None:
+            uids.clear()
+            uids.update(names)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        ctx._seed, ctx._rng = tf_seed, tf_rng    # not _set_global_seed: it clears caches
+        if tf_rng is not None:
+            tf_rng.setstate(tf_rng_state)
+        global_state.set_global_attribute("global_seed_generator", generator)
+        if generator is not None:
+            generator.state.assign(generator_state)

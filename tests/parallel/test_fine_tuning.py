@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import tfhybrid
 
-from conftest import assert_weights_like, rng, world_size
+from conftest import assert_weights_like, reference_once, rng, world_size
 
 BATCH = 16
 FROZEN = ("c0", "bn0", "fc0")
@@ -57,16 +57,29 @@ def _fine_tune(model, fit, wrap):
     fit(model, 2)
 
 
+def _data():
+    return (rng("fine-tune-x").standard_normal((64, 8, 8, 3)).astype(np.float32),
+            rng("fine-tune-y").integers(0, 4, 64))
+
+
+def _reference_weights():
+    """The weights after the same fine-tuning in one process (rank 0, once per run)."""
+    def compute():
+        x, y = _data()
+        reference = _model()
+        _fine_tune(reference, lambda m, epochs: m.fit(x, y, batch_size=BATCH, epochs=epochs,
+                                                      shuffle=False, verbose=0), wrap=False)
+        return reference.get_weights()
+    return reference_once(compute, BATCH)
+
+
 @pytest.mark.parametrize("strategy,mp", CASES, ids=lambda c: str(c))
 def test_unfreezing_after_transform_trains_like_one_process(grid_of, strategy, mp):
     grid = grid_of(mp)
     if strategy in ("df", "ds") and grid.data_size == 1:
         pytest.skip("one data-parallel rank")
-    x = rng("fine-tune-x").standard_normal((64, 8, 8, 3)).astype(np.float32)
-    y = rng("fine-tune-y").integers(0, 4, 64)
-    reference = _model()
-    _fine_tune(reference, lambda m, epochs: m.fit(x, y, batch_size=BATCH, epochs=epochs,
-                                                  shuffle=False, verbose=0), wrap=False)
+    x, y = _data()
+    reference = _reference_weights()
     model = tfhybrid.transform(_model(), strategy, **_options(strategy))
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     _fine_tune(model, lambda m, epochs: m.fit(tfhybrid.data.shard(ds, model=m),
@@ -87,11 +100,8 @@ def test_checkpoint_after_unfreezing_resumes_like_one_process(grid_of, strategy,
     from conftest import job_dir
 
     grid_of(mp)
-    x = rng("fine-tune-x").standard_normal((64, 8, 8, 3)).astype(np.float32)
-    y = rng("fine-tune-y").integers(0, 4, 64)
-    reference = _model()
-    _fine_tune(reference, lambda m, epochs: m.fit(x, y, batch_size=BATCH, epochs=epochs,
-                                                  shuffle=False, verbose=0), wrap=False)
+    x, y = _data()
+    reference = _reference_weights()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     model = tfhybrid.transform(_model(), strategy, **_options(strategy))
     _fine_tune(model, lambda m, epochs: m.fit(tfhybrid.data.shard(ds, model=m), epochs=1,

@@ -16,7 +16,7 @@ import pytest
 import tfhybrid
 from tfhybrid.comm import backend
 
-from conftest import world_size
+from conftest import reference_once, world_size
 
 N, FEATURES, CLASSES, BATCH = 64, 8, 4, 16
 CASES = [("d", 1), ("df", 2)] if world_size() > 2 else [("d", 1)]
@@ -58,19 +58,24 @@ def test_fit_with_sum_and_weighted_mean_losses_equals_one_process(grid_of, strat
                                                                   reduction):
     grid = grid_of(mp)
     x, y, w = _data()
-    ref = _compile(_model(), reduction, False)
-    h_ref = ref.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+
+    def compute():
+        ref = _compile(_model(), reduction, False)
+        h_ref = ref.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=2, shuffle=False,
+                        verbose=0)
+        return h_ref.history, ref.get_weights(), ref.evaluate(
+            x, y, sample_weight=w, batch_size=BATCH, verbose=0, return_dict=True)
+    history, weights, want = reference_once(compute, reduction, N, BATCH)
     blocks, index = _rows(grid, strategy)
     pmodel = _compile(tfhybrid.transform(_model(), strategy=strategy), reduction, True)
     h = pmodel.fit(x[index::blocks], y[index::blocks], sample_weight=w[index::blocks],
                    batch_size=BATCH // blocks, epochs=2, shuffle=False, verbose=0)
     for key in ("loss", "accuracy"):
-        np.testing.assert_allclose(h.history[key], h_ref.history[key], rtol=1e-5, err_msg=key)
-    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(h.history[key], history[key], rtol=1e-5, err_msg=key)
+    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     got = pmodel.evaluate(x[index::blocks], y[index::blocks], sample_weight=w[index::blocks],
                           batch_size=BATCH // blocks, verbose=0, return_dict=True)
-    want = ref.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0, return_dict=True)
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
     backend.barrier()
@@ -105,18 +110,22 @@ def test_logged_loss_holds_every_block_of_regularised_split_weights(grid_of, str
     evaluate were below one process's (the gradients were right)."""
     grid = grid_of(world_size() if mp == "N" else mp)
     x, y, _ = _data()
-    ref = _compile(_model(), "sum_over_batch_size", False)
-    h_ref = ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+
+    def compute():
+        ref = _compile(_model(), "sum_over_batch_size", False)
+        h_ref = ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        return (h_ref.history["loss"], ref.evaluate(x, y, verbose=0, return_dict=True)["loss"],
+                ref.get_weights())
+    want_loss, want_eval, weights = reference_once(compute, N, BATCH)
     blocks, index = _rows(grid, strategy)
     pmodel = _compile(tfhybrid.transform(_model(), strategy=strategy), "sum_over_batch_size",
                       True)
     h = pmodel.fit(x[index::blocks], y[index::blocks], batch_size=BATCH // blocks, epochs=2,
                    shuffle=False, verbose=0)
-    np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(h.history["loss"], want_loss, rtol=1e-5)
     got = pmodel.evaluate(x[index::blocks], y[index::blocks], verbose=0, return_dict=True)
-    np.testing.assert_allclose(got["loss"], ref.evaluate(x, y, verbose=0, return_dict=True)["loss"],
-                               rtol=1e-5)
-    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), ref.get_weights()):
+    np.testing.assert_allclose(got["loss"], want_eval, rtol=1e-5)
+    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     backend.barrier()
 
@@ -144,17 +153,21 @@ def test_regularised_spatial_weights_enter_once(grid_of, strategy, mp):
     rng = np.random.RandomState(0)
     x = rng.randn(32, 12, 12, 3).astype(np.float32)
     y = rng.randn(32, 2).astype(np.float32)
-    ref = _conv_model()
-    ref.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    h_ref = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    def compute():
+        ref = _conv_model()
+        ref.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        h_ref = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return h_ref.history["loss"], ref.get_weights()
+    want_loss, weights = reference_once(compute, x, y)
     blocks, index = grid.data_size, grid.data_rank
     pmodel = tfhybrid.transform(_conv_model(), strategy=strategy)
     pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)),
                    loss="mse")
     h = pmodel.fit(x[index::blocks], y[index::blocks], batch_size=8 // blocks, epochs=2,
                    shuffle=False, verbose=0)
-    np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)
-    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), ref.get_weights()):
+    np.testing.assert_allclose(h.history["loss"], want_loss, rtol=1e-5)
+    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), weights):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     backend.barrier()
 
@@ -185,7 +198,7 @@ def test_pipeline_and_layer_separation_losses_equal_one_process(grid_of, case, r
     part's penalty gradient (weights 10 % off with L2 0.05) and each role logged
     its own part's penalties only."""
     strategy, mp = case[0], case[1]
-    grid = grid_of(mp)
+    grid_of(mp)
     rng = np.random.RandomState(1)
     x = rng.randn(48, 10, 10, 3).astype(np.float32)
     y = rng.randint(0, 4, 48)
@@ -198,18 +211,22 @@ def test_pipeline_and_layer_separation_losses_equal_one_process(grid_of, case, r
                       metrics=["accuracy"])
         return model
 
-    ref = compiled(_staged_model(regularized), False)
-    h_ref = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    def compute():
+        ref = compiled(_staged_model(regularized), False)
+        h_ref = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return (h_ref.history["loss"], ref.evaluate(x, y, batch_size=8, verbose=0)[0],
+                ref.get_weights())
+    want_loss, want_eval, weights = reference_once(compute, reduction, regularized, lr, x, y)
     kwargs = {"fc_workers": case[2]} if len(case) > 2 else {}
     pmodel = compiled(tfhybrid.transform(_staged_model(regularized), strategy=strategy,
                                          **kwargs), True)
     local = tfhybrid.data.local_batch_size(8, pmodel)
     xl, yl = tfhybrid.data.shard((x, y), model=pmodel, batch_size=8)
     h = pmodel.fit(xl, yl, batch_size=local, epochs=2, shuffle=False, verbose=0)
-    np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(h.history["loss"], want_loss, rtol=1e-5)
     got = pmodel.evaluate(xl, yl, batch_size=local, verbose=0, return_dict=True)
-    np.testing.assert_allclose(got["loss"], ref.evaluate(x, y, batch_size=8, verbose=0)[0],
-                               rtol=1e-5)
-    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), ref.get_weights()):
+    np.testing.assert_allclose(got["loss"], want_eval, rtol=1e-5)
+    for a, b in zip(tfhybrid.gather(pmodel).get_weights(), weights):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     backend.barrier()

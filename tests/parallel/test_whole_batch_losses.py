@@ -21,7 +21,7 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid.transformer import gather
 
-from conftest import world_size
+from conftest import reference_once, world_size
 
 N = world_size()
 L = keras.layers
@@ -87,13 +87,7 @@ def _run(strategy, loss, mp, per_voxel=True, weighted=False, **options):
     if not per_voxel:
         y = y.reshape(ROWS, -1)[:, :3]
     make = _unet if per_voxel else _classifier
-    reference = make()
-    reference.compile(optimizer=keras.optimizers.SGD(0.5), loss=LOSSES[loss](),
-                      metrics=METRICS)
-    kw = {"sample_weight": w} if weighted else {}
-    want = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                         **kw).history
-    want_eval = reference.evaluate(x, y, batch_size=BATCH, verbose=0, **kw)
+    want, want_eval, want_weights, paths = _reference(loss, per_voxel, weighted)
     model = tfhybrid.transform(make(), strategy, **options)
     if strategy in ("s", "ds"):       # the loss sees blocks (else nothing to test here)
         assert model._tfhybrid_split_outputs == (True,)
@@ -110,9 +104,27 @@ def _run(strategy, loss, mp, per_voxel=True, weighted=False, **options):
         np.testing.assert_allclose(got[key], want[key], rtol=2e-5, err_msg=key)
     np.testing.assert_allclose(got_eval, want_eval, rtol=2e-5)
     whole = gather(model)
-    for a, b, v in zip(whole.get_weights(), reference.get_weights(), reference.weights):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=v.path)
+    for a, b, path in zip(whole.get_weights(), want_weights, paths):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=path)
     tfhybrid.shutdown()
+
+
+def _reference(loss, per_voxel, weighted):
+    """(History, evaluate results, weights, weight paths) of the unmodified model
+    trained in one process (by rank 0, once per run: conftest.reference_once)."""
+    def compute():
+        x, y, w = _volumes()
+        if not per_voxel:
+            y = y.reshape(ROWS, -1)[:, :3]
+        reference = (_unet if per_voxel else _classifier)()
+        reference.compile(optimizer=keras.optimizers.SGD(0.5), loss=LOSSES[loss](),
+                          metrics=METRICS)
+        kw = {"sample_weight": w} if weighted else {}
+        want = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                             **kw).history
+        want_eval = reference.evaluate(x, y, batch_size=BATCH, verbose=0, **kw)
+        return want, want_eval, reference.get_weights(), [v.path for v in reference.weights]
+    return reference_once(compute, loss, per_voxel, weighted, BATCH, ROWS, EPOCHS)
 
 
 def test_the_data_tells_blocks_from_the_whole():
@@ -177,10 +189,14 @@ def test_uneven_row_blocks():
     grid = tfhybrid.init(model_parallel=1)
     x, y, _ = _volumes()
     x, y = x[:13], y.reshape(ROWS, -1)[:13, :3]
-    reference = _classifier()
-    reference.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.Dice())
-    want = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
-                         verbose=0).history["loss"]
+
+    def compute():
+        reference = _classifier()
+        reference.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.Dice())
+        want = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                             verbose=0).history["loss"]
+        return want, reference.get_weights()
+    want, want_weights = reference_once(compute, x, y, BATCH, EPOCHS)
     model = tfhybrid.transform(_classifier(), "d")
     model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.5)),
                   loss=keras.losses.Dice())
@@ -190,6 +206,6 @@ def test_uneven_row_blocks():
     got = model.fit(x[idx], y[idx], batch_size=local, epochs=EPOCHS, shuffle=False, verbose=0,
                     callbacks=tfhybrid.callbacks.standard()).history["loss"]
     np.testing.assert_allclose(got, want, rtol=2e-5)
-    for a, b in zip(gather(model).get_weights(), reference.get_weights()):
+    for a, b in zip(gather(model).get_weights(), want_weights):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     tfhybrid.shutdown()

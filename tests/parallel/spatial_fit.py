@@ -15,6 +15,8 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid.transformer import gather, transform
 
+from conftest import reference_once
+
 LR, LOSS = 0.1, "sparse_categorical_crossentropy"
 _REFERENCES = {}
 
@@ -29,12 +31,15 @@ def _compile(model, optimizer):
 
 
 def reference(build, x, y, batch):
-    """Weights after single-process fit of ``build()`` (cached per builder)."""
+    """Weights after single-process fit of ``build()`` (cached per builder;
+    computed by rank 0 once per run: conftest.reference_once)."""
     key = (build.__module__, build.__name__, x.shape, batch)
     if key not in _REFERENCES:
-        model = _compile(build(), keras.optimizers.SGD(LR))
-        model.fit(dataset(x, y, batch), epochs=1, shuffle=False, verbose=0)
-        _REFERENCES[key] = model.get_weights()
+        def compute():
+            model = _compile(build(), keras.optimizers.SGD(LR))
+            model.fit(dataset(x, y, batch), epochs=1, shuffle=False, verbose=0)
+            return model.get_weights()
+        _REFERENCES[key] = reference_once(compute, build, x, y, batch, LR, LOSS)
     return _REFERENCES[key]
 
 
@@ -64,18 +69,36 @@ def check_fit_equals_single_process(build, x, y, batch, strategy, options, layer
           f"(largest update {moved:.2e})")
 
 
-def fit_like_one_process(model, reference, x, y, lr, epochs, batch=8, loss=LOSS):
+def fit_like_one_process(model, reference, x, y, lr, epochs, batch=8, loss=LOSS, key=(),
+                         predict=None):
     """Fit ``reference`` (unmodified, one process) and transformed ``model``
     (``DistributedOptimizer``, ``data.shard`` of global batches of ``batch``)
     with SGD(``lr``) for ``epochs`` on ``(x, y)``; assert equal History losses
-    (rtol 1e-5) and gathered weights (rtol 1e-4, atol 1e-6)."""
-    reference.compile(optimizer=keras.optimizers.SGD(lr), loss=loss)
-    want = reference.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False,
-                         verbose=0).history["loss"]
+    (rtol 1e-5) and gathered weights (rtol 1e-4, atol 1e-6).
+
+    ``reference``: the unmodified model (trained here, on every rank), or a
+    function that builds it: then rank 0 trains it once per run
+    (conftest.reference_once; ``key``: whatever else the built model depends
+    on). Returns the trained reference's predictions of ``predict`` (None if
+    not given)."""
+    def compute(built=None):
+        built = built if built is not None else reference()
+        built.compile(optimizer=keras.optimizers.SGD(lr), loss=loss)
+        history = built.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False,
+                            verbose=0).history["loss"]
+        predicted = None if predict is None else built.predict(predict, verbose=0)
+        return history, built.get_weights(), [v.path for v in built.weights], predicted
+
+    if isinstance(reference, keras.Model):
+        want, weights, paths, predicted = compute(reference)
+    else:
+        want, weights, paths, predicted = reference_once(
+            compute, reference, key, x, y, lr, epochs, batch, loss, predict)
     model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(lr)), loss=loss)
     data = tfhybrid.data.shard(tf.data.Dataset.from_tensor_slices((x, y)), model=model,
                                batch_size=batch)
     got = model.fit(data, epochs=epochs, verbose=0, callbacks=tfhybrid.callbacks.standard())
     np.testing.assert_allclose(got.history["loss"], want, rtol=1e-5)
-    for a, b, v in zip(gather(model).get_weights(), reference.get_weights(), reference.weights):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=v.path)
+    for a, b, path in zip(gather(model).get_weights(), weights, paths):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=path)
+    return predicted

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import tfhybrid
 
-from conftest import randn, rng, world_size
+from conftest import randn, reference_once, rng, world_size
 
 BATCH, STEPS = 8, 4
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -53,11 +53,13 @@ _REFERENCES = {}
 def reference(kind, clip):
     key = (kind, tuple(sorted(clip.items())))
     if key not in _REFERENCES:
-        x, y = data()
-        model = make_model()
-        model.compile(optimizer(kind, clip), LOSS, jit_compile=False)
-        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-        _REFERENCES[key] = model.get_weights()
+        def compute():
+            x, y = data()
+            model = make_model()
+            model.compile(optimizer(kind, clip), LOSS, jit_compile=False)
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            return model.get_weights()
+        _REFERENCES[key] = reference_once(compute, key)     # rank 0 computes it
     return _REFERENCES[key]
 
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid import guards
 
-from conftest import world_size
+from conftest import reference_once, world_size
 from stage_testing import B, compile_sgd, data
 from test_layer_separation import vgg_fc_head
 
@@ -72,12 +72,15 @@ def test_fit_validation_data_equals_one_process(grid_of, case):
     for argument 'return_dict'") on some ranks, the others waiting in the
     validation's collectives until the watchdog ended the job."""
     model = _model(case, grid_of)
-    keras.utils.set_random_seed(3)
-    reference = vgg_fc_head()
-    compile_sgd(reference, False)
     x, y = data()
-    want = reference.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0,
-                         validation_data=(x[:B * 2], y[:B * 2])).history
+
+    def compute():
+        keras.utils.set_random_seed(3)
+        reference = vgg_fc_head()
+        compile_sgd(reference, False)
+        return reference.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(x[:B * 2], y[:B * 2])).history
+    want = reference_once(compute, x, y)
     local = tfhybrid.data.local_batch_size(B, model)
     xl, yl = tfhybrid.data.shard((x, y), model=model, batch_size=B)
     xv, yv = tfhybrid.data.shard((x[:B * 2], y[:B * 2]), model=model, batch_size=B)
@@ -94,19 +97,25 @@ def test_two_fits_with_the_standard_callbacks_equal_one_process(grid_of, case):
     optimizer slots); a second fit with new callbacks must not reset the FC part
     to rank 0's stale copy."""
     model = _model(case, grid_of)
-    keras.utils.set_random_seed(3)
-    reference = vgg_fc_head()
-    compile_sgd(reference, False)
     x, y = data()
+
+    def compute():
+        keras.utils.set_random_seed(3)
+        reference = vgg_fc_head()
+        compile_sgd(reference, False)
+        want = []
+        for _ in range(2):
+            want += reference.fit(x, y, batch_size=B, epochs=1, shuffle=False,
+                                  verbose=0).history["loss"]
+        return want, reference.get_weights()
+    want, weights = reference_once(compute, x, y)
     local = tfhybrid.data.local_batch_size(B, model)
     xl, yl = tfhybrid.data.shard((x, y), model=model, batch_size=B)
-    want, got = [], []
+    got = []
     for _ in range(2):
-        want += reference.fit(x, y, batch_size=B, epochs=1, shuffle=False,
-                              verbose=0).history["loss"]
         got += model.fit(xl, yl, batch_size=local, epochs=1, shuffle=False, verbose=0,
                          callbacks=tfhybrid.callbacks.standard()).history["loss"]
     np.testing.assert_allclose(got, want, rtol=1e-4)
     full = tfhybrid.gather(model)
-    for a, b in zip(full.get_weights(), reference.get_weights()):
+    for a, b in zip(full.get_weights(), weights):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

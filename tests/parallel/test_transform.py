@@ -20,7 +20,7 @@ import tfhybrid
 from tfhybrid.comm import backend
 from tfhybrid.transformer import describe, gather, transform
 
-from conftest import job_dir, randn, rng, world_size
+from conftest import job_dir, randn, reference_once, rng, world_size
 
 STEPS, BATCH, LR = 2, 8, 0.1
 N = world_size()
@@ -89,10 +89,12 @@ def reference(name, x, y, seed=0):
     """Single-process fit of the unmodified model (memoised per configuration)."""
     key = (name, x.tobytes(), seed)
     if key not in _REFS:
-        model = MODELS[name](seed)
-        model.compile(optimizer=keras.optimizers.SGD(LR), loss=LOSS, jit_compile=False)
-        model.fit(dataset(x, y), epochs=1, shuffle=False, verbose=0)
-        _REFS[key] = model.get_weights()
+        def compute():
+            model = MODELS[name](seed)
+            model.compile(optimizer=keras.optimizers.SGD(LR), loss=LOSS, jit_compile=False)
+            model.fit(dataset(x, y), epochs=1, shuffle=False, verbose=0)
+            return model.get_weights()
+        _REFS[key] = reference_once(compute, name, x, y, seed, LR, BATCH)   # rank 0 computes
     return _REFS[key]
 
 

@@ -19,7 +19,7 @@ from tfhybrid.layers import (ChannelParallelConv3D, FilterParallelConv3D, Spatia
                              SyncBatchNormalization)
 from tfhybrid.transformer import describe, gather, transform
 
-from conftest import model_parallel_values, randn, world_size
+from conftest import model_parallel_values, randn, reference_once, world_size
 from layers_testing import (check_conv_stack, check_conv_to_layer, check_save_load,
                             compare_conv, conv_config_id as config_id, conv_of_config, rank_path,
                             seeded_conv)
@@ -155,10 +155,12 @@ _REFERENCE = {}
 def reference(x, y):
     """Weights after single-process fit of the unmodified model (once per session)."""
     if "w" not in _REFERENCE:
-        model = cosmoflow()
-        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=False)
-        model.fit(dataset(x, y), epochs=1, shuffle=False, verbose=0)
-        _REFERENCE["w"] = model.get_weights()
+        def compute():
+            model = cosmoflow()
+            model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=False)
+            model.fit(dataset(x, y), epochs=1, shuffle=False, verbose=0)
+            return model.get_weights()
+        _REFERENCE["w"] = reference_once(compute, x, y, LR)     # rank 0 computes it
     return _REFERENCE["w"]
 
 

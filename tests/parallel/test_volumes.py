@@ -20,7 +20,7 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid.transformer import gather, transform
 
-from conftest import randn, rng, world_size
+from conftest import randn, reference_once, rng, world_size
 from unet_models import unet3d
 
 N = world_size()
@@ -39,13 +39,16 @@ def cosmoflow_like(seed=0):
 
 
 def reference(build, x, y, loss="mse", eager=False):
-    model = build()
-    model.compile(optimizer=keras.optimizers.SGD(LR), loss=loss, jit_compile=False,
-                  run_eagerly=eager)
-    order = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
-        SAMPLES, seed=SEED, reshuffle_each_iteration=True).batch(BATCH, drop_remainder=True)
-    model.fit(order, epochs=2, verbose=0, shuffle=False)
-    return model.get_weights()
+    """Weights after 2 epochs in one process (rank 0, once per run: conftest.reference_once)."""
+    def compute():
+        model = build()
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss=loss, jit_compile=False,
+                      run_eagerly=eager)
+        order = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
+            SAMPLES, seed=SEED, reshuffle_each_iteration=True).batch(BATCH, drop_remainder=True)
+        model.fit(order, epochs=2, verbose=0, shuffle=False)
+        return model.get_weights()
+    return reference_once(compute, build, x, y, loss, eager, LR, SAMPLES, SEED, BATCH)
 
 
 def write(tmp_path, x, y, per_sample):

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tfhybrid
 
-from conftest import randn, rng
+from conftest import randn, reference_once, rng
 
 GLOBAL_BATCH = 8
 STEPS = 3
@@ -57,10 +57,12 @@ def reference_weights(kind, x, y, batch=GLOBAL_BATCH, seed=0):
     (memoised per configuration: several tests share a reference)."""
     key = (kind, x.tobytes(), y.tobytes(), batch, seed)
     if key not in _REFERENCES:
-        model = make_model(seed)
-        model.compile(optimizer=make_optimizer(kind), loss=LOSS, jit_compile=False)
-        model.fit(x, y, batch_size=batch, shuffle=False, epochs=1, verbose=0)
-        _REFERENCES[key] = model.get_weights()
+        def compute():
+            model = make_model(seed)
+            model.compile(optimizer=make_optimizer(kind), loss=LOSS, jit_compile=False)
+            model.fit(x, y, batch_size=batch, shuffle=False, epochs=1, verbose=0)
+            return model.get_weights()
+        _REFERENCES[key] = reference_once(compute, kind, x, y, batch, seed)   # by rank 0
     return _REFERENCES[key]
 
 

@@ -23,7 +23,7 @@ import tfhybrid
 from tfhybrid import runtime
 from tfhybrid.guards import ConsistencyError
 
-from conftest import compiled_pair, rng, world_size
+from conftest import reference_once, rng, world_size
 
 N, BATCH = 48, 16
 CASES = [("d", 1), ("f", world_size()), ("df", 2)]
@@ -45,9 +45,32 @@ def _model(reduction="sum"):
                        metrics=[keras.metrics.TruePositives(name="tp"), "accuracy"])
 
 
-def _pair(grid_of, strategy, mp, reduction="sum"):
+def _transformed(grid_of, strategy, mp, reduction="sum"):
+    """``_model(reduction)`` transformed under ``strategy`` and compiled with
+    its optimizer in a DistributedOptimizer (the reference: :func:`_reference`)."""
     grid_of(mp)
-    return compiled_pair(_model, strategy, reduction)
+    source, kwargs = _model(reduction)
+    model = tfhybrid.transform(source, strategy, fallback="replicate")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(kwargs.pop("optimizer")), **kwargs)
+    return model
+
+
+def _reference(reduction="sum", epochs=2, validation=False):
+    """The unmodified model in one process on the whole data (rank 0, once per
+    run: conftest.reference_once): (evaluate's dict before fit, fit's History
+    dict, with ``_data("validation")`` as validation_data if ``validation``,
+    evaluate's dict after fit, the weights after fit)."""
+    def compute():
+        reference, kwargs = _model(reduction)
+        reference.compile(**kwargs)
+        x, y = _data()
+        before = reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+        fit = {"validation_data": _data("validation")} if validation else {}
+        history = reference.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False,
+                                verbose=0, **fit).history
+        after = reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+        return before, history, after, reference.get_weights()
+    return reference_once(compute, reduction, epochs, validation, N, BATCH)
 
 
 def _same(got, want):
@@ -57,7 +80,7 @@ def _same(got, want):
 
 @pytest.mark.parametrize("strategy,mp", CASES, ids=lambda c: str(c))
 def test_whole_arrays_on_every_rank_count_each_row_once(grid_of, strategy, mp):
-    reference, model = _pair(grid_of, strategy, mp)
+    model = _transformed(grid_of, strategy, mp)
     x, y = _data()
     xv, yv = _data("validation")
     with warnings.catch_warnings(record=True) as caught:
@@ -65,13 +88,11 @@ def test_whole_arrays_on_every_rank_count_each_row_once(grid_of, strategy, mp):
         got = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
         history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                             validation_data=(xv, yv))
-    want = reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    want, expected, _, weights = _reference("sum", validation=True)
     _same(got, want)
     assert want["tp"] > 0
-    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                             validation_data=(xv, yv))
-    _same(history.history, expected.history)
-    for a, b in zip(tfhybrid.gather(model).get_weights(), reference.get_weights()):
+    _same(history.history, expected)
+    for a, b in zip(tfhybrid.gather(model).get_weights(), weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     if runtime.current_grid().data_size > 1 or strategy == "d":
         warned = any("fed identical rows" in str(w.message) for w in caught)
@@ -83,8 +104,8 @@ def test_whole_arrays_on_every_rank_count_each_row_once(grid_of, strategy, mp):
 def test_sharded_training_with_whole_validation_data(grid_of, strategy, mp, validation):
     """Validation on every rank's whole arrays or one unsharded dataset (fit's
     own evaluate: its CallbackList, so fit lists the EvaluateRows callback)."""
-    reference, model = _pair(grid_of, strategy, mp,
-                             "sum" if validation == "arrays" else "sum_over_batch_size")
+    reduction = "sum" if validation == "arrays" else "sum_over_batch_size"
+    model = _transformed(grid_of, strategy, mp, reduction)
     x, y = _data()
     xv, yv = _data("validation")
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
@@ -93,28 +114,27 @@ def test_sharded_training_with_whole_validation_data(grid_of, strategy, mp, vali
     history = model.fit(tfhybrid.data.shard(ds, model=model), epochs=2, verbose=0,
                         validation_data=val, validation_batch_size=BATCH
                         if validation == "arrays" else None)
-    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                             validation_data=(xv, yv))
-    _same(history.history, expected.history)
+    _, expected, want, _ = _reference(reduction, validation=True)
+    _same(history.history, expected)
     # and a sharded evaluate after it counts each rank's rows (copies back to 1)
     got = model.evaluate(tfhybrid.data.shard(ds, model=model), verbose=0, return_dict=True)
-    _same(got, reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True))
+    _same(got, want)
 
 
 @pytest.mark.parametrize("strategy,mp", CASES[:1] + CASES[2:], ids=lambda c: str(c))
 def test_unsharded_dataset_in_evaluate_counts_each_row_once(grid_of, strategy, mp):
-    reference, model = _pair(grid_of, strategy, mp, reduction="sum_over_batch_size")
+    model = _transformed(grid_of, strategy, mp, reduction="sum_over_batch_size")
     x, y = _data()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     got = model.evaluate(ds, verbose=0, return_dict=True)
-    _same(got, reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True))
+    want, expected, _, _ = _reference("sum_over_batch_size")
+    _same(got, want)
     history = model.fit(ds, epochs=2, verbose=0)      # mean loss: exact, counts once
-    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    _same(history.history, expected.history)
+    _same(history.history, expected)
 
 
 def test_unsharded_dataset_with_sum_loss_is_refused(grid_of):
-    _, model = _pair(grid_of, "d", 1)
+    model = _transformed(grid_of, "d", 1)
     x, y = _data()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     with pytest.raises(ConsistencyError, match=r"identical rows in evaluate.*reduction='sum'"
@@ -129,7 +149,7 @@ def test_callback_evaluate_inside_fit_keeps_fits_copies(grid_of):
     """A callback evaluating sharded data at each epoch's end, inside a fit on
     whole arrays: the evaluate set the copies back to 1, so the fit's next
     steps counted each row twice (reduction='sum')."""
-    reference, model = _pair(grid_of, "d", 1)
+    model = _transformed(grid_of, "d", 1)
     x, y = _data()
     xv, yv = _data("validation")
     grid = runtime.current_grid()
@@ -141,5 +161,5 @@ def test_callback_evaluate_inside_fit_keeps_fits_copies(grid_of):
 
     history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
                         callbacks=[EvaluateEachEpoch()])
-    expected = reference.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
-    _same(history.history, expected.history)
+    _, expected, _, _ = _reference("sum", epochs=3)
+    _same(history.history, expected)

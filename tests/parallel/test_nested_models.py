@@ -26,7 +26,7 @@ import tensorflow as tf
 
 import tfhybrid
 
-from conftest import assert_weights_like, job_dir, rng, world_size
+from conftest import assert_weights_like, job_dir, reference_once, rng, world_size
 
 BATCH = 8
 L = keras.layers
@@ -86,12 +86,16 @@ def _options(strategy):
 def test_transfer_learning_with_a_nested_base_trains_like_one_process(grid_of, strategy, mp):
     grid_of(mp)
     x, y = _data()
-    reference, ref_base = _model()
-    _compile(reference, keras.optimizers.Adam(0.01))
-    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    ref_base.trainable = True
-    _compile(reference, keras.optimizers.SGD(0.01, momentum=0.9))
-    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+
+    def compute():
+        reference, ref_base = _model()
+        _compile(reference, keras.optimizers.Adam(0.01))
+        reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        ref_base.trainable = True
+        _compile(reference, keras.optimizers.SGD(0.01, momentum=0.9))
+        reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        return reference.get_weights()
+    reference = reference_once(compute, x, y, BATCH)
 
     source, base = _model()
     model = tfhybrid.transform(source, strategy, **_options(strategy))
@@ -120,9 +124,13 @@ def test_nested_model_checkpoint_resumes_like_one_process(grid_of, strategy, mp)
     model's trainable weights; load transforms the nested model again."""
     grid_of(mp)
     x, y = _data()
-    reference, _ = _model(frozen=False)
-    _compile(reference, keras.optimizers.Adam(0.01))
-    reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+
+    def compute():
+        reference, _ = _model(frozen=False)
+        _compile(reference, keras.optimizers.Adam(0.01))
+        reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        return reference.get_weights()
+    reference = reference_once(compute, x, y, BATCH)
 
     model = tfhybrid.transform(_model(frozen=False)[0], strategy, **_options(strategy))
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 import tfhybrid
 
-from conftest import assert_weights_like, job_dir, rng, world_size
+from conftest import assert_weights_like, job_dir, reference_once, rng, world_size
 
 BATCH = 12
 ROWS = 48                 # 4 batches an epoch
@@ -67,21 +67,38 @@ def _options(strategy):
     return {"stages": 2} if strategy == "p" else {"fallback": "replicate"}
 
 
+def _data():
+    return (rng("opt-options-x").standard_normal((ROWS, 8, 8, 3)).astype(np.float32),
+            rng("opt-options-y").integers(0, 4, ROWS))
+
+
+def _reference_weights(tag, reference_optimizer):
+    """The weights after one process's two fits (rank 0, once per run:
+    conftest.reference_once); ``tag`` names ``reference_optimizer``."""
+    def compute():
+        x, y = _data()
+        reference = _model()
+        optimizer = reference_optimizer
+        if callable(optimizer):
+            optimizer = optimizer(reference)
+        reference.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        reference.fit(x, y, batch_size=BATCH, epochs=2, initial_epoch=1, shuffle=False,
+                      verbose=0)
+        return reference.get_weights()
+    return reference_once(compute, tag, BATCH, ROWS)
+
+
 def _train_save_resume(strategy, mp, sharded, tag, reference_optimizer, distributed):
     """One process: two fits. Transformed: fit, tfhybrid.save mid-cycle, load,
     fit. The optimizers are given, or made from the model by a callable (the
     model before transform for ``distributed``). Returns (resumed model, the
     resumed fit's History)."""
-    x = rng("opt-options-x").standard_normal((ROWS, 8, 8, 3)).astype(np.float32)
-    y = rng("opt-options-y").integers(0, 4, ROWS)
+    x, y = _data()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    reference = _model()
-    if callable(reference_optimizer):
-        reference_optimizer = reference_optimizer(reference)
-    reference.compile(reference_optimizer, loss, metrics=["accuracy"])
-    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    reference.fit(x, y, batch_size=BATCH, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+    reference = _reference_weights(tag, reference_optimizer)
 
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     source = _model()
@@ -97,7 +114,7 @@ def _train_save_resume(strategy, mp, sharded, tag, reference_optimizer, distribu
 
     # Adam's step divides by sqrt(v): rounding-error gradients move by the rate
     assert_weights_like(tfhybrid.gather(resumed), reference, atol_of_scale=2e-5)
-    moved = np.max(np.abs(reference.get_weights()[0] - _model().get_weights()[0]))
+    moved = np.max(np.abs(reference[0] - _model().get_weights()[0]))
     assert moved > 1e-3
     return resumed, history
 

@@ -24,7 +24,7 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid import guards, runtime
 
-from conftest import compiled_pair, rng, world_size
+from conftest import reference_once, rng, world_size
 
 N, BATCH = 61, 16
 CASES = [("d", 1), ("df", 2)]
@@ -47,11 +47,30 @@ def _model(reduction):
                        metrics=["accuracy"])
 
 
-def _pair(grid_of, strategy, mp, reduction="sum_over_batch_size"):
+def _transformed(grid_of, strategy, mp, reduction="sum_over_batch_size"):
+    """``_model(reduction)`` transformed under ``strategy`` and compiled with
+    its optimizer in a DistributedOptimizer (the reference: :func:`_reference`)."""
     if mp >= world_size():
         pytest.skip("needs more than one data-parallel rank")
     grid_of(mp)
-    return compiled_pair(_model, strategy, reduction)
+    source, kwargs = _model(reduction)
+    model = tfhybrid.transform(source, strategy, fallback="replicate")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(kwargs.pop("optimizer")), **kwargs)
+    return model
+
+
+def _reference(reduction, x, y, sample_weight=None, epochs=2, **fit):
+    """(fit's History dict, weights, evaluate's dict) of the unmodified model
+    trained on the whole data in one process (rank 0, once per run:
+    conftest.reference_once)."""
+    def compute():
+        reference, kwargs = _model(reduction)
+        reference.compile(**kwargs)
+        history = reference.fit(x, y, sample_weight=sample_weight, batch_size=BATCH,
+                                epochs=epochs, shuffle=False, verbose=0, **fit).history
+        return history, reference.get_weights(), reference.evaluate(
+            x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    return reference_once(compute, reduction, x, y, sample_weight, epochs, fit, BATCH)
 
 
 def _mine(*arrays):
@@ -64,11 +83,12 @@ def _local_batch():
     return BATCH // runtime.current_grid().data_size
 
 
-def _same_training(model, reference, history, expected):
-    for key, value in expected.history.items():
+def _same_training(model, history, expected):
+    """``expected``: :func:`_reference`'s (History dict, weights, ...)."""
+    for key, value in expected[0].items():
         np.testing.assert_allclose(history.history[key], value, rtol=2e-5, atol=1e-6,
                                    err_msg=key)
-    for a, b in zip(tfhybrid.gather(model).get_weights(), reference.get_weights()):
+    for a, b in zip(tfhybrid.gather(model).get_weights(), expected[1]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -88,38 +108,37 @@ class _Flag(keras.callbacks.Callback):
 def test_per_rank_arrays_of_unequal_length_train_like_one_process(grid_of, strategy, mp,
                                                                   reduction):
     weights = reduction == "weights"
-    reference, model = _pair(grid_of, strategy, mp,
-                             "sum_over_batch_size" if weights else reduction)
+    model = _transformed(grid_of, strategy, mp, "sum_over_batch_size" if weights else reduction)
     x, y, w = _data()
     xs, ys, ws = _mine(x, y, w)
     flag = _Flag()
     history = model.fit(xs, ys, sample_weight=ws if weights else None,
                         batch_size=_local_batch(), epochs=2, shuffle=False, verbose=0,
                         callbacks=[flag])
-    expected = reference.fit(x, y, sample_weight=w if weights else None, batch_size=BATCH,
-                             epochs=2, shuffle=False, verbose=0)
-    _same_training(model, reference, history, expected)
+    expected = _reference("sum_over_batch_size" if weights else reduction, x, y,
+                          w if weights else None)
+    _same_training(model, history, expected)
     assert flag.seen == {True}
     assert not guards.row_weighting(model)            # this fit's inputs only
     got = model.evaluate(xs, ys, batch_size=_local_batch(), verbose=0, return_dict=True)
-    want = reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    want = expected[2]
     for key, value in want.items():
         np.testing.assert_allclose(got[key], value, rtol=2e-5, err_msg=key)
 
 
 def test_a_per_rank_dataset_with_unequal_last_batches_trains_like_one_process(grid_of):
-    reference, model = _pair(grid_of, "d", 1)
+    model = _transformed(grid_of, "d", 1)
     x, y, _ = _data()
     grid = runtime.current_grid()
     local = tf.data.Dataset.from_tensor_slices((x, y)).shard(grid.size, grid.rank)
     history = model.fit(local.batch(_local_batch()), epochs=2, verbose=0)
-    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    _same_training(model, reference, history, expected)
+    expected = _reference("sum_over_batch_size", x, y)
+    _same_training(model, history, expected)
 
 
 @pytest.mark.parametrize("form", ["arrays", "scaling", "batched"])
 def test_inputs_of_equal_blocks_keep_the_plain_step(grid_of, form):
-    reference, model = _pair(grid_of, "d", 1)
+    model = _transformed(grid_of, "d", 1)
     x, y, _ = _data(64)
     if form == "arrays":
         data, kwargs = tuple(_mine(x, y)), dict(batch_size=_local_batch(), shuffle=False)
@@ -133,13 +152,13 @@ def test_inputs_of_equal_blocks_keep_the_plain_step(grid_of, form):
     flag = _Flag()
     history = model.fit(*data, epochs=2, verbose=0, callbacks=[flag], **kwargs)
     assert flag.seen == {False}
-    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    _same_training(model, reference, history, expected)
+    expected = _reference("sum_over_batch_size", x, y)
+    _same_training(model, history, expected)
 
 
 @pytest.mark.parametrize("split,warns", [(0.25, False), (0.2, True)])
 def test_a_validation_split_off_one_process_cut_warns(grid_of, split, warns):
-    reference, model = _pair(grid_of, "d", 1)
+    model = _transformed(grid_of, "d", 1)
     x, y, _ = _data(64)
     xs, ys = _mine(x, y)
     with warnings.catch_warnings(record=True) as caught:
@@ -151,18 +170,16 @@ def test_a_validation_split_off_one_process_cut_warns(grid_of, split, warns):
     if warns and said:
         assert "validation_data=" in said[0]
     if not warns:        # a cut on a global batch boundary: one process's rows
-        expected = reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                                 validation_split=split)
-        _same_training(model, reference, history, expected)
+        expected = _reference("sum_over_batch_size", x, y, epochs=1, validation_split=split)
+        _same_training(model, history, expected)
 
 
 def test_per_rank_validation_arrays_of_unequal_length_validate_like_one_process(grid_of):
     # even training rows, uneven validation rows: a sum loss's val_loss counts each row once
-    reference, model = _pair(grid_of, "d", 1, "sum")
+    model = _transformed(grid_of, "d", 1, "sum")
     x, y, _ = _data(64)
     xv, yv, _ = _data(61)
     history = model.fit(*_mine(x, y), batch_size=_local_batch(), epochs=2, shuffle=False,
                         verbose=0, validation_data=tuple(_mine(xv, yv)))
-    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                             validation_data=(xv, yv))
-    _same_training(model, reference, history, expected)
+    expected = _reference("sum", x, y, validation_data=(xv, yv))
+    _same_training(model, history, expected)

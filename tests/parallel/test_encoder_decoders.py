@@ -17,7 +17,7 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid.transformer import gather
 
-from conftest import world_size
+from conftest import reference_once, world_size
 from spatial_fit import fit_like_one_process
 
 N = world_size()
@@ -82,17 +82,17 @@ def test_encoder_decoder_on_blocks_equals_one_process(name, strategy, mp):
         keras.utils.set_random_seed(1)
         return build()
 
-    reference = make()
+    source = make()
     r = np.random.default_rng(0)
-    x = r.standard_normal((8,) + reference.input_shape[1:]).astype(np.float32)
-    y = r.integers(0, CLASSES, (8,) + reference.output_shape[1:-1]).astype(np.int32)
-    model = tfhybrid.transform(make(), strategy)
+    x = r.standard_normal((8,) + source.input_shape[1:]).astype(np.float32)
+    y = r.integers(0, CLASSES, (8,) + source.output_shape[1:-1]).astype(np.int32)
+    model = tfhybrid.transform(source, strategy)
     assert model._tfhybrid_split_outputs == (True,)
     on_blocks = {"vnet": ("a0", "a1"), "unet_plus_plus": ("x02",),
                  "normalisations": ("inorm", "lnorm", "up")}[name]
     for layer in on_blocks:          # PReLU/LayerNormalization: their weights partial
         assert getattr(model.get_layer(layer), "_tfhybrid_on_blocks", False), layer
-    fit_like_one_process(model, reference, x, y, lr=0.2, epochs=2)
+    fit_like_one_process(model, make, x, y, lr=0.2, epochs=2, key=(name,))
     tfhybrid.shutdown()
 
 
@@ -139,10 +139,13 @@ def test_deep_supervision_outputs_of_two_resolutions(feed):
                                                  "aux": keras.losses.BinaryCrossentropy()},
                       loss_weights={"main": 1.0, "aux": 0.4})
 
-    keras.utils.set_random_seed(1)
-    reference = deep_supervision()
-    compile_(reference, keras.optimizers.SGD(0.5))
-    want = reference.fit(x, labels, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+    def compute():
+        keras.utils.set_random_seed(1)
+        reference = deep_supervision()
+        compile_(reference, keras.optimizers.SGD(0.5))
+        want = reference.fit(x, labels, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+        return want, reference.get_weights(), [v.path for v in reference.weights]
+    want, weights, paths = reference_once(compute, x, y)
     keras.utils.set_random_seed(1)
     model = tfhybrid.transform(deep_supervision(), "s")
     assert model._tfhybrid_split_outputs == (True, True)
@@ -156,6 +159,6 @@ def test_deep_supervision_outputs_of_two_resolutions(feed):
                         callbacks=tfhybrid.callbacks.standard())
     for key in want:
         np.testing.assert_allclose(got.history[key], want[key], rtol=2e-5, err_msg=key)
-    for a, b, v in zip(gather(model).get_weights(), reference.get_weights(), reference.weights):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=v.path)
+    for a, b, path in zip(gather(model).get_weights(), weights, paths):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=path)
     tfhybrid.shutdown()

@@ -17,7 +17,7 @@ import pytest
 
 import tfhybrid
 
-from conftest import assert_weights_like, compiled_pair, rng, world_size
+from conftest import assert_weights_like, reference_once, rng, world_size
 
 N, BATCH, CLASSES = 32, 8, 4
 CASES = ([("d", 1), ("f", 2), ("c", 2), ("s", 2), ("gmp", 2)] if world_size() == 2 else
@@ -49,19 +49,41 @@ def _model(per_channel=False):
         optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
+def _reference(make, x, y, *args):
+    """(fit History's losses, weights) of ``make(*args)`` compiled as is and fit in
+    one process on the whole data (by rank 0, once per run: conftest.reference_once)."""
+    def compute():
+        reference, kwargs = make(*args)
+        reference.compile(**kwargs)
+        want = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        return want.history["loss"], reference.get_weights()
+    return reference_once(compute, make, args, x, y, BATCH)
+
+
+def _transformed(make, strategy, *args):
+    """``make(*args)`` transformed under ``strategy`` (fallback="replicate") and
+    compiled with its optimizer in ``tfhybrid.DistributedOptimizer`` (the
+    transformed half of conftest.compiled_pair)."""
+    source, kwargs = make(*args)
+    model = tfhybrid.transform(source, strategy, fallback="replicate")
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(kwargs.pop("optimizer")), **kwargs)
+    return model
+
+
 def _fit_both(reference, model, x, y, blocks, index):
-    want = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    want, weights = reference
     got = model.fit(x[index::blocks], y[index::blocks], batch_size=BATCH // blocks, epochs=2,
                     shuffle=False, verbose=0)
-    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
-    assert_weights_like(tfhybrid.gather(model), reference)
+    np.testing.assert_allclose(got.history["loss"], want, rtol=1e-5)
+    assert_weights_like(tfhybrid.gather(model), weights)
 
 
 @pytest.mark.parametrize("strategy,mp", CASES, ids=lambda c: str(c))
 def test_models_with_keras_ops_train_like_one_process(grid_of, strategy, mp):
     grid = grid_of(mp)
     x, y = _data()
-    reference, model = compiled_pair(_model, strategy)
+    reference = _reference(_model, x, y)
+    model = _transformed(_model, strategy)
     blocks, index = (grid.size, grid.rank) if strategy in ("d", "gmp") else \
         (grid.data_size, grid.data_rank)
     _fit_both(reference, model, x, y, blocks, index)
@@ -75,9 +97,10 @@ def test_models_with_keras_ops_train_like_one_process(grid_of, strategy, mp):
 def test_an_operation_with_a_per_channel_constant_gathers_its_input(grid_of):
     grid = grid_of(world_size())
     x, y = _data()
-    reference, model = compiled_pair(_model, "f", True)
+    reference = _reference(_model, x, y, True)
+    model = _transformed(_model, "f", True)
     _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)
-    reference, model = compiled_pair(_model, "s", True)
+    model = _transformed(_model, "s", True)
     _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)
     rows = {r.name: r.kind for r in tfhybrid.describe(model, print_fn=None).rows}
     assert rows["c0"].startswith("spatial") and not rows["c1"].startswith("spatial"), rows
@@ -87,13 +110,13 @@ def test_an_operation_with_a_per_channel_constant_gathers_its_input(grid_of):
 def test_pipeline_and_layer_separation_cut_models_with_operations(grid_of, strategy):
     grid_of(2 if strategy == "p" else 1)
     x, y = _data()
-    reference, model = compiled_pair(_model, strategy)
-    want = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    want, weights = _reference(_model, x, y)
+    model = _transformed(_model, strategy)
     local = tfhybrid.data.local_batch_size(BATCH, model)
     xl, yl = tfhybrid.data.shard((x, y), model=model, batch_size=BATCH)
     got = model.fit(xl, yl, batch_size=local, epochs=2, shuffle=False, verbose=0)
-    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
-    assert_weights_like(tfhybrid.gather(model), reference)
+    np.testing.assert_allclose(got.history["loss"], want, rtol=1e-5)
+    assert_weights_like(tfhybrid.gather(model), weights)
 
 
 def test_an_embedding_mask_and_a_recurrent_layer_train_like_one_process(grid_of):
@@ -112,7 +135,8 @@ def test_an_embedding_mask_and_a_recurrent_layer_train_like_one_process(grid_of)
             optimizer=keras.optimizers.Adam(0.01),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
-    reference, model = compiled_pair(make, "d")
+    reference = _reference(make, tokens, y)
+    model = _transformed(make, "d")
     _fit_both(reference, model, tokens, y, grid.size, grid.rank)
 
 
@@ -139,7 +163,8 @@ def test_a_squeeze_excitation_gate_trains_like_one_process_under_s(grid_of, as_o
     whole tensors."""
     grid = grid_of(world_size())
     x, y = _data()
-    reference, model = compiled_pair(_squeeze_excitation, "s", as_operation)
+    reference = _reference(_squeeze_excitation, x, y, as_operation)
+    model = _transformed(_squeeze_excitation, "s", as_operation)
     _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)
 
 
@@ -161,7 +186,8 @@ def test_a_lambda_before_the_first_convolution_runs_on_the_whole_input(grid_of):
     every rank, so it runs there and the blocks are cut after it."""
     grid = grid_of(world_size())
     x, y = _data()
-    reference, model = compiled_pair(_lambda_first, "s")
+    reference = _reference(_lambda_first, x, y)
+    model = _transformed(_lambda_first, "s")
     kinds = {r.name: r.kind for r in tfhybrid.describe(model, print_fn=None).rows}
     assert kinds["norm"] == "replicate" and kinds["c0"] == kinds["c1"] == "spatial", kinds
     _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)

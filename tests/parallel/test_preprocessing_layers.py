@@ -16,7 +16,7 @@ import pytest
 import tfhybrid
 from tfhybrid.comm import backend
 
-from conftest import world_size
+from conftest import reference_once, world_size
 
 RNG = np.random.RandomState(0)
 X = (3.0 + 2.0 * RNG.randn(32, 16, 16, 4)).astype(np.float32)
@@ -61,12 +61,16 @@ CASES = ["d", "f", "s", "p", "ls"] + (["df", "ds"] if world_size() > 2 else [])
 @pytest.mark.parametrize("strategy", CASES)
 def test_adapted_normalization_survives_transform_fit_and_gather(grid_of, strategy):
     grid = _grid(grid_of, strategy)
-    ref = _model("normalization")
-    want_before = ref.predict(X[:8], verbose=0)
+
+    def compute():      # predictions of X[:8] before and after one epoch
+        ref = _model("normalization")
+        want_before = ref.predict(X[:8], verbose=0)
+        ref.compile(optimizer=keras.optimizers.SGD(0.05), loss="sparse_categorical_crossentropy")
+        ref.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return want_before, ref.predict(X[:8], verbose=0)
+    want_before, want_after = reference_once(compute, X, Y)
     kwargs = {"fallback": "replicate"} if strategy in ("f", "df") else {}
     pmodel = tfhybrid.transform(_model("normalization"), strategy=strategy, **kwargs)
-    opt = keras.optimizers.SGD(0.05)
-    ref.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
     pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.05)),
                    loss="sparse_categorical_crossentropy")
     if strategy in ("p", "ls"):
@@ -77,27 +81,30 @@ def test_adapted_normalization_survives_transform_fit_and_gather(grid_of, strate
         xl, yl, local = X[index::blocks], Y[index::blocks], 8 // blocks
     before = pmodel.predict(xl[:local], batch_size=local, verbose=0)
     if strategy not in ("p", "ls"):     # their predict returns this rank's rows' part
-        np.testing.assert_allclose(before, ref.predict(xl[:local], verbose=0),
+        # xl[:local]: rows index, index + blocks, ... of X[:8]
+        np.testing.assert_allclose(before, want_before[index::blocks][:local],
                                    rtol=1e-5, atol=1e-6)
-    ref.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     pmodel.fit(xl, yl, batch_size=local, epochs=1, shuffle=False, verbose=0)
     full = tfhybrid.gather(pmodel)
-    np.testing.assert_allclose(full.predict(X[:8], verbose=0), ref.predict(X[:8], verbose=0),
+    np.testing.assert_allclose(full.predict(X[:8], verbose=0), want_after,
                                rtol=1e-4, atol=1e-6)
-    assert np.max(np.abs(want_before - ref.predict(X[:8], verbose=0))) > 1e-6   # it trained
+    assert np.max(np.abs(want_before - want_after)) > 1e-6   # it trained
     backend.barrier()
 
 
 @pytest.mark.parametrize("strategy", ["s"] + (["ds"] if world_size() > 2 else []))
 def test_spatial_split_starts_after_augmentation_layers(grid_of, strategy):
     grid = _grid(grid_of, strategy)
-    ref = _model("augment")
+
+    def compute():
+        return _model("augment").predict(X[:8], verbose=0)
+    want = reference_once(compute, X)
     pmodel = tfhybrid.transform(_model("augment"), strategy=strategy)
     from tfhybrid.transformer.rewrite import find_layer
     assert type(find_layer(pmodel, "c0")).__name__ == "SpatialConv2D"   # split after them
     assert type(find_layer(pmodel, "flip")).__name__ == "RandomFlip"
     np.testing.assert_allclose(pmodel.predict(X[:8], batch_size=8, verbose=0),
-                               ref.predict(X[:8], verbose=0), rtol=1e-5, atol=1e-6)
+                               want, rtol=1e-5, atol=1e-6)
     pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.05)),
                    loss="sparse_categorical_crossentropy")
     blocks, index = grid.data_size, grid.data_rank

@@ -14,8 +14,8 @@ Dense + softmax head) under
 ``s`` (depth, height, a 2x2 grid) and ``ds``. Every layer runs on blocks
 (none at full resolution); the output and the labels stay split
 (``tfhybrid.data.shard`` cuts the labels). The reference is ``fit`` of the
-unmodified model on the global batches in one process (every rank computes
-it). Compared: this rank's block of the predictions before training (rtol
+unmodified model on the global batches in one process (rank 0 computes it,
+once per run: conftest.reference_once). Compared: this rank's block of the predictions before training (rtol
 1e-5), the gathered weights after STEPS fit steps (rtol 1e-4), and
 ``evaluate`` (loss and accuracy of the whole volumes, rtol 1e-4).
 """
@@ -30,7 +30,7 @@ from tfhybrid.layers.spatial.output import label_block
 from tfhybrid.spatial_geometry import TransposeGeometry
 from tfhybrid.transformer import gather, transform
 
-from conftest import randn, rng, world_size
+from conftest import randn, reference_once, rng, world_size
 from test_spatial_conv import check_against, grid_of_split, split_specs
 from unet_models import unet
 
@@ -124,14 +124,17 @@ def _build(shape, up, bn):
 
 
 def _reference(key, shape, up, bn, data):
-    """(initial weights, trained weights, evaluate results) in one process."""
+    """(initial weights, trained weights, evaluate results) in one process (by
+    rank 0, once per run: conftest.reference_once)."""
     if key not in _REFERENCES:
-        model = _build(shape, up, bn)
-        initial = model.get_weights()
-        _compile(model, keras.optimizers.SGD(LR), eager=True)   # 2 steps: cheaper than tracing
-        model.fit(_dataset(*data), epochs=1, shuffle=False, verbose=0)
-        results = model.evaluate(_dataset(*data), verbose=0)
-        _REFERENCES[key] = (initial, model.get_weights(), results)
+        def compute():
+            model = _build(shape, up, bn)
+            initial = model.get_weights()
+            _compile(model, keras.optimizers.SGD(LR), eager=True)   # 2 steps: cheaper than tracing
+            model.fit(_dataset(*data), epochs=1, shuffle=False, verbose=0)
+            results = model.evaluate(_dataset(*data), verbose=0)
+            return initial, model.get_weights(), results
+        _REFERENCES[key] = reference_once(compute, key, STEPS, BATCH, LR)
     return _REFERENCES[key]
 
 
@@ -263,18 +266,21 @@ def test_split_and_replicated_outputs_train_like_single_process(grid_of, strateg
     ycls = (yseg.reshape(len(yseg), -1).mean(1) > 1).astype(np.int32)
     data = tf.data.Dataset.from_tensor_slices((x, (yseg, ycls))).batch(BATCH, drop_remainder=True)
     loss = ["sparse_categorical_crossentropy"] * 2
-    ref = _multitask()
-    initial = ref.get_weights()
-    ref.compile(optimizer=keras.optimizers.SGD(LR), loss=loss, run_eagerly=True)
-    ref.fit(data, epochs=1, shuffle=False, verbose=0)
-    want = ref.evaluate(data, verbose=0)
+
+    def compute():
+        ref = _multitask()
+        initial = ref.get_weights()
+        ref.compile(optimizer=keras.optimizers.SGD(LR), loss=loss, run_eagerly=True)
+        ref.fit(data, epochs=1, shuffle=False, verbose=0)
+        return initial, ref.get_weights(), ref.evaluate(data, verbose=0)
+    initial, expected, want = reference_once(compute, STEPS, BATCH, LR)
     pmodel = transform(_multitask(), strategy)
     assert pmodel._tfhybrid_split_outputs == (True, False)
     pmodel.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(LR)), loss=loss,
                    run_eagerly=True)
     pmodel.fit(tfhybrid.data.shard(data, model=pmodel), epochs=1, shuffle=False, verbose=0)
     got = pmodel.evaluate(tfhybrid.data.shard(data, model=pmodel), verbose=0)
-    actual, expected = gather(pmodel).get_weights(), ref.get_weights()
+    actual = gather(pmodel).get_weights()
     assert max(float(np.max(np.abs(e - i))) for e, i in zip(expected, initial)) > 1e-3
     for i, (a, e) in enumerate(zip(actual, expected)):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6, err_msg=f"weight {i}")

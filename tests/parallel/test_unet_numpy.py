@@ -15,7 +15,7 @@ import pytest
 import tfhybrid
 from tfhybrid import transform
 
-from conftest import randn, rng, world_size
+from conftest import randn, reference_once, rng, world_size
 from unet_models import unet3d
 
 BATCH = 2
@@ -37,13 +37,17 @@ def test_numpy_fit_evaluate_predict_equal_single_process(grid_of, strategy, mp):
         keras.utils.set_random_seed(0)
         return unet3d((8, 8, 8, 1), classes=3, filters=2, depth=2)
 
-    ref = build()
-    ref.compile(keras.optimizers.SGD(0.1), loss, metrics=["accuracy"], jit_compile=False)
-    want_history = ref.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=2, shuffle=False,
-                           verbose=0).history
-    want_eval = ref.evaluate(x, y, batch_size=BATCH, verbose=0)
-    want_pred = ref.predict(x, batch_size=BATCH, verbose=0)
+    def compute():
+        ref = build()
+        ref.compile(keras.optimizers.SGD(0.1), loss, metrics=["accuracy"], jit_compile=False)
+        want_history = ref.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=2, shuffle=False,
+                               verbose=0).history
+        want_eval = ref.evaluate(x, y, batch_size=BATCH, verbose=0)
+        want_pred = ref.predict(x, batch_size=BATCH, verbose=0)
+        return want_history, want_eval, want_pred, ref.get_weights()
+
     grid = grid_of(mp)
+    want_history, want_eval, want_pred, expected = reference_once(compute, x, y, w, BATCH)
     model = transform(build(), strategy)
     model.compile(tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss,
                   metrics=["accuracy"], jit_compile=False)
@@ -57,7 +61,7 @@ def test_numpy_fit_evaluate_predict_equal_single_process(grid_of, strategy, mp):
                         shuffle=False, verbose=0).history
     got_eval = model.evaluate(x[rows], y[rows], batch_size=local, verbose=0)
     got_pred = model.predict(x[rows], batch_size=local, verbose=0)
-    for i, (a, e) in enumerate(zip(tfhybrid.gather(model).get_weights(), ref.get_weights())):
+    for i, (a, e) in enumerate(zip(tfhybrid.gather(model).get_weights(), expected)):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6, err_msg=f"weight {i}")
     np.testing.assert_allclose(history["loss"], want_history["loss"], rtol=1e-4)
     np.testing.assert_allclose(got_eval, want_eval, rtol=1e-4, atol=1e-7)

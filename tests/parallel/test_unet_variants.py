@@ -21,10 +21,10 @@ accuracy, MeanIoU, and count metrics (TruePositives/FalseNegatives) on a
 replicated output beside the split one.
 
 The reference is ``fit`` of the unmodified model in one process on the global
-batches (every rank computes it). Compared: the gathered weights after STEPS
-fit steps (rtol 1e-4), ``evaluate`` (every loss and metric, rtol 1e-4), and
-``predict`` (every output whole: the split output's blocks are put together
-as one process predicts them).
+batches (rank 0 computes it, once per run: conftest.reference_once). Compared:
+the gathered weights after STEPS fit steps (rtol 1e-4), ``evaluate`` (every
+loss and metric, rtol 1e-4), and ``predict`` (every output whole: the split
+output's blocks are put together as one process predicts them).
 """
 import keras
 import numpy as np
@@ -35,7 +35,7 @@ import tfhybrid
 from tfhybrid.layers.spatial.output import label_block
 from tfhybrid.transformer import gather, transform
 
-from conftest import randn, rng, world_size
+from conftest import randn, reference_once, rng, world_size
 
 N = world_size()
 STEPS, BATCH, CLASSES = 2, 4, 3
@@ -215,15 +215,20 @@ def test_variant_trains_evaluates_and_predicts_like_single_process(
         grid_of, name, builder, kind, strategy, mp, spatial, run):
     grid_of(mp)
     build = BUILDERS[builder]
-    keras.utils.set_random_seed(3)
-    ref = build()
     _, _, _, weighted, lr = _compile_args(kind)
-    data = _data(ref, weighted)
-    initial = ref.get_weights()
-    _compile(ref, keras.optimizers.SGD(lr), kind, eager=True)
-    ref.fit(_dataset(*data), epochs=1, shuffle=False, verbose=0)
-    want_eval = ref.evaluate(_dataset(*data), verbose=0)
-    want_pred = ref.predict(data[0][:BATCH], verbose=0)
+
+    def compute():      # the data too: it is drawn by the reference model's name and shapes
+        keras.utils.set_random_seed(3)
+        ref = build()
+        data = _data(ref, weighted)
+        initial = ref.get_weights()
+        _compile(ref, keras.optimizers.SGD(lr), kind, eager=True)
+        ref.fit(_dataset(*data), epochs=1, shuffle=False, verbose=0)
+        want_eval = ref.evaluate(_dataset(*data), verbose=0)
+        want_pred = ref.predict(data[0][:BATCH], verbose=0)
+        return data, initial, ref.get_weights(), want_eval, want_pred
+    data, initial, expected, want_eval, want_pred = reference_once(compute, builder, kind,
+                                                                   STEPS, BATCH)
     keras.utils.set_random_seed(3)
     pmodel = transform(build(), strategy, **({} if spatial is None else {"spatial": spatial}))
     flags = pmodel._tfhybrid_split_outputs
@@ -236,7 +241,7 @@ def test_variant_trains_evaluates_and_predicts_like_single_process(
                verbose=0)
     got_eval = pmodel.evaluate(tfhybrid.data.shard(_dataset(*data), model=pmodel), verbose=0)
     got_pred = pmodel.predict(data[0][:BATCH], verbose=0)
-    actual, expected = gather(pmodel).get_weights(), ref.get_weights()
+    actual = gather(pmodel).get_weights()
     moved = max(float(np.max(np.abs(e - i))) for e, i in zip(expected, initial))
     assert moved > 1e-3, "the reference did not train: the comparison would be vacuous"
     for i, (a, e) in enumerate(zip(actual, expected)):
@@ -264,13 +269,19 @@ def test_volumes_feed_a_model_of_several_outputs(grid_of, tmp_path, strategy, mp
     (per voxel for the split output, read as blocks; per sample for the heads),
     x from a directory of per-sample files: training equals single-process fit."""
     grid_of(mp)
-    keras.utils.set_random_seed(3)
-    ref = three_heads()
-    x, y, _ = _data(ref, None)
-    g = rng("variants", "volume-weights")
-    w = (g.uniform(0.2, 2.0, size=y[0].shape).astype(np.float32),
-         g.uniform(0.2, 2.0, size=len(x)).astype(np.float32))
-    w = (w[0], w[1], w[1])
+
+    def compute():      # the data too: it is drawn by the reference model's name and shapes
+        keras.utils.set_random_seed(3)
+        ref = three_heads()
+        x, y, _ = _data(ref, None)
+        g = rng("variants", "volume-weights")
+        w = (g.uniform(0.2, 2.0, size=y[0].shape).astype(np.float32),
+             g.uniform(0.2, 2.0, size=len(x)).astype(np.float32))
+        w = (w[0], w[1], w[1])
+        _compile(ref, keras.optimizers.SGD(0.05), "three", eager=True)
+        ref.fit(_dataset(x, y, w), epochs=1, shuffle=False, verbose=0)
+        return x, y, w, ref.get_weights()
+    x, y, w, expected = reference_once(compute, STEPS, BATCH)
     (tmp_path / "x").mkdir()
     for i, sample in enumerate(x):
         np.save(tmp_path / "x" / f"{i:03d}.npy", sample)
@@ -281,8 +292,6 @@ def test_volumes_feed_a_model_of_several_outputs(grid_of, tmp_path, strategy, mp
     np.save(tmp_path / "wv.npy", w[0])
     np.save(tmp_path / "ws.npy", w[1])
     weights = (str(tmp_path / "wv.npy"), str(tmp_path / "ws.npy"), str(tmp_path / "ws.npy"))
-    _compile(ref, keras.optimizers.SGD(0.05), "three", eager=True)
-    ref.fit(_dataset(x, y, w), epochs=1, shuffle=False, verbose=0)
     keras.utils.set_random_seed(3)
     pmodel = transform(three_heads(), strategy, **({} if spatial is None else
                                                    {"spatial": spatial}))
@@ -295,7 +304,7 @@ def test_volumes_feed_a_model_of_several_outputs(grid_of, tmp_path, strategy, mp
     assert seg.shape[1:] == label_block(y[0][:1], grid).shape[1:] == wv.shape[1:]
     assert cls.shape[1:] == (1,) and len(ws.shape) == 1
     pmodel.fit(data, epochs=1, shuffle=False, verbose=0)
-    for i, (a, e) in enumerate(zip(gather(pmodel).get_weights(), ref.get_weights())):
+    for i, (a, e) in enumerate(zip(gather(pmodel).get_weights(), expected)):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6, err_msg=f"weight {i}")
 
 
@@ -319,17 +328,20 @@ def test_activity_regulariser_on_blocks_of_a_gathered_model(grid_of, strategy, m
 
     x = randn((STEPS * BATCH, 8, 8, 1), "activity", "x")
     y = rng("activity", "y").integers(0, CLASSES, size=STEPS * BATCH).astype(np.int32)
-    ref = build()
-    ref.compile(keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
-                run_eagerly=True)
-    ref.fit(_dataset(x, y, None), epochs=1, shuffle=False, verbose=0)
-    want = ref.evaluate(_dataset(x, y, None), verbose=0)
+
+    def compute():
+        ref = build()
+        ref.compile(keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+                    run_eagerly=True)
+        ref.fit(_dataset(x, y, None), epochs=1, shuffle=False, verbose=0)
+        return ref.get_weights(), ref.evaluate(_dataset(x, y, None), verbose=0)
+    expected, want = reference_once(compute, x, y, BATCH)
     pmodel = transform(build(), strategy)
     pmodel.compile(tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.1)),
                    loss="sparse_categorical_crossentropy", run_eagerly=True)
     pmodel.fit(tfhybrid.data.shard(_dataset(x, y, None), model=pmodel), epochs=1,
                shuffle=False, verbose=0)
     got = pmodel.evaluate(tfhybrid.data.shard(_dataset(x, y, None), model=pmodel), verbose=0)
-    for i, (a, e) in enumerate(zip(gather(pmodel).get_weights(), ref.get_weights())):
+    for i, (a, e) in enumerate(zip(gather(pmodel).get_weights(), expected)):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6, err_msg=f"weight {i}")
     np.testing.assert_allclose(got, want, rtol=1e-4, err_msg="evaluate loss")

@@ -15,9 +15,10 @@ Dense + softmax head) under
 (none at full resolution); the output and the labels stay split
 (``tfhybrid.data.shard`` cuts the labels). The reference is ``fit`` of the
 unmodified model on the global batches in one process (rank 0 computes it,
-once per run: conftest.reference_once). Compared: this rank's block of the predictions before training (rtol
-1e-5), the gathered weights after STEPS fit steps (rtol 1e-4), and
-``evaluate`` (loss and accuracy of the whole volumes, rtol 1e-4).
+once per run: conftest.reference_once). Compared: this rank's block of the
+predictions before training (rtol 1e-5), the gathered weights after STEPS
+fit steps (rtol 1e-4), and ``evaluate`` (loss and accuracy of the whole
+volumes, rtol 1e-4).
 """
 import keras
 import numpy as np

@@ -100,19 +100,15 @@ def randn(shape, *key):
     return rng(*key).standard_normal(shape).astype(np.float32)
 
 
-def compiled_pair(make, strategy, *args):
-    """(reference, transformed): two models from ``make(*args)`` -> (model,
-    compile kwargs), the reference compiled as is, the other transformed
-    under ``strategy`` (fallback="replicate") and compiled with the
-    optimizer wrapped in ``tfhybrid.DistributedOptimizer``."""
-    import tfhybrid
-
-    reference, kwargs = make(*args)
-    reference.compile(**kwargs)
+def compiled_transform(make, strategy, *args):
+    """The model of ``make(*args)`` -> (model, compile kwargs), transformed
+    under ``strategy`` (fallback="replicate") and compiled with the optimizer
+    wrapped in ``tfhybrid.DistributedOptimizer`` (its reference: see
+    :func:`reference_once`)."""
     source, kwargs = make(*args)
     model = tfhybrid.transform(source, strategy, fallback="replicate")
     model.compile(optimizer=tfhybrid.DistributedOptimizer(kwargs.pop("optimizer")), **kwargs)
-    return reference, model
+    return model
 
 
 def assert_weights_like(got_model, reference, rtol=1e-4, atol_of_scale=1e-5):

@@ -1,8 +1,8 @@
 """Shared check of the spatial-strategy model tests: ``tfhybrid.transform`` +
 ``fit`` on the ranks equals ``fit`` of the unmodified model in one process.
 
-The reference is computed once per (builder, data) on every rank; the
-transformed model is fed ``tfhybrid.data.shard`` and compiled with
+The reference is computed once per (builder, data), by rank 0
+(conftest.reference_once); the transformed model is fed ``tfhybrid.data.shard`` and compiled with
 ``tfhybrid.DistributedOptimizer``. Its predictions before training must match
 the original's (rtol 1e-5), its gathered weights after one epoch the
 reference's (rtol 1e-4, atol 1e-6), and the reference must have moved
@@ -69,31 +69,25 @@ def check_fit_equals_single_process(build, x, y, batch, strategy, options, layer
           f"(largest update {moved:.2e})")
 
 
-def fit_like_one_process(model, reference, x, y, lr, epochs, batch=8, loss=LOSS, key=(),
+def fit_like_one_process(model, build, x, y, lr, epochs, batch=8, loss=LOSS, key=(),
                          predict=None):
-    """Fit ``reference`` (unmodified, one process) and transformed ``model``
-    (``DistributedOptimizer``, ``data.shard`` of global batches of ``batch``)
-    with SGD(``lr``) for ``epochs`` on ``(x, y)``; assert equal History losses
-    (rtol 1e-5) and gathered weights (rtol 1e-4, atol 1e-6).
+    """Fit the unmodified ``build()`` in one process (rank 0, once per run:
+    conftest.reference_once; ``key``: whatever else the built model depends
+    on) and transformed ``model`` (``DistributedOptimizer``, ``data.shard`` of
+    global batches of ``batch``) with SGD(``lr``) for ``epochs`` on ``(x, y)``;
+    assert equal History losses (rtol 1e-5) and gathered weights (rtol 1e-4,
+    atol 1e-6). Returns the trained reference's predictions of ``predict``
+    (None if not given)."""
+    def compute():
+        reference = build()
+        reference.compile(optimizer=keras.optimizers.SGD(lr), loss=loss)
+        history = reference.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False,
+                                verbose=0).history["loss"]
+        predicted = None if predict is None else reference.predict(predict, verbose=0)
+        return history, reference.get_weights(), [v.path for v in reference.weights], predicted
 
-    ``reference``: the unmodified model (trained here, on every rank), or a
-    function that builds it: then rank 0 trains it once per run
-    (conftest.reference_once; ``key``: whatever else the built model depends
-    on). Returns the trained reference's predictions of ``predict`` (None if
-    not given)."""
-    def compute(built=None):
-        built = built if built is not None else reference()
-        built.compile(optimizer=keras.optimizers.SGD(lr), loss=loss)
-        history = built.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False,
-                            verbose=0).history["loss"]
-        predicted = None if predict is None else built.predict(predict, verbose=0)
-        return history, built.get_weights(), [v.path for v in built.weights], predicted
-
-    if isinstance(reference, keras.Model):
-        want, weights, paths, predicted = compute(reference)
-    else:
-        want, weights, paths, predicted = reference_once(
-            compute, reference, key, x, y, lr, epochs, batch, loss, predict)
+    want, weights, paths, predicted = reference_once(
+        compute, build, key, x, y, lr, epochs, batch, loss, predict)
     model.compile(optimizer=tfhybrid.DistributedOptimizer(keras.optimizers.SGD(lr)), loss=loss)
     data = tfhybrid.data.shard(tf.data.Dataset.from_tensor_slices((x, y)), model=model,
                                batch_size=batch)

@@ -23,7 +23,7 @@ import tfhybrid
 from tfhybrid import runtime
 from tfhybrid.guards import ConsistencyError
 
-from conftest import reference_once, rng, world_size
+from conftest import compiled_transform, reference_once, rng, world_size
 
 N, BATCH = 48, 16
 CASES = [("d", 1), ("f", world_size()), ("df", 2)]
@@ -49,10 +49,7 @@ def _transformed(grid_of, strategy, mp, reduction="sum"):
     """``_model(reduction)`` transformed under ``strategy`` and compiled with
     its optimizer in a DistributedOptimizer (the reference: :func:`_reference`)."""
     grid_of(mp)
-    source, kwargs = _model(reduction)
-    model = tfhybrid.transform(source, strategy, fallback="replicate")
-    model.compile(optimizer=tfhybrid.DistributedOptimizer(kwargs.pop("optimizer")), **kwargs)
-    return model
+    return compiled_transform(_model, strategy, reduction)
 
 
 def _reference(reduction="sum", epochs=2, validation=False):

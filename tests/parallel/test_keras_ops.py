@@ -17,7 +17,7 @@ import pytest
 
 import tfhybrid
 
-from conftest import assert_weights_like, reference_once, rng, world_size
+from conftest import assert_weights_like, compiled_transform, reference_once, rng, world_size
 
 N, BATCH, CLASSES = 32, 8, 4
 CASES = ([("d", 1), ("f", 2), ("c", 2), ("s", 2), ("gmp", 2)] if world_size() == 2 else
@@ -60,16 +60,6 @@ def _reference(make, x, y, *args):
     return reference_once(compute, make, args, x, y, BATCH)
 
 
-def _transformed(make, strategy, *args):
-    """``make(*args)`` transformed under ``strategy`` (fallback="replicate") and
-    compiled with its optimizer in ``tfhybrid.DistributedOptimizer`` (the
-    transformed half of conftest.compiled_pair)."""
-    source, kwargs = make(*args)
-    model = tfhybrid.transform(source, strategy, fallback="replicate")
-    model.compile(optimizer=tfhybrid.DistributedOptimizer(kwargs.pop("optimizer")), **kwargs)
-    return model
-
-
 def _fit_both(reference, model, x, y, blocks, index):
     want, weights = reference
     got = model.fit(x[index::blocks], y[index::blocks], batch_size=BATCH // blocks, epochs=2,
@@ -83,7 +73,7 @@ def test_models_with_keras_ops_train_like_one_process(grid_of, strategy, mp):
     grid = grid_of(mp)
     x, y = _data()
     reference = _reference(_model, x, y)
-    model = _transformed(_model, strategy)
+    model = compiled_transform(_model, strategy)
     blocks, index = (grid.size, grid.rank) if strategy in ("d", "gmp") else \
         (grid.data_size, grid.data_rank)
     _fit_both(reference, model, x, y, blocks, index)
@@ -98,9 +88,9 @@ def test_an_operation_with_a_per_channel_constant_gathers_its_input(grid_of):
     grid = grid_of(world_size())
     x, y = _data()
     reference = _reference(_model, x, y, True)
-    model = _transformed(_model, "f", True)
+    model = compiled_transform(_model, "f", True)
     _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)
-    model = _transformed(_model, "s", True)
+    model = compiled_transform(_model, "s", True)
     _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)
     rows = {r.name: r.kind for r in tfhybrid.describe(model, print_fn=None).rows}
     assert rows["c0"].startswith("spatial") and not rows["c1"].startswith("spatial"), rows
@@ -111,7 +101,7 @@ def test_pipeline_and_layer_separation_cut_models_with_operations(grid_of, strat
     grid_of(2 if strategy == "p" else 1)
     x, y = _data()
     want, weights = _reference(_model, x, y)
-    model = _transformed(_model, strategy)
+    model = compiled_transform(_model, strategy)
     local = tfhybrid.data.local_batch_size(BATCH, model)
     xl, yl = tfhybrid.data.shard((x, y), model=model, batch_size=BATCH)
     got = model.fit(xl, yl, batch_size=local, epochs=2, shuffle=False, verbose=0)
@@ -136,7 +126,7 @@ def test_an_embedding_mask_and_a_recurrent_layer_train_like_one_process(grid_of)
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
     reference = _reference(make, tokens, y)
-    model = _transformed(make, "d")
+    model = compiled_transform(make, "d")
     _fit_both(reference, model, tokens, y, grid.size, grid.rank)
 
 
@@ -164,7 +154,7 @@ def test_a_squeeze_excitation_gate_trains_like_one_process_under_s(grid_of, as_o
     grid = grid_of(world_size())
     x, y = _data()
     reference = _reference(_squeeze_excitation, x, y, as_operation)
-    model = _transformed(_squeeze_excitation, "s", as_operation)
+    model = compiled_transform(_squeeze_excitation, "s", as_operation)
     _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)
 
 
@@ -187,7 +177,7 @@ def test_a_lambda_before_the_first_convolution_runs_on_the_whole_input(grid_of):
     grid = grid_of(world_size())
     x, y = _data()
     reference = _reference(_lambda_first, x, y)
-    model = _transformed(_lambda_first, "s")
+    model = compiled_transform(_lambda_first, "s")
     kinds = {r.name: r.kind for r in tfhybrid.describe(model, print_fn=None).rows}
     assert kinds["norm"] == "replicate" and kinds["c0"] == kinds["c1"] == "spatial", kinds
     _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)

@@ -8,7 +8,7 @@ keras.layers.Cropping2D/3D on the full, identically seeded input and compares
 its own block of the output and of the input gradient (float32: rtol 1e-5
 forward, 1e-4 gradients), eagerly and, for the re-blocking crops, traced.
 Model: the reference is ``fit`` of the unmodified model on the global
-batches in one process (every rank computes it); the transformed model is
+batches in one process (rank 0 computes it: spatial_fit.reference); the transformed model is
 fed ``tfhybrid.data.shard`` and compiled with ``tfhybrid.DistributedOptimizer``;
 after STEPS steps the gathered weights must agree (rtol 1e-4, atol 1e-6), and
 its predictions the original's.

@@ -24,7 +24,7 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid import guards, runtime
 
-from conftest import reference_once, rng, world_size
+from conftest import compiled_transform, reference_once, rng, world_size
 
 N, BATCH = 61, 16
 CASES = [("d", 1), ("df", 2)]
@@ -53,10 +53,7 @@ def _transformed(grid_of, strategy, mp, reduction="sum_over_batch_size"):
     if mp >= world_size():
         pytest.skip("needs more than one data-parallel rank")
     grid_of(mp)
-    source, kwargs = _model(reduction)
-    model = tfhybrid.transform(source, strategy, fallback="replicate")
-    model.compile(optimizer=tfhybrid.DistributedOptimizer(kwargs.pop("optimizer")), **kwargs)
-    return model
+    return compiled_transform(_model, strategy, reduction)
 
 
 def _reference(reduction, x, y, sample_weight=None, epochs=2, **fit):

@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: env demo test test-unit test-parallel bench docs clean
+.PHONY: env demo test test-full test-unit test-parallel bench docs clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -20,6 +20,10 @@ demo: env
 
 test: env
 	$(PY) scripts/run_tests.py
+
+# the full tier: also the tests marked `extended` (about twice make test's time)
+test-full: env
+	$(PY) scripts/run_tests.py --full
 
 test-unit: env
 	$(PY) -m pytest tests/unit -q

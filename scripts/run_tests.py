@@ -6,7 +6,12 @@ Suites: ``unit`` (one process), ``parallel`` under ``horovodrun -np 2`` and
 Each rank writes a JUnit XML file under ``test-results/``; the summary counts
 rank 0's results per parallel run and fails if any rank failed.
 
-Usage: python scripts/run_tests.py [--only unit|parallel|integration] [-k EXPR]
+Tiers: by default the core tier (``make test``, what CI runs: every parallel
+layer and strategy at -np 2 and -np 4); ``--full`` (``make test-full``) adds
+the tests marked ``extended`` (see tests/parallel/conftest.py and README
+"Testing"), about twice the time.
+
+Usage: python scripts/run_tests.py [--only unit|parallel|integration] [--full] [-k EXPR]
 """
 import argparse
 import os
@@ -80,6 +85,8 @@ def counts(xml_files):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["unit", "parallel", "integration"])
+    ap.add_argument("--full", action="store_true",
+                    help="the full tier: also the tests marked extended (TFHYBRID_TEST_FULL=1)")
     ap.add_argument("-k", help="pytest -k expression")
     args = ap.parse_args()
     extra = ["-k", args.k] if args.k else []
@@ -89,6 +96,11 @@ def main():
     env = dict(os.environ, TF_NUM_INTRAOP_THREADS=os.environ.get("TF_NUM_INTRAOP_THREADS", "1"),
                TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
                HOROVOD_STALL_CHECK_TIME_SECONDS="60", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="240")
+    if args.full:
+        env["TFHYBRID_TEST_FULL"] = "1"
+    tier = "full" if env.get("TFHYBRID_TEST_FULL") == "1" else "core"
+    print(f"tfhybrid tests, {tier} tier" + ("" if tier == "full" else
+          " (make test-full or --full adds the tests marked extended)"), flush=True)
     # single-process references, computed once per run by rank 0 (tests/parallel/conftest.py)
     references = tempfile.TemporaryDirectory(prefix="tfhybrid-test-references-")
     env.setdefault("TFHYBRID_TEST_REFERENCES", references.name)
@@ -97,8 +109,9 @@ def main():
     for name, np_, cmd in suites(args.only, extra):
         print(f"\n=== {name}: {' '.join(cmd[:4])} ... ===", flush=True)
         start = time.time()
+        timeout = TIMEOUT[name.split("-")[0]] * (2 if tier == "full" else 1)
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=TIMEOUT[name.split("-")[0]]).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         files = sorted(RESULTS.glob(f"{name}*.xml")) if np_ is None else \

@@ -129,21 +129,23 @@ def weight_checksums_in_step(variables):
     """:func:`weight_checksums` as traced ops (float64, one per variable): the
     guards' weight check runs inside the training step it follows
     (:func:`gather_step_sums`), with no eager pass over the weights in numpy.
-    Same position weights (``1 + (i mod P)/P``, :data:`_POSITION_PERIOD`),
-    summed by a matrix-vector product of the variable viewed as rows of P (no
-    weight vector as large as the variable) plus the last ``size mod P``
-    elements."""
+    Same position weights (``1 + (i mod P)/P``, :data:`_POSITION_PERIOD`): the
+    variable, zero-padded to a multiple of P, viewed as rows of P times a
+    column of the P weights (no weight vector as large as the variable).
+
+    Six graph nodes per variable: tracing them is part of every ``fit``'s
+    first step. The earlier slice-the-tail form took 28 and 8-9 s to trace
+    for 315 ResNet-like variables, 2-3 s in this form (same sums to 1e-12).
+    """
     period = _POSITION_PERIOD
-    cols = tf.constant(_position_weights(period))
+    cols = tf.constant(_position_weights(period)[:, None])
     out = []
     for v in variables:
-        flat = tf.reshape(tf.cast(v, tf.float64), [-1])
         size = int(np.prod(v.shape))
-        whole = size - size % period
-        total = tf.reduce_sum(tf.linalg.matvec(tf.reshape(flat[:whole], [-1, period]), cols))
-        if whole < size:
-            total += tf.reduce_sum(flat[whole:] * cols[:size - whole])
-        out.append(total)
+        flat = tf.reshape(tf.cast(v, tf.float64), [-1])
+        if size % period:
+            flat = tf.pad(flat, [[0, period - size % period]])
+        out.append(tf.reduce_sum(tf.matmul(tf.reshape(flat, [-1, period]), cols)))
     return tf.stack(out) if out else tf.zeros([0], tf.float64)
 
 

@@ -28,7 +28,13 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfhybrid  # noqa: E402
+import tiers  # noqa: E402
 from tfhybrid.comm import backend  # noqa: E402
+
+# What the imports made lives for the whole session: out of the collector's
+# sight, so the full collections below walk only what the tests made.
+gc.collect()
+gc.freeze()
 
 tf.config.threading.set_intra_op_parallelism_threads(
     int(os.environ.get("TF_NUM_INTRAOP_THREADS", 1)))
@@ -60,19 +66,33 @@ def _same_keras_names_on_every_rank(request):
 
     Collective names derive from layer names; a test that builds models on
     some ranks only would otherwise shift the names of every later test.
-    The full garbage collection Keras runs with it cost 0.38 s per test at
-    -np 4 (4 processes on 2 cores), minutes of the suite, so it runs every
-    ``_FULL_CLEAR_EVERY`` tests (and on a module change) only: memory stays
-    bounded (without it at all a rank grew past 4 GB) and the names are reset
-    before every test.
+    Every ``_FULL_CLEAR_EVERY`` tests (and on a module change) the clear also
+    frees memory: it first drops the gradient functions that
+    ``tf.custom_gradient`` registers, under a new name, in TensorFlow's global
+    gradient registry each time a graph is traced (Keras' own train step and
+    tfhybrid's collectives use it), and never removes. Each entry keeps its
+    whole traced graph alive: ~9,300 objects per ``fit`` of plain Keras, so a
+    rank's heap grew through the session and the full collection grew with
+    it, from 1.7 s at test 330 to 4 s at test 700 (-np 2; 20 % of the
+    suite). The previous tests' graphs are traced and done; nothing takes a
+    gradient through them again.
     """
     import keras
     _CLEARS["n"] += 1
     module = request.module.__name__
     full = _CLEARS["n"] % _FULL_CLEAR_EVERY == 0 or module != _CLEARS["module"]
     _CLEARS["module"] = module
+    if full:
+        _forget_traced_custom_gradients()
     keras.utils.clear_session(free_memory=full)
     yield
+
+
+def _forget_traced_custom_gradients():
+    from tensorflow.python.framework import ops
+    registry = ops._gradient_registry._registry      # noqa: SLF001 (no public API)
+    for name in [n for n in registry if n.startswith("CustomGradient-")]:
+        del registry[name]
 
 
 _FULL_CLEAR_EVERY = 10
@@ -180,27 +200,30 @@ def _module_rank(item):
 
 def pytest_collection_modifyitems(config, items):
     """The memory-heavy modules first (:data:`_MEMORY_HEAVY_FIRST`; the same order on
-    every rank), and at 4 or more ranks each layer test in its traced
-    (``function``) mode only.
+    every rank), then the core tier that ``make test`` runs (:mod:`tiers`)
+    unless ``TFHYBRID_TEST_FULL=1`` (``make test-full``).
 
     Every rank deselects the same items (the world size is the same
-    everywhere), so collectives still pair up. The eager duplicates run at
-    -np 2, and the ResNet-50 strategy tests fit eagerly at both sizes; this
-    keeps ``make test`` under its 30-minute budget (the eager duplicates were
-    250 s of the -np 4 suite on the 2-core box). Set
-    ``TFHYBRID_TEST_ALL_MODES=1`` to run them anyway.
+    everywhere), so collectives still pair up. When the whole directory is
+    collected, a line of full_tier.txt that names no test is an error: a
+    renamed test cannot leave the list stale.
     """
     items.sort(key=_module_rank)        # stable: the collection order otherwise
-    size = int(os.environ.get("HOROVOD_SIZE", "1") or 1)
-    if size < 4 or os.environ.get("TFHYBRID_TEST_ALL_MODES") == "1":
+    if tiers.full_tier():
         return
-    keep, drop = [], []
+    size = int(os.environ.get("HOROVOD_SIZE", "1") or 1)
+    by_id = {}
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        (drop if params.get("mode") == "eager" else keep).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+        by_id[item.nodeid.split("tests/parallel/", 1)[-1]] = (item, params.get("mode") == "eager")
+    kept, left, unused = tiers.select([(i, eager) for i, (_, eager) in by_id.items()], size)
+    whole = len(config.args) == 1 and os.path.basename(os.path.normpath(config.args[0])) == "parallel"
+    if unused and whole and not config.option.keyword and not config.option.markexpr:
+        raise pytest.UsageError(f"{', '.join(unused)}: names no test of this session at -np "
+                                f"{size}; fix or remove the line")
+    if left:
+        config.hook.pytest_deselected(items=[by_id[i][0] for i in left])
+        items[:] = [by_id[i][0] for i in kept]
 
 
 def pytest_sessionstart(session):

@@ -21,7 +21,7 @@ demo: env
 test: env
 	$(PY) scripts/run_tests.py
 
-# the full tier: also the tests marked `extended` (about twice make test's time)
+# the full tier: also the tests tests/parallel/full_tier.txt lists (about twice make test's time)
 test-full: env
 	$(PY) scripts/run_tests.py --full
 

@@ -8,8 +8,8 @@ rank 0's results per parallel run and fails if any rank failed.
 
 Tiers: by default the core tier (``make test``, what CI runs: every parallel
 layer and strategy at -np 2 and -np 4); ``--full`` (``make test-full``) adds
-the tests marked ``extended`` (see tests/parallel/conftest.py and README
-"Testing"), about twice the time.
+the tests tests/parallel/full_tier.txt lists (README "Testing"), about twice
+the time.
 
 Usage: python scripts/run_tests.py [--only unit|parallel|integration] [--full] [-k EXPR]
 """
@@ -86,7 +86,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["unit", "parallel", "integration"])
     ap.add_argument("--full", action="store_true",
-                    help="the full tier: also the tests marked extended (TFHYBRID_TEST_FULL=1)")
+                    help="the full tier: also the tests full_tier.txt lists (TFHYBRID_TEST_FULL=1)")
     ap.add_argument("-k", help="pytest -k expression")
     args = ap.parse_args()
     extra = ["-k", args.k] if args.k else []
@@ -100,7 +100,7 @@ def main():
         env["TFHYBRID_TEST_FULL"] = "1"
     tier = "full" if env.get("TFHYBRID_TEST_FULL") == "1" else "core"
     print(f"tfhybrid tests, {tier} tier" + ("" if tier == "full" else
-          " (make test-full or --full adds the tests marked extended)"), flush=True)
+          " (make test-full or --full adds the tests full_tier.txt lists)"), flush=True)
     # single-process references, computed once per run by rank 0 (tests/parallel/conftest.py)
     references = tempfile.TemporaryDirectory(prefix="tfhybrid-test-references-")
     env.setdefault("TFHYBRID_TEST_REFERENCES", references.name)

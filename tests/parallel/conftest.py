@@ -204,9 +204,8 @@ def pytest_collection_modifyitems(config, items):
     unless ``TFHYBRID_TEST_FULL=1`` (``make test-full``).
 
     Every rank deselects the same items (the world size is the same
-    everywhere), so collectives still pair up. When the whole directory is
-    collected, a line of full_tier.txt that names no test is an error: a
-    renamed test cannot leave the list stale.
+    everywhere), so collectives still pair up. That every line of
+    full_tier.txt still names a test is checked by tests/unit/test_test_tiers.py.
     """
     items.sort(key=_module_rank)        # stable: the collection order otherwise
     if tiers.full_tier():
@@ -216,11 +215,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         by_id[item.nodeid.split("tests/parallel/", 1)[-1]] = (item, params.get("mode") == "eager")
-    kept, left, unused = tiers.select([(i, eager) for i, (_, eager) in by_id.items()], size)
-    whole = len(config.args) == 1 and os.path.basename(os.path.normpath(config.args[0])) == "parallel"
-    if unused and whole and not config.option.keyword and not config.option.markexpr:
-        raise pytest.UsageError(f"{', '.join(unused)}: names no test of this session at -np "
-                                f"{size}; fix or remove the line")
+    kept, left, _ = tiers.select([(i, eager) for i, (_, eager) in by_id.items()], size)
     if left:
         config.hook.pytest_deselected(items=[by_id[i][0] for i in left])
         items[:] = [by_id[i][0] for i in kept]

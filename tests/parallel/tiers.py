@@ -10,16 +10,11 @@ the eager twins of the layer tests (they run at -np 2; they were 250 s of the
 import os
 import re
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "full_tier.txt")
 
 
 def full_tier() -> bool:
     return os.environ.get("TFHYBRID_TEST_FULL") == "1"
-
-
-def list_path() -> str:
-    """``full_tier.txt``, or the file ``TFHYBRID_FULL_TIER_LIST`` names."""
-    return os.environ.get("TFHYBRID_FULL_TIER_LIST") or os.path.join(HERE, "full_tier.txt")
 
 
 def entries(path=None):
@@ -27,7 +22,7 @@ def entries(path=None):
     per line, relative to tests/parallel, ``*`` matching anything; a line
     starting ``@np4`` (``@np2``, ``@np2,4``) applies at those world sizes only;
     ``#`` starts a comment."""
-    path = path or list_path()
+    path = path or LIST
     out = []
     with open(path) as f:
         for number, line in enumerate(f, 1):

@@ -1,7 +1,8 @@
 """The core tier of the parallel tests (``make test``) against the full tier
 (``make test-full``): every line of tests/parallel/full_tier.txt names a test
 at the world sizes it applies to, and the core tier keeps every parallel
-test module and every strategy's exactness test at -np 2 and -np 4."""
+test module and every strategy's exactness test at -np 2 and -np 4, and a
+case of every test function at one of them."""
 import os
 import subprocess
 import sys
@@ -61,6 +62,14 @@ def test_core_tier_keeps_every_module_and_strategy(every_test, size):
     for strategy, prefix in STRATEGY_TESTS.items():
         assert any(i.startswith(prefix) for i in kept), \
             f"{strategy}: no exactness test at -np {size} in the core tier ({prefix}...)"
+
+
+def test_every_test_function_runs_in_the_core_tier(every_test):
+    """No test function leaves CI whole: each keeps a case at -np 2 or -np 4."""
+    function = lambda i: i.partition("[")[0]     # noqa: E731
+    kept = {function(i) for size in (2, 4) for i in tiers.select(every_test[size], size)[0]}
+    every = {function(i) for size in (2, 4) for i, _ in every_test[size]}
+    assert not every - kept, f"no case of these in the core tier: {sorted(every - kept)}"
 
 
 def test_list_syntax(tmp_path):

@@ -1095,6 +1095,21 @@ def _keras_backups(model, bound):
     bound.arguments["callbacks"] = [RootBackup(cb) if cb in found else cb for cb in callbacks]
 
 
+def drop_validation_iterator(model):
+    """Free the validation iterator Keras' ``fit`` caches on the model
+    (``_eval_epoch_iterator``) when ``fit`` ended by an exception.
+
+    Keras deletes it after the last epoch; a ``fit`` that raised (a guard's
+    ``ConsistencyError`` at the first validation batch, a callback, Ctrl-C)
+    left it on the model with its ``tf.data`` threads. Transformed models sit
+    in reference cycles (their instance-level wrappers), so the iterator
+    lived until a later garbage collection took the model, at any point of
+    the script, where freeing it joins those threads. Dropped here, it goes
+    at once, on every rank at the same point."""
+    if getattr(model, "_eval_epoch_iterator", None) is not None:
+        model._eval_epoch_iterator = None
+
+
 def _call_with_callbacks(method, model, args, kwargs, extra):
     bound, callbacks = _callbacks_arg(method, model, args, kwargs)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
@@ -1635,6 +1650,7 @@ def install(model, part=False):
         finally:
             set_row_copies(self, 1)              # this fit's inputs only
             set_row_weighting(self, False)
+            drop_validation_iterator(self)
 
     @collective_api("model.evaluate", _EVAL_HINT.format("evaluate"))
     def evaluate(self, *args, **kwargs):

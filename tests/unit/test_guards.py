@@ -85,6 +85,28 @@ def test_transformed_model_is_guarded_and_trains_alone():
     assert float(model._tfhybrid_batch_checksum.numpy()) == 0.0
 
 
+def test_a_fit_that_raises_in_validation_keeps_no_iterator():
+    """Keras caches fit's validation iterator on the model and deletes it after
+    the last epoch; a fit that raised kept it (and its tf.data threads) until
+    a garbage collection took the model."""
+    class Stop(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            raise RuntimeError("stop in validation")
+
+    model = tfhybrid.transform(_model(), "d")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = np.ones((8, 3), np.float32), np.zeros((8, 2), np.float32)
+    with pytest.raises(RuntimeError, match="stop in validation"):
+        model.fit(x, y, batch_size=4, verbose=0, validation_data=(x, y), callbacks=[Stop()])
+    assert getattr(model, "_eval_epoch_iterator", None) is None
+    plain = _model()            # Keras alone keeps it: the check above can fail
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(RuntimeError, match="stop in validation"):
+        plain.fit(x, y, batch_size=4, verbose=0, validation_data=(x, y), callbacks=[Stop()])
+    assert getattr(plain, "_eval_epoch_iterator", None) is not None
+    assert model.fit(x, y, batch_size=4, verbose=0, validation_data=(x, y)).history["val_loss"]
+
+
 def test_guard_callback_asks_for_batch_checksums_only_on_guarded_steps():
     model = tfhybrid.transform(_model(), "d")
     due = model._tfhybrid_batch_checksum_due

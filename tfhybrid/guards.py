@@ -1105,7 +1105,8 @@ def drop_validation_iterator(model):
     in reference cycles (their instance-level wrappers), so the iterator
     lived until a later garbage collection took the model, at any point of
     the script, where freeing it joins those threads. Dropped here, it goes
-    at once, on every rank at the same point."""
+    with the exception (whose traceback may still hold Keras' frames), no
+    longer with the model."""
     if getattr(model, "_eval_epoch_iterator", None) is not None:
         model._eval_epoch_iterator = None
 

@@ -1830,11 +1830,36 @@ def lean_train_function(model, keras_function):
             return keras_function(iterator)
         seen = epoch["iterator"]
         if seen is None or seen() is not iterator:
-            epoch["step"] = step.get_concrete_function(iterator)
+            epoch["step"] = _flat_caller(step.get_concrete_function(iterator), iterator)
             epoch["iterator"] = weakref.ref(iterator)
-        return epoch["step"](iterator)
+        return epoch["step"]()
 
     return function
+
+
+def _flat_caller(concrete, iterator):
+    """A call of ``concrete`` on ``iterator`` with its one flat input, the
+    iterator's resource handle (checked once here against the traced signature).
+
+    ``ConcreteFunction.__call__`` binds and type-checks the structured
+    arguments on every call (the iterator's spec canonicalised and cast:
+    0.11 ms per call here, ~1% of a small CNN's data-parallel step);
+    ``_call_flat`` with the same flat tensors runs the same function (TF
+    2.18). Where this TensorFlow has no such entry point, or the iterator
+    does not flatten to one resource tensor, the structured call is kept.
+    """
+    call_flat = getattr(concrete, "_call_flat", None)
+    handle = getattr(iterator, "_iterator_resource", None)
+    try:
+        flat = concrete.function_type.unpack_inputs(
+            concrete.function_type.bind(iterator))
+    except Exception:  # noqa: BLE001 (any other signature: the public call)
+        flat = None
+    if (call_flat is None or handle is None or flat is None or len(flat) != 1
+            or flat[0] is not handle):
+        return lambda: concrete(iterator)
+    captured = concrete.captured_inputs
+    return lambda: call_flat([handle], captured)
 
 
 def set_consistent_seed():

@@ -217,6 +217,34 @@ def test_lean_train_function_follows_each_new_iterator():
         np.testing.assert_array_equal(a, b)
 
 
+def test_lean_train_function_calls_the_concrete_function_flat():
+    """The epoch's step runs through the concrete function's flat entry point
+    (the iterator's resource handle, no per-call signature binding): the same
+    batches, in order, as the structured call, and the flat path is the one
+    taken (counted)."""
+    from tfhybrid.guards import _flat_caller
+
+    data = tf.data.Dataset.range(6).map(lambda i: tf.fill([2], tf.cast(i, tf.float32)))
+
+    @tf.function
+    def step(iterator):
+        return {"sum": tf.reduce_sum(iterator.get_next())}
+
+    flat_it, plain_it = iter(data), iter(data)
+    concrete = step.get_concrete_function(flat_it)
+    calls = []
+    original = concrete._call_flat
+    concrete._call_flat = lambda *a: calls.append(1) or original(*a)
+    run = _flat_caller(concrete, flat_it)
+    got = [float(run()["sum"]) for _ in range(6)]
+    concrete._call_flat = original
+    want = [float(concrete(plain_it)["sum"]) for _ in range(6)]
+    assert got == want == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    assert len(calls) == 6
+    with pytest.raises(tf.errors.OutOfRangeError):
+        run()
+
+
 def test_fit_on_a_dataset_does_not_warn_about_shuffle():
     """Keras warns that shuffle=True (fit's default) is ignored for a tf.data.Dataset;
     a transformed model's fit passes shuffle=False unless the script set it."""

@@ -195,3 +195,32 @@ def test_batch_norm_moments_are_priced_where_they_are_synchronized():
         predict(keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(8, 3),
                                   keras.layers.Flatten(), keras.layers.Dense(8)]),
                 "f", 4, 16, mach).comm_s["FB-allreduce"])
+
+
+def test_calibration_names_each_collective_size_apart():
+    """Calibration's collectives carry one name per kind, group size and message
+    size, as a training step's collectives do, so Horovod's response cache serves
+    their repeats (one name for all sizes made every call a cache miss: 2-3x the
+    cost per 2-rank collective at 4 ranks)."""
+    from tfhybrid.oracle.calibration import fit
+
+    names = []
+
+    class Recording:
+        def allreduce(self, x, ranks, name):
+            names.append(name)
+            return x
+
+        def allgather(self, x, ranks, name):
+            names.append(name)
+            return x
+
+        def alltoall(self, x, splits, ranks, name):
+            names.append(name)
+            return x
+
+    for kind in fit.COLLECTIVE_KINDS:
+        for ranks in ((0, 1), (0, 1, 2, 3)):
+            for n in (8, 16):
+                fit._collective(kind, list(range(n)), ranks, Recording(), n)
+    assert len(set(names)) == len(names) == 12

@@ -21,6 +21,7 @@ INSTANCES = [
     lambda: L.SpatialConv2DTranspose(4, 2), lambda: L.SpatialConv3DTranspose(4, 2),
     lambda: L.SpatialGroupNormalization(groups=2), lambda: L.SpatialDepthwiseConv2D(3),
     lambda: L.SpatialSeparableConv2D(4, 3), lambda: L.SpatialUpSampling2D(2),
+    lambda: L.SpatialGlobalAveragePooling2D(), lambda: L.SpatialGlobalAveragePooling3D(),
 ]
 
 

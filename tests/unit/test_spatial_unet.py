@@ -288,6 +288,8 @@ def test_a_classification_head_beside_the_decoder_does_not_end_the_region():
     gap = keras.layers.GlobalAveragePooling2D(name="gap")(seg.get_layer("mid_relu2").output)
     cls = keras.layers.Dense(2, name="cls")(gap)
     plan = plan_of(keras.Model(seg.inputs, [seg.outputs[0], cls]), "s", 2, 2)
-    assert plan.node("gap").conversions == ("space_gather",)
+    # the pooling sums the blocks (one all-reduce), no gather of the feature map
+    assert plan.node("gap").conversions == (None,) and kinds(plan)["gap"] == "spatial"
+    assert plan.node("gap").output.kind == "replicated"
     assert kinds(plan)["dec0_conv2"] == kinds(plan)["up0"] == "spatial"
     assert plan.split_outputs == (True, False)

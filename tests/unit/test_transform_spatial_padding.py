@@ -76,7 +76,8 @@ def test_s_runs_the_region_through_both_paddings_of_the_stem():
     assert kinds["conv1_conv"] == kinds["pool1_pad"] == kinds["pool1_pool"] == "spatial"
     assert kinds["conv2"] == "spatial" and kinds["conv1_bn"] == "syncbn"
     assert plan.node("pool1_pad").conversions == (None,)
-    assert plan.node("gap").conversions == ("space_gather",)
+    assert plan.node("gap").conversions == (None,) and kinds["gap"] == "spatial"
+    assert plan.node("gap").output.kind == "replicated"   # summed blocks: no gather
 
 
 def test_ds_spatial_layers_counts_only_convolutions():

@@ -9,7 +9,8 @@ from tfhybrid.layers.spatial import (SpatialAveragePooling2D, SpatialAveragePool
                                      SpatialZeroPadding3D, SpatialConv2DTranspose,
                                      SpatialConv3DTranspose, SpatialGroupNormalization,
                                      SpatialDepthwiseConv2D, SpatialSeparableConv2D,
-                                     SpatialUpSampling2D)
+                                     SpatialUpSampling2D, SpatialGlobalAveragePooling2D,
+                                     SpatialGlobalAveragePooling3D)
 # -- end spatial ------------------------------------------------------------------
 
 # -- model parallelism (filter/channel), SplitBrain boundaries, sync batch norm --

@@ -60,6 +60,8 @@ class LayerRow:
             layers: (fwd+bwd FLOPs) / (|x| + |y|) items exchanged per sample.
         batch_stats: A BatchNormalization (its training moments are
             synchronized over the ranks that split the batch).
+        global_average: A channels-last GlobalAveragePooling2D/3D (under
+            s/ds it pools the blocks and all-reduces their sums: no gather).
 
     Example:
         >>> LayerRow("fc", "dense", 36, 32, 4, 72, 144, 8, 4, 8, 4).filters
@@ -85,6 +87,7 @@ class LayerRow:
     halo_dy: int = 0
     ccr: float = 0.0
     batch_stats: bool = False
+    global_average: bool = False
 
     @property
     def has_weights(self) -> bool:
@@ -226,8 +229,11 @@ def _pool_row(layer, xs, ys, total, biases):
     x, y = xs[0], ys[0]
     cls = layer.__class__.__name__
     if cls.startswith("Global"):
+        average = cls.startswith("GlobalAverage") and \
+            getattr(layer, "data_format", "channels_last") == "channels_last"
         return dict(kind="pool", fwd_flops=_items(x), bwd_flops=_items(x), channels=x[-1],
-                    filters=y[-1], spatial_in=x[:-1], spatial_out=())
+                    filters=y[-1], spatial_in=x[:-1], spatial_out=(),
+                    global_average=average and len(x) in (3, 4))
     pool = tuple(layer.pool_size)
     strides = tuple(layer.strides or pool)
     fwd = _items(y) * math.prod(pool)

@@ -213,7 +213,11 @@ def _grids(n, ndim):
 
 
 def _spatial_part(ctx, p_sp, grid, nb, span):
-    """Compute, halo, gather and memory terms of the spatial part at batch nb."""
+    """Compute, halo, boundary and memory terms of the spatial part at batch nb.
+
+    The boundary is ``{"FB_ag": s}`` (the feature map gathered before the first
+    replicated layer) or ``{"FB_ar": s}`` (a global average pooling right after
+    the region pools the blocks and all-reduces their sums)."""
     m, d, idx = ctx.m, ctx.delta, ctx.spatial_prefix()
     comp = halo = 0.0
     for i in idx:
@@ -225,12 +229,19 @@ def _spatial_part(ctx, p_sp, grid, nb, span):
             if i > 0:   # the model input's gradient is never computed: no bwd halo
                 halo += m.t_neighbours(p_sp, nb * d * sy, span)
     rest = [i for i in range(len(ctx.rows)) if i not in set(idx)]
-    comp += sum(nb * ctx.fb[i] for i in rest) + sum(ctx.wu)
-    gather = 0.0
-    if idx and rest:
+    gather, pooled, phase = 0.0, [], "FB_ag"
+    if idx and rest and ctx.rows[rest[0]].global_average and rest[0] == idx[-1] + 1:
+        # the region ends in a global average pooling of the blocks: one all-reduce
+        # of the blocks' sums (batch x (channels + 1)), its compute on the blocks
+        pooled, rest, phase = rest[:1], rest[1:], "FB_ar"
+        comp += nb * ctx.fb[pooled[0]] / p_sp
+        gather = m.t_allreduce(p_sp, nb * (ctx.rows[pooled[0]].filters + 1) * d, span)
+    elif idx and rest:
         gather = m.t_allgather(p_sp, nb * ctx.rows[idx[-1]].y * d / p_sp, span)
-    terms = [(ctx.rows[i], nb, p_sp, 1) for i in idx] + [(ctx.rows[i], nb, 1, 1) for i in rest]
-    return comp, halo, gather, ctx.mem(terms), idx
+    comp += sum(nb * ctx.fb[i] for i in rest) + sum(ctx.wu)
+    terms = ([(ctx.rows[i], nb, p_sp, 1) for i in idx + pooled]
+             + [(ctx.rows[i], nb, 1, 1) for i in rest])
+    return comp, halo, {phase: gather}, ctx.mem(terms), idx
 
 
 def _spatial_candidates(ctx, p_sp, grid):
@@ -296,13 +307,13 @@ def _spatial_one(ctx, p, p1, grid, name="s"):
         reasons.append("the model has no layer with spatial axes to split")
     lim, uneven = _spatial_limits(ctx, ctx.spatial_prefix(), grid)
     nb = ctx.B / p1
-    comp, halo, gather, mem, idx = _spatial_part(ctx, p_sp, grid, nb, p_sp)
+    comp, halo, boundary, mem, idx = _spatial_part(ctx, p_sp, grid, nb, p_sp)
     # spatial weights are partial sums (world); the rest sees the same rows inside a
     # spatial group (identical gradients) and is averaged over the data groups only
     sp_params = sum(ctx.rows[i].params for i in idx)
     ge = ctx.m.t_allreduce(p, sp_params * ctx.delta) + ctx.m.t_allreduce(
         p1, (sum(r.params for r in ctx.rows) - sp_params) * ctx.delta, span=p)
-    comm = _phases(halo=halo, FB_ag=gather, GE_ar=ge)
+    comm = _phases(halo=halo, GE_ar=ge, **boundary)
     opts = {"grid": {"data": p1, "spatial": list(grid)}, "spatial_layers": len(idx),
             "uneven_layers": uneven}
     comp *= ctx.m.oversubscription(p)

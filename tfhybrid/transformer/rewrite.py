@@ -96,7 +96,9 @@ _SPATIAL_COPIES = {"Conv2D": P.SpatialConv2D, "DepthwiseConv2D": P.SpatialDepthw
                    "Conv2DTranspose": P.SpatialConv2DTranspose,
                    "Conv3DTranspose": P.SpatialConv3DTranspose,
                    "GroupNormalization": P.SpatialGroupNormalization,
-                   "UpSampling2D": P.SpatialUpSampling2D}
+                   "UpSampling2D": P.SpatialUpSampling2D,
+                   "GlobalAveragePooling2D": P.SpatialGlobalAveragePooling2D,
+                   "GlobalAveragePooling3D": P.SpatialGlobalAveragePooling3D}
 
 
 def _spatial(layer, np, grid):

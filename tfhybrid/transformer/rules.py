@@ -154,6 +154,9 @@ class Channelwise(Rule):
             return Decision((None,), "replicate", lay)
         if spatial_window(node, ctx.spatial):
             return Decision((None,), "spatial", lay, {"split": ctx.spatial})
+        if spatial_global_average(node):   # the blocks' sums all-reduced: no gather
+            return Decision((None,), "spatial", lay.with_kind("replicated"),
+                            {"split": ctx.spatial})
         return Decision(("replicated",), "replicate", lay.with_kind("replicated"))
 
 
@@ -365,6 +368,20 @@ class Linear(Rule):
         paired = kind == "channel_split" and lay.kind == "channel"
         return Decision(("channel" if paired else "replicated",), "channel", rows,
                         {"input_layout": "split" if paired else "replicated"})
+
+
+def spatial_global_average(node) -> bool:
+    """True for a channels-last GlobalAveragePooling2D/3D: on ``space`` blocks it
+    sums each block and all-reduces the sums
+    (:class:`tfhybrid.layers.SpatialGlobalAveragePooling2D`), a replicated output
+    without gathering the feature map.
+
+    Example:
+        >>> spatial_global_average(node_of(keras.layers.GlobalAveragePooling3D()))
+        True
+    """
+    return node.cls in ("GlobalAveragePooling2D", "GlobalAveragePooling3D") and \
+        node.attr("data_format", "channels_last") == "channels_last"
 
 
 def spatial_window(node, spatial) -> bool:

@@ -165,6 +165,24 @@ def test_spatial_hand():
     assert r.options["grid"] == {"data": 1, "spatial": [2, 1]}
 
 
+def test_spatial_region_ending_in_global_average_all_reduces_the_block_sums():
+    """A GlobalAveragePooling after the region pools the blocks: one all-reduce of
+    batch x (channels + 1) numbers instead of all-gathering the feature map."""
+    gap = LayerRow("gap", "pool", 0, 0, 0, 128, 128, 128, 2, 2, 2, (8, 8), (),
+                   global_average=True)
+    fc = LayerRow("fc", "dense", 6, 4, 2, 8, 16, 2, 2, 2, 2, ccr=1.0)
+    pooled = predict(ModelProfile("gap", (CONV, gap, fc), 64), "s", 2, 4, M, spatial=(2, 1))
+    # 2(p-1)(alpha + m/p beta), m = 4 rows x 3 numbers
+    assert pooled.comm_s["FB-allreduce"] == pytest.approx(2 * (1 + 4 * 3 / 2 * 0.5))
+    assert pooled.comm_s.get("FB-allgather", 0.0) == 0.0
+    plain = dataclasses.replace(gap, global_average=False)     # a max pooling: gathered
+    gathered = predict(ModelProfile("gmp", (CONV, plain, fc), 64), "s", 2, 4, M,
+                       spatial=(2, 1))
+    # (p-1)(alpha + m beta), m = 4 rows x the block's half of the 128 items
+    assert gathered.comm_s["FB-allgather"] == pytest.approx(1 + 4 * 64 * 0.5)
+    assert pooled.compute_s < gathered.compute_s       # the pooling runs on the blocks
+
+
 def test_data_spatial_grid():
     r = predict(CPROF, "ds", 4, 4, M, spatial=(2, 1))
     assert r.compute_s == pytest.approx(2 * 24 * 0.5)
@@ -349,3 +367,17 @@ def test_layer_separation_slows_each_side_by_its_own_concurrency():
     # 2 CONV workers compute at once (x1.5), then 2 FC workers (x1.5): never all 4
     assert r.compute_s == pytest.approx(1.5 * K * fb_c + 1.5 * (2 / 2) * K * fb_f)
     assert predict(prof, "d", 4, 4, m).compute_s == pytest.approx(3.0 * 1 * (fb_c + fb_f))
+
+
+def test_profile_marks_channels_last_global_average_pooling():
+    import keras
+
+    from tfhybrid.oracle.profile import profile
+
+    i = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, padding="same", name="conv")(i)
+    a = keras.layers.GlobalAveragePooling2D(name="gap")(x)
+    m = keras.layers.GlobalMaxPooling2D(name="gmp")(x)
+    rows = {r.name: r for r in profile(keras.Model(i, [a, m])).rows}
+    assert rows["gap"].global_average and not rows["gmp"].global_average
+    assert not rows["conv"].global_average

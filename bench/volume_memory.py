@@ -91,6 +91,19 @@ rank of p = 4 carries ~100-120 MB of its own. p = 1's growth itself differs
 from run to run and setting to setting (1524-1743 MB seen), which moves
 every ratio by up to ~10 %.
 
+``--tensors`` (session 27) also reports TensorFlow's own peak of tensor memory
+during ``fit`` (``TF_CPU_ALLOCATOR_USE_BFC=true``: the allocator's statistics,
+free of malloc arenas and the runtime; the resident-set columns then stop
+scaling, as that allocator keeps the regions it grew, so read only its own
+lines). U-Net 48^3 x 1, 8 filters, batch 2, ``--fusion_mb 1``, data.volumes,
+2 inter-op threads: 117.4 MB at p = 1; 63.7 MB at p = 2 (ratio 1.08 to
+single/p + params); 42.0 MB at p = 4 (1.41, the middle ranks). At p = 4 the
+excess over single/p grows with the blocks' faces, not their volumes (a
+/tmp probe with ``fit(x, y)``, 1 inter-op thread: 5.5-6.5 MB at 32^3,
+10-13 MB at 48^3, 14-21 MB at 64^3 over a plain quarter-volume fit); keeping
+only the received halo rows for the backward (the zero-framed thin inputs
+rebuilt there) did not lower it, so those inputs are not what peaks.
+
 Usage (the whole run stays under ~5 GB on the box)::
 
     .venv/bin/python bench/volume_memory.py                 # p = 1, 2, 4
@@ -142,6 +155,11 @@ def _args(argv=None):
                     help="also train the same model on volumes of this edge at each p, to "
                     "measure what fit adds that does not scale with the volume (tracing, "
                     "Horovod's buffers); 0: skip")
+    ap.add_argument("--tensors", action="store_true",
+                    help="also report each rank's peak of TensorFlow tensor memory during "
+                    "fit (TF_CPU_ALLOCATOR_USE_BFC=true: the allocator's statistics; no "
+                    "malloc arenas or runtime; Horovod's fusion buffer counts: use "
+                    "--fusion_mb 1)")
     ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)   # output directory
     args = ap.parse_args(argv)
@@ -288,9 +306,14 @@ def worker(args):
     with open(path, "w") as f:       # ok=None: reached fit (overwritten when it returns)
         json.dump(dict(row, ok=None, peak_mb=_rss_mb(), growth_mb=0.0,
                        vm_data_peak_mb=vm_peak[0]), f)
+    tensors = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") == "true"
+    if tensors:
+        tf.config.experimental.reset_memory_stats("CPU:0")
     try:
         model.fit(ds, epochs=1, steps_per_epoch=args.steps, verbose=0)
         row["ok"] = True
+        if tensors:
+            row["tensor_peak_mb"] = tf.config.experimental.get_memory_info("CPU:0")["peak"] / MB
     except (tf.errors.OpError, MemoryError) as err:     # OOM, oneDNN "could not create"
         row["ok"], row["error"] = False, f"{type(err).__name__}: {str(err)[:200]}"
     row["peak_mb"] = _rss_mb()
@@ -318,6 +341,8 @@ def run(args, p, out_dir, timeout=1800):
     env = dict(os.environ, TF_NUM_INTRAOP_THREADS=os.environ.get("TF_NUM_INTRAOP_THREADS", "1"),
                TF_NUM_INTEROP_THREADS=os.environ.get("TF_NUM_INTEROP_THREADS", "2"),
                OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    if getattr(args, "tensors", False):
+        env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     rows = []
@@ -394,6 +419,16 @@ def summary(rows_by_p, fusion=0, base_by_p=None, baseline=0):
         "Horovod's tensor-fusion buffer (128 MiB by default; --fusion_mb) is allocated",
         "during fit by p > 1 only and so counts in its growth"
         + (f" (here {fusion} MiB)." if fusion else ": compare --fusion_mb 1.")]
+    tensors = {p: max(r["tensor_peak_mb"] for r in rows) for p, rows in rows_by_p.items()
+               if rows and all("tensor_peak_mb" in r for r in rows)}
+    if tensors and 1 in tensors:
+        params = {p: max(r["param_mb"] for r in rows) for p, rows in rows_by_p.items() if rows}
+        lines += ["tensor memory (TensorFlow allocator's peak during fit, worst rank; "
+                  "ideal = tensors(1)/p + params; under this allocator the resident-set "
+                  "columns above do not scale):"]
+        lines += [f"   p={p}: {t:.1f} MB, ideal {tensors[1] / p + params[p]:.1f} MB, "
+                  f"ratio {t / (tensors[1] / p + params[p]):.2f}"
+                  for p, t in sorted(tensors.items())]
     if vol:
         lines += [
             f"'vol +MB' is a rank's fit growth minus its growth training the same model on a "

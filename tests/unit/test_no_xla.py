@@ -22,6 +22,7 @@ INSTANCES = [
     lambda: L.SpatialGroupNormalization(groups=2), lambda: L.SpatialDepthwiseConv2D(3),
     lambda: L.SpatialSeparableConv2D(4, 3), lambda: L.SpatialUpSampling2D(2),
     lambda: L.SpatialGlobalAveragePooling2D(), lambda: L.SpatialGlobalAveragePooling3D(),
+    lambda: L.SpatialGlobalMaxPooling2D(), lambda: L.SpatialGlobalMaxPooling3D(),
 ]
 
 

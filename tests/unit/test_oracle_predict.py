@@ -169,14 +169,19 @@ def test_spatial_region_ending_in_global_average_all_reduces_the_block_sums():
     """A GlobalAveragePooling after the region pools the blocks: one all-reduce of
     batch x (channels + 1) numbers instead of all-gathering the feature map."""
     gap = LayerRow("gap", "pool", 0, 0, 0, 128, 128, 128, 2, 2, 2, (8, 8), (),
-                   global_average=True)
+                   global_pool="average")
     fc = LayerRow("fc", "dense", 6, 4, 2, 8, 16, 2, 2, 2, 2, ccr=1.0)
     pooled = predict(ModelProfile("gap", (CONV, gap, fc), 64), "s", 2, 4, M, spatial=(2, 1))
     # 2(p-1)(alpha + m/p beta), m = 4 rows x 3 numbers
     assert pooled.comm_s["FB-allreduce"] == pytest.approx(2 * (1 + 4 * 3 / 2 * 0.5))
     assert pooled.comm_s.get("FB-allgather", 0.0) == 0.0
-    plain = dataclasses.replace(gap, global_average=False)     # a max pooling: gathered
-    gathered = predict(ModelProfile("gmp", (CONV, plain, fc), 64), "s", 2, 4, M,
+    maxima = predict(ModelProfile("gmp", (CONV, dataclasses.replace(gap, global_pool="max"),
+                                          fc), 64), "s", 2, 4, M, spatial=(2, 1))
+    # the maxima gathered, (p-1)(alpha + m beta), m = 4 x 2; the tie counts all-reduced
+    assert maxima.comm_s["FB-allgather"] == pytest.approx(1 + 4 * 2 * 0.5)
+    assert maxima.comm_s["FB-allreduce"] == pytest.approx(2 * (1 + 4 * 2 / 2 * 0.5))
+    plain = dataclasses.replace(gap, global_pool="")     # e.g. channels first: gathered
+    gathered = predict(ModelProfile("plain", (CONV, plain, fc), 64), "s", 2, 4, M,
                        spatial=(2, 1))
     # (p-1)(alpha + m beta), m = 4 rows x the block's half of the 128 items
     assert gathered.comm_s["FB-allgather"] == pytest.approx(1 + 4 * 64 * 0.5)
@@ -369,7 +374,7 @@ def test_layer_separation_slows_each_side_by_its_own_concurrency():
     assert predict(prof, "d", 4, 4, m).compute_s == pytest.approx(3.0 * 1 * (fb_c + fb_f))
 
 
-def test_profile_marks_channels_last_global_average_pooling():
+def test_profile_marks_channels_last_global_pooling():
     import keras
 
     from tfhybrid.oracle.profile import profile
@@ -379,5 +384,5 @@ def test_profile_marks_channels_last_global_average_pooling():
     a = keras.layers.GlobalAveragePooling2D(name="gap")(x)
     m = keras.layers.GlobalMaxPooling2D(name="gmp")(x)
     rows = {r.name: r for r in profile(keras.Model(i, [a, m])).rows}
-    assert rows["gap"].global_average and not rows["gmp"].global_average
-    assert not rows["conv"].global_average
+    assert rows["gap"].global_pool == "average" and rows["gmp"].global_pool == "max"
+    assert rows["conv"].global_pool == ""

@@ -10,7 +10,8 @@ from tfhybrid.layers.spatial import (SpatialAveragePooling2D, SpatialAveragePool
                                      SpatialConv3DTranspose, SpatialGroupNormalization,
                                      SpatialDepthwiseConv2D, SpatialSeparableConv2D,
                                      SpatialUpSampling2D, SpatialGlobalAveragePooling2D,
-                                     SpatialGlobalAveragePooling3D)
+                                     SpatialGlobalAveragePooling3D, SpatialGlobalMaxPooling2D,
+                                     SpatialGlobalMaxPooling3D)
 # -- end spatial ------------------------------------------------------------------
 
 # -- model parallelism (filter/channel), SplitBrain boundaries, sync batch norm --

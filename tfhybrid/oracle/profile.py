@@ -60,8 +60,10 @@ class LayerRow:
             layers: (fwd+bwd FLOPs) / (|x| + |y|) items exchanged per sample.
         batch_stats: A BatchNormalization (its training moments are
             synchronized over the ranks that split the batch).
-        global_average: A channels-last GlobalAveragePooling2D/3D (under
-            s/ds it pools the blocks and all-reduces their sums: no gather).
+        global_pool: ``"average"`` or ``"max"`` for a channels-last
+            GlobalAveragePooling2D/3D or GlobalMaxPooling2D/3D (under s/ds it
+            pools the blocks and combines their sums or maxima: no gather),
+            else ``""``.
 
     Example:
         >>> LayerRow("fc", "dense", 36, 32, 4, 72, 144, 8, 4, 8, 4).filters
@@ -87,7 +89,7 @@ class LayerRow:
     halo_dy: int = 0
     ccr: float = 0.0
     batch_stats: bool = False
-    global_average: bool = False
+    global_pool: str = ""
 
     @property
     def has_weights(self) -> bool:
@@ -229,11 +231,12 @@ def _pool_row(layer, xs, ys, total, biases):
     x, y = xs[0], ys[0]
     cls = layer.__class__.__name__
     if cls.startswith("Global"):
-        average = cls.startswith("GlobalAverage") and \
-            getattr(layer, "data_format", "channels_last") == "channels_last"
+        kind = "average" if cls.startswith("GlobalAverage") else "max"
+        on_blocks = getattr(layer, "data_format", "channels_last") == "channels_last" \
+            and len(x) in (3, 4)     # 2-D and 3-D: what s/ds split
         return dict(kind="pool", fwd_flops=_items(x), bwd_flops=_items(x), channels=x[-1],
                     filters=y[-1], spatial_in=x[:-1], spatial_out=(),
-                    global_average=average and len(x) in (3, 4))
+                    global_pool=kind if on_blocks else "")
     pool = tuple(layer.pool_size)
     strides = tuple(layer.strides or pool)
     fwd = _items(y) * math.prod(pool)

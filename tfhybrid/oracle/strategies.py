@@ -216,8 +216,10 @@ def _spatial_part(ctx, p_sp, grid, nb, span):
     """Compute, halo, boundary and memory terms of the spatial part at batch nb.
 
     The boundary is ``{"FB_ag": s}`` (the feature map gathered before the first
-    replicated layer) or ``{"FB_ar": s}`` (a global average pooling right after
-    the region pools the blocks and all-reduces their sums)."""
+    replicated layer), or, for a global pooling right after the region (it pools
+    the blocks), ``{"FB_ar": s}`` (average: the blocks' sums all-reduced) or
+    ``{"FB_ag": s, "FB_ar": s2}`` (max: the maxima all-gathered, backward the
+    tie counts all-reduced)."""
     m, d, idx = ctx.m, ctx.delta, ctx.spatial_prefix()
     comp = halo = 0.0
     for i in idx:
@@ -229,19 +231,24 @@ def _spatial_part(ctx, p_sp, grid, nb, span):
             if i > 0:   # the model input's gradient is never computed: no bwd halo
                 halo += m.t_neighbours(p_sp, nb * d * sy, span)
     rest = [i for i in range(len(ctx.rows)) if i not in set(idx)]
-    gather, pooled, phase = 0.0, [], "FB_ag"
-    if idx and rest and ctx.rows[rest[0]].global_average and rest[0] == idx[-1] + 1:
-        # the region ends in a global average pooling of the blocks: one all-reduce
-        # of the blocks' sums (batch x (channels + 1)), its compute on the blocks
-        pooled, rest, phase = rest[:1], rest[1:], "FB_ar"
+    boundary, pooled = {}, []
+    pool = ctx.rows[rest[0]].global_pool if idx and rest and rest[0] == idx[-1] + 1 else ""
+    if pool:
+        # the region ends in a global pooling of the blocks, its compute on the blocks
+        pooled, rest = rest[:1], rest[1:]
         comp += nb * ctx.fb[pooled[0]] / p_sp
-        gather = m.t_allreduce(p_sp, nb * (ctx.rows[pooled[0]].filters + 1) * d, span)
+        c = ctx.rows[pooled[0]].filters
+        if pool == "average":    # one all-reduce of the sums, batch x (channels + 1)
+            boundary["FB_ar"] = m.t_allreduce(p_sp, nb * (c + 1) * d, span)
+        else:                    # the maxima all-gathered; backward the tie counts summed
+            boundary["FB_ag"] = m.t_allgather(p_sp, nb * c * d, span)
+            boundary["FB_ar"] = m.t_allreduce(p_sp, nb * c * d, span)
     elif idx and rest:
-        gather = m.t_allgather(p_sp, nb * ctx.rows[idx[-1]].y * d / p_sp, span)
+        boundary["FB_ag"] = m.t_allgather(p_sp, nb * ctx.rows[idx[-1]].y * d / p_sp, span)
     comp += sum(nb * ctx.fb[i] for i in rest) + sum(ctx.wu)
     terms = ([(ctx.rows[i], nb, p_sp, 1) for i in idx + pooled]
              + [(ctx.rows[i], nb, 1, 1) for i in rest])
-    return comp, halo, {phase: gather}, ctx.mem(terms), idx
+    return comp, halo, boundary, ctx.mem(terms), idx
 
 
 def _spatial_candidates(ctx, p_sp, grid):

@@ -252,9 +252,13 @@ def _activation_comms(np_, node, rows, ctx, boundary=None):
     elif np_.kind == "spatial" and np_.cls in rules.SPATIAL_WEIGHTED:
         halo = _halo_bytes(node, group_rows, ctx)
         out += [("fwd", "halo", "model", halo), ("bwd", "halo", "model", halo)]
-    elif np_.kind == "spatial" and rules.spatial_global_average(node):
-        # the blocks' sums and voxel count, all-reduced (backward: none)
-        out.append(("fwd", "allreduce", "model", group_rows * (node.out_shape[-1] + 1) * _F32))
+    elif np_.kind == "spatial" and rules.spatial_global_pool(node):
+        c = node.out_shape[-1]
+        if node.cls.startswith("GlobalAverage"):   # the blocks' sums and voxel count
+            out.append(("fwd", "allreduce", "model", group_rows * (c + 1) * _F32))
+        else:      # the blocks' maxima; backward, their tie counts
+            out += [("fwd", "allgather", "model", group_rows * c * _F32),
+                    ("bwd", "allreduce", "model", group_rows * c * _F32)]
     elif np_.kind == "syncbn":
         c = node.out_shape[-1] * _F32
         out += [("fwd", "allreduce", "+".join(np_.params["bn_groups"]), 3 * c),

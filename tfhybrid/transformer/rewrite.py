@@ -98,7 +98,9 @@ _SPATIAL_COPIES = {"Conv2D": P.SpatialConv2D, "DepthwiseConv2D": P.SpatialDepthw
                    "GroupNormalization": P.SpatialGroupNormalization,
                    "UpSampling2D": P.SpatialUpSampling2D,
                    "GlobalAveragePooling2D": P.SpatialGlobalAveragePooling2D,
-                   "GlobalAveragePooling3D": P.SpatialGlobalAveragePooling3D}
+                   "GlobalAveragePooling3D": P.SpatialGlobalAveragePooling3D,
+                   "GlobalMaxPooling2D": P.SpatialGlobalMaxPooling2D,
+                   "GlobalMaxPooling3D": P.SpatialGlobalMaxPooling3D}
 
 
 def _spatial(layer, np, grid):

@@ -154,7 +154,7 @@ class Channelwise(Rule):
             return Decision((None,), "replicate", lay)
         if spatial_window(node, ctx.spatial):
             return Decision((None,), "spatial", lay, {"split": ctx.spatial})
-        if spatial_global_average(node):   # the blocks' sums all-reduced: no gather
+        if spatial_global_pool(node):   # the blocks' sums or maxima combined: no gather
             return Decision((None,), "spatial", lay.with_kind("replicated"),
                             {"split": ctx.spatial})
         return Decision(("replicated",), "replicate", lay.with_kind("replicated"))
@@ -370,17 +370,21 @@ class Linear(Rule):
                         {"input_layout": "split" if paired else "replicated"})
 
 
-def spatial_global_average(node) -> bool:
-    """True for a channels-last GlobalAveragePooling2D/3D: on ``space`` blocks it
-    sums each block and all-reduces the sums
-    (:class:`tfhybrid.layers.SpatialGlobalAveragePooling2D`), a replicated output
-    without gathering the feature map.
+GLOBAL_POOLS = ("GlobalAveragePooling2D", "GlobalAveragePooling3D", "GlobalMaxPooling2D",
+                "GlobalMaxPooling3D")
+
+
+def spatial_global_pool(node) -> bool:
+    """True for a channels-last GlobalAveragePooling2D/3D or GlobalMaxPooling2D/3D:
+    on ``space`` blocks it pools each block and combines the blocks' sums
+    (all-reduce) or maxima (all-gather) into a replicated output
+    (:mod:`tfhybrid.layers.spatial.global_pool`), without gathering the feature map.
 
     Example:
-        >>> spatial_global_average(node_of(keras.layers.GlobalAveragePooling3D()))
+        >>> spatial_global_pool(node_of(keras.layers.GlobalAveragePooling3D()))
         True
     """
-    return node.cls in ("GlobalAveragePooling2D", "GlobalAveragePooling3D") and \
+    return node.cls in GLOBAL_POOLS and \
         node.attr("data_format", "channels_last") == "channels_last"
 
 

@@ -23,15 +23,17 @@ needs; pure Python, beside the process grid), :mod:`.core` (halo assembly and
 overlapped execution), :mod:`.conv`, :mod:`.pool`, :mod:`.io` (scatter and
 gather), :mod:`.border` (zero padding and cropping), :mod:`.transpose`
 (transposed convolutions), :mod:`.group_norm` (GroupNormalization with the
-whole volume's moments), :mod:`.global_pool` (global average pooling: the
-blocks' sums all-reduced, no gather), :mod:`.output` (per-voxel outputs kept in blocks:
+whole volume's moments), :mod:`.global_pool` (global average and max
+pooling: the blocks' sums or maxima combined, no gather), :mod:`.output` (per-voxel outputs kept in blocks:
 their loss, metrics and labels).
 """
 from tfhybrid.layers.spatial.conv import (SpatialConv2D, SpatialConv3D, SpatialDepthwiseConv2D,
                                           SpatialSeparableConv2D)
 from tfhybrid.layers.spatial.group_norm import SpatialGroupNormalization
 from tfhybrid.layers.spatial.global_pool import (SpatialGlobalAveragePooling2D,
-                                                 SpatialGlobalAveragePooling3D)
+                                                 SpatialGlobalAveragePooling3D,
+                                                 SpatialGlobalMaxPooling2D,
+                                                 SpatialGlobalMaxPooling3D)
 from tfhybrid.layers.spatial.border import (SpatialCropping2D, SpatialCropping3D,
                                             SpatialZeroPadding2D, SpatialZeroPadding3D)
 from tfhybrid.layers.spatial.io import SpatialGather, SpatialScatter
@@ -46,4 +48,5 @@ __all__ = ["SpatialConv2D", "SpatialConv3D", "SpatialMaxPooling2D", "SpatialMaxP
            "SpatialCropping3D", "SpatialConv2DTranspose", "SpatialConv3DTranspose",
            "SpatialGroupNormalization", "SpatialDepthwiseConv2D", "SpatialSeparableConv2D",
            "SpatialUpSampling2D", "SpatialGlobalAveragePooling2D",
-           "SpatialGlobalAveragePooling3D"]
+           "SpatialGlobalAveragePooling3D", "SpatialGlobalMaxPooling2D",
+           "SpatialGlobalMaxPooling3D"]

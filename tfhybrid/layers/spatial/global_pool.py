@@ -1,4 +1,4 @@
-"""Global average pooling of spatial blocks, without gathering the volume.
+"""Global average and max pooling of spatial blocks, without gathering the volume.
 
 A classification or regression head on ``GlobalAveragePooling2D/3D`` (ResNet,
 CosmoFlow-like encoders) used to end the spatial region of ``s``/``ds`` with a
@@ -18,13 +18,20 @@ sums unchanged (:func:`tfhybrid.comm.reduce`): each voxel of the block gets
 ``dy / count``, as in ``keras.layers.GlobalAveragePooling*`` on the whole
 volume. Values equal Keras' up to float32 rounding (the same terms summed in
 another order).
+
+:class:`SpatialGlobalMaxPooling2D` / :class:`SpatialGlobalMaxPooling3D` take
+each block's maximum and all-gather those ``(batch, channels)`` maxima;
+backward, as TensorFlow's ``reduce_max``, the gradient goes to every voxel
+equal to the maximum, divided by the number of such voxels in the whole
+volume (each block counts its own, one all-reduce sums the counts): equal to
+Keras' ``GlobalMaxPooling*`` on the whole volume bit for bit.
 """
 from __future__ import annotations
 
 import keras
 import tensorflow as tf
 
-from tfhybrid.comm import reduce as reduce_over, resolve_group
+from tfhybrid.comm import backend, reduce as reduce_over, resolve_group
 from tfhybrid.layers.no_xla import NoXLA
 from tfhybrid.layers.partitioned import collective_base, deserialize_group, serialize_group
 
@@ -101,4 +108,58 @@ class SpatialGlobalAveragePooling3D(_SpatialGlobalAverage, keras.layers.GlobalAv
     _keras_class = keras.layers.GlobalAveragePooling3D
 
 
-__all__ = ["SpatialGlobalAveragePooling2D", "SpatialGlobalAveragePooling3D"]
+class _SpatialGlobalMax(_SpatialGlobalAverage):
+    """Shared implementation of the max poolings (channels last, ``keepdims``)."""
+
+    def call(self, inputs):
+        axes = list(range(1, len(inputs.shape) - 1))
+        group = resolve_group(self.group)
+        base = collective_base(self.name)
+        kept = [-1] + [1] * len(axes) + [inputs.shape[-1]]
+
+        @tf.custom_gradient
+        def pooled(t):
+            y = tf.reduce_max(t, axes)                                     # (batch, channels)
+            if group.size > 1:
+                every = backend.allgather(y[None], group.ranks, base + ".max")
+                y = tf.reduce_max(every, 0)
+
+            def grad(dy):
+                # TensorFlow's reduce_max gradient: dy split evenly over the maxima
+                hits = tf.cast(tf.equal(t, tf.reshape(y, kept)), dy.dtype)
+                count = tf.reduce_sum(hits, axes)
+                if group.size > 1:
+                    count = backend.allreduce(count, group.ranks, base + ".ties")
+                return hits / tf.reshape(count, kept) * tf.reshape(dy, kept)
+            return y, grad
+
+        out = pooled(inputs)
+        return tf.reshape(out, kept) if self.keepdims else out
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class SpatialGlobalMaxPooling2D(_SpatialGlobalMax, keras.layers.GlobalMaxPooling2D):
+    """``keras.layers.GlobalMaxPooling2D`` of an image split into blocks over
+    ``group``: the whole image's maximum on every rank.
+
+    Example:
+        >>> x = SpatialGlobalMaxPooling2D(group="model")(blocks)   # (batch, channels)
+    """
+
+    _keras_class = keras.layers.GlobalMaxPooling2D
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class SpatialGlobalMaxPooling3D(_SpatialGlobalMax, keras.layers.GlobalMaxPooling3D):
+    """``keras.layers.GlobalMaxPooling3D`` of a volume split into blocks over
+    ``group``: the whole volume's maximum on every rank.
+
+    Example:
+        >>> x = SpatialGlobalMaxPooling3D(group="model")(blocks)   # (batch, channels)
+    """
+
+    _keras_class = keras.layers.GlobalMaxPooling3D
+
+
+__all__ = ["SpatialGlobalAveragePooling2D", "SpatialGlobalAveragePooling3D",
+           "SpatialGlobalMaxPooling2D", "SpatialGlobalMaxPooling3D"]

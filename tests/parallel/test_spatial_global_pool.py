@@ -22,6 +22,7 @@ from tfhybrid.layers import (SpatialGlobalAveragePooling2D, SpatialGlobalAverage
 from tfhybrid.transformer import describe, gather, transform
 
 from conftest import randn, reference_once, world_size
+from test_primitives import run as value_and_gradient
 from test_spatial_conv import split_specs
 
 N = world_size()
@@ -31,22 +32,6 @@ POOLS = {(2, "average"): (keras.layers.GlobalAveragePooling2D, SpatialGlobalAver
          (2, "max"): (keras.layers.GlobalMaxPooling2D, SpatialGlobalMaxPooling2D),
          (3, "max"): (keras.layers.GlobalMaxPooling3D, SpatialGlobalMaxPooling3D)}
 SPATIAL_POOLS = tuple(cls for _, cls in POOLS.values())
-
-
-def _pooled(layers, x, u, mode):
-    """(y, dL/dx) for L = sum(pool(x) * u) through ``layers`` (a list applied in order)."""
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = x
-            for layer in layers:
-                y = layer(y)
-            loss = tf.reduce_sum(y * u)
-        return y, tape.gradient(loss, x)
-    if mode == "function":
-        step = tf.function(step)
-    y, dx = step(tf.constant(x))
-    return y.numpy(), dx.numpy()
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
@@ -64,9 +49,9 @@ def test_global_pooling_of_blocks_matches_keras(grid_of, ndim, kind, keepdims, m
             x[1, ..., 1] = np.where(np.arange(dims[-1]) % 3 == 0, 5.0, -1.0)
         reference = keras_cls(keepdims=keepdims)
         u = randn(tuple(reference.compute_output_shape(x.shape)), "gap.u", ndim, keepdims)
-        y_ref, dx_ref = _pooled([reference], x, u, "eager")
-        layers = [SpatialScatter(split=split), spatial_cls(keepdims=keepdims)]
-        y, dx = _pooled(layers, x, u, mode)
+        y_ref, dx_ref = value_and_gradient(reference, x, u, "eager")
+        scatter, pool = SpatialScatter(split=split), spatial_cls(keepdims=keepdims)
+        y, dx = value_and_gradient(lambda t: pool(scatter(t)), x, u, mode)
         np.testing.assert_allclose(y, y_ref, **FWD, err_msg=str(split))
         np.testing.assert_allclose(dx, dx_ref, **FWD, err_msg=str(split))
 

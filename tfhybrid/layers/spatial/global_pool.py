@@ -38,8 +38,10 @@ from tfhybrid.layers.partitioned import collective_base, deserialize_group, seri
 _PACKAGE = "tfhybrid"
 
 
-class _SpatialGlobalAverage(NoXLA):
-    """Shared implementation (channels last; ``keepdims`` as in Keras)."""
+class _SpatialGlobalPool(NoXLA):
+    """What the average and max poolings share: the spatial group, channels-last
+    blocks, config and conversion from and to the Keras layer (``keepdims`` as in
+    Keras); subclasses define ``call``."""
 
     _keras_class = None
 
@@ -50,6 +52,28 @@ class _SpatialGlobalAverage(NoXLA):
                              f"blocks; received data_format={self.data_format!r}. Use "
                              "data_format='channels_last' (Keras' default).")
         self.group = deserialize_group(group)
+
+    def get_config(self):
+        return {**super().get_config(), "group": serialize_group(self.group)}
+
+    @classmethod
+    def from_layer(cls, layer, group="model", split=None):
+        """The spatial counterpart of ``layer`` (same options and name); ``split``
+        is accepted for the spatial builders and unused: every block of the
+        group is pooled, whatever the block grid."""
+        if not isinstance(layer, cls._keras_class):
+            raise TypeError(f"{cls.__name__}.from_layer expects a keras.layers."
+                            f"{cls._keras_class.__name__}; received {type(layer).__name__}.")
+        return cls.from_config({**layer.get_config(), "group": serialize_group(group)})
+
+    def to_layer(self):
+        """The plain Keras layer with the same options (no weights)."""
+        config = {k: v for k, v in self.get_config().items() if k != "group"}
+        return self._keras_class.from_config(config)
+
+
+class _SpatialGlobalAverage(_SpatialGlobalPool):
+    """The average poolings: block sums and voxel count, one all-reduce."""
 
     def call(self, inputs):
         dtype = inputs.dtype
@@ -64,24 +88,6 @@ class _SpatialGlobalAverage(NoXLA):
         if self.keepdims:
             mean = tf.reshape(mean, [-1] + [1] * len(axes) + [mean.shape[-1]])
         return tf.cast(mean, dtype)
-
-    def get_config(self):
-        return {**super().get_config(), "group": serialize_group(self.group)}
-
-    @classmethod
-    def from_layer(cls, layer, group="model", split=None):
-        """The spatial counterpart of ``layer`` (same options and name); ``split``
-        is accepted for the spatial builders and unused: every block of the
-        group is summed, whatever the block grid."""
-        if not isinstance(layer, cls._keras_class):
-            raise TypeError(f"{cls.__name__}.from_layer expects a keras.layers."
-                            f"{cls._keras_class.__name__}; received {type(layer).__name__}.")
-        return cls.from_config({**layer.get_config(), "group": serialize_group(group)})
-
-    def to_layer(self):
-        """The plain Keras layer with the same options (no weights)."""
-        config = {k: v for k, v in self.get_config().items() if k != "group"}
-        return self._keras_class.from_config(config)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -108,8 +114,8 @@ class SpatialGlobalAveragePooling3D(_SpatialGlobalAverage, keras.layers.GlobalAv
     _keras_class = keras.layers.GlobalAveragePooling3D
 
 
-class _SpatialGlobalMax(_SpatialGlobalAverage):
-    """Shared implementation of the max poolings (channels last, ``keepdims``)."""
+class _SpatialGlobalMax(_SpatialGlobalPool):
+    """The max poolings: block maxima all-gathered, tie counts all-reduced backward."""
 
     def call(self, inputs):
         axes = list(range(1, len(inputs.shape) - 1))

@@ -148,6 +148,47 @@ def _group_sync(ranks):
     return lambda: backend.allreduce(one, ranks, "profile.sync").numpy()
 
 
+def _needed_ops(graph):
+    """Names of the ops of a traced function's graph that a call runs: those its
+    outputs and control outputs depend on. TensorFlow prunes the rest (Horovod's
+    ops are not stateful), e.g. the halo return of a convolution of the model's
+    input, whose gradient nobody asks for."""
+    seen, todo = set(), [t.op for t in graph.outputs] + list(graph.control_outputs)
+    while todo:
+        op = todo.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return seen
+
+
+def executed_collectives(calls, graph):
+    """The recorded ``calls`` (:func:`tfhybrid.comm.backend.recording_collectives`)
+    that running ``graph`` (the traced function they were recorded in) executes:
+    a traced collective whose result nothing needs is pruned and never runs, so
+    it must not be replayed. Calls recorded eagerly or in another graph (a
+    nested function's body) are kept.
+
+    Example:
+        >>> both = tf.function(grads)
+        >>> with backend.recording_collectives() as calls:
+        ...     both()
+        >>> executed_collectives(calls, both.get_concrete_function().graph)
+    """
+    needed = _needed_ops(graph)
+    out = []
+    for call in calls:
+        inputs = call[3]
+        ops = [c for t in inputs[:1] if getattr(t, "graph", None) is graph
+               for c in t.consumers() if c.type.startswith("Horovod")]
+        ops = [op for op in ops if call[1] in op.name] or ops
+        if not ops or any(op.name in needed for op in ops):
+            out.append(call)
+    return out
+
+
 def measure_phases(model, local_batch: int, reps: int = 3) -> dict:
     """Seconds of each phase of one step of ``model`` at ``local_batch`` (collective).
 
@@ -165,14 +206,17 @@ def measure_phases(model, local_batch: int, reps: int = 3) -> dict:
         with tf.GradientTape() as tape:
             loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))
                              for o in tf.nest.flatten(model(x, training=True))])
-        return tape.gradient(loss, weights)
+        # the loss is returned as a train step returns it: the forward's
+        # collectives are then not pruned (a sum's gradient needs no value)
+        return loss, tape.gradient(loss, weights)
 
     try:
         forward = tf.function(lambda: model(x, training=True))
         both = tf.function(grads)
         forward()
         with backend.recording_collectives() as calls:
-            local = both()            # traced here: records the step's collectives
+            _, local = both()         # traced here: records the step's collectives
+        calls = executed_collectives(calls, both.get_concrete_function().graph)
         # every rank starts each repetition together, as a training step runs them:
         # without it the best of a few repetitions was one that ran while the other
         # ranks did not compute (d at 2 ranks on 2 cores: 2.7 ms, where calibration

@@ -14,6 +14,7 @@ on the whole data; ``p`` and ``ls`` cut and gather models with operations.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfhybrid
 
@@ -181,3 +182,50 @@ def test_a_lambda_before_the_first_convolution_runs_on_the_whole_input(grid_of):
     kinds = {r.name: r.kind for r in tfhybrid.describe(model, print_fn=None).rows}
     assert kinds["norm"] == "replicate" and kinds["c0"] == kinds["c1"] == "spatial", kinds
     _fit_both(reference, model, x, y, grid.data_size, grid.data_rank)
+
+
+def _ops_unet():
+    """A U-Net written with operations: skip joined by keras.ops.concatenate,
+    a residual ``+``, a scaled decoder branch; per-voxel softmax output."""
+    keras.utils.set_random_seed(8)
+    inp = keras.Input((8, 8, 4))
+    a = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="enc")(inp)
+    b = keras.layers.MaxPooling2D(name="pool")(a)
+    b = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="mid")(b)
+    b = keras.layers.UpSampling2D(name="up")(b)
+    h = keras.ops.concatenate([a, b * 0.5], axis=-1)
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="dec")(h)
+    h = h + a
+    out = keras.layers.Conv2D(CLASSES, 1, activation="softmax", name="head")(h)
+    return keras.Model(inp, out), dict(optimizer=keras.optimizers.SGD(0.05),
+                                       loss="sparse_categorical_crossentropy")
+
+
+@pytest.mark.parametrize("spatial", [None, "width"] + ([(2, 2)] if world_size() == 4 else []))
+def test_a_unet_joined_by_keras_ops_concatenate_stays_on_blocks(grid_of, spatial):
+    """keras.ops.concatenate along channels joined the skip of a U-Net by
+    gathering both inputs: the decoder ran at full resolution on every rank.
+    It now joins the blocks (like a Concatenate layer): no gather, the same
+    training as one process."""
+    mp = world_size() if spatial == (2, 2) or world_size() == 2 else 2
+    grid = grid_of(mp)
+    x = (rng("ops-unet-x").standard_normal((N, 8, 8, 4))).astype(np.float32)
+    y = rng("ops-unet-y").integers(0, CLASSES, (N, 8, 8, 1))
+
+    def compute():
+        reference, kwargs = _ops_unet()
+        reference.compile(**kwargs)
+        reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        return reference.get_weights()
+    want = reference_once(compute, "ops-unet", x, y, BATCH)
+    source, kwargs = _ops_unet()
+    model = tfhybrid.transform(source, "s" if mp == world_size() else "ds",
+                               **({} if spatial is None else {"spatial": spatial}))
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(kwargs.pop("optimizer")), **kwargs)
+    kinds = {r.name: r.kind for r in tfhybrid.describe(model, print_fn=None).rows}
+    assert all(kinds[n].startswith("spatial") for n in ("enc", "dec", "head")), kinds
+    assert not [lay.name for lay in model.layers if "Gather" in type(lay).__name__]
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    model.fit(tfhybrid.data.shard(data, model=model), epochs=1, shuffle=False, verbose=0)
+    assert_weights_like(tfhybrid.gather(model), want)
+    assert grid.model_size == mp

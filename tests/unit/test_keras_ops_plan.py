@@ -28,6 +28,10 @@ def _graph(build):
     (lambda x: keras.ops.transpose(x, (0, 2, 1, 3)), "full"),
     (lambda x: keras.ops.where(x > 0, x, 0.0), "merge"),       # the mask and x
     (lambda x: keras.ops.where(x > 0, 1.0, 0.0), "elementwise"),
+    (lambda x: keras.ops.concatenate([x, x * 2.0], axis=-1), "concat"),
+    (lambda x: keras.ops.concatenate([x, x], axis=1), "concat"),   # planned by its axis
+    (lambda x: keras.ops.concatenate([x, keras.ops.mean(x, axis=-1, keepdims=True)], -1),
+     "concat"),
 ])
 def test_operations_are_described_by_kind(build, kind):
     last = _graph(build).nodes[-1]
@@ -66,3 +70,29 @@ def test_an_elementwise_operation_keeps_a_filter_channel_pair():
     tanh = next(n.name for n in graph.nodes if n.cls == "Tanh")
     assert nodes["fc0"].kind == "filter" and nodes["fc1"].kind == "channel"
     assert nodes[tanh].conversions == (None,)
+
+
+def _unet():
+    """A U-Net whose skip joins by keras.ops.concatenate (channels, or rows)."""
+    def build(axis):
+        inp = keras.Input((8, 8, 2))
+        a = keras.layers.Conv2D(4, 3, padding="same", name="enc")(inp)
+        b = keras.layers.MaxPooling2D(name="pool")(a)
+        b = keras.layers.Conv2D(4, 3, padding="same", name="mid")(b)
+        b = keras.layers.UpSampling2D(name="up")(b)
+        x = keras.ops.concatenate([a, b], axis=axis)
+        x = keras.layers.Conv2D(4, 3, padding="same", name="dec")(x)
+        return keras.Model(inp, keras.layers.Conv2D(3, 1, name="head")(x))
+    return build
+
+
+@pytest.mark.parametrize("axis,spatial", [(-1, True), (3, True), (1, False)])
+def test_a_concatenate_operation_joins_blocks_along_channels_only(axis, spatial):
+    """keras.ops.concatenate of a U-Net's skip along channels keeps the decoder
+    on blocks (like a Concatenate layer); along a split axis it gathers."""
+    graph = describe_graph(as_functional(_unet()(axis)))
+    plan = make_plan(graph, make_options("s"), ProcessGrid(2, 0, 2))
+    nodes = {n.name: n for n in plan.nodes}
+    cat = next(n.name for n in graph.nodes if n.attr("operation") == "concat")
+    assert (nodes[cat].output.kind == "space") is spatial
+    assert (nodes["dec"].kind == "spatial") is spatial and nodes["enc"].kind == "spatial"

@@ -289,12 +289,20 @@ def is_operation(op) -> bool:
 def operation_kind(node) -> str:
     """How the planner treats a ``keras.ops`` node: ``"elementwise"`` (a
     per-element op of one tensor and scalars), ``"merge"`` (a per-element op of
-    tensors of one shape and scalars) or ``"full"`` (anything else: its split
-    inputs are gathered first, always correct)."""
+    tensors of one shape and scalars), ``"concat"`` (``keras.ops.concatenate``
+    of tensors of one rank: planned as a Concatenate layer of that axis) or
+    ``"full"`` (anything else: its split inputs are gathered first, always
+    correct)."""
     import numpy as np
 
     op = node.operation
-    if type(op).__name__ not in ELEMENTWISE_OPS or not type(op).__module__.startswith("keras."):
+    if not type(op).__module__.startswith("keras."):
+        return "full"
+    if type(op).__name__ == "Concatenate":   # keras.ops.concatenate: see rules.Concat
+        ranks = {len(t.shape) for t in node.input_tensors}
+        return "concat" if len(ranks) == 1 and isinstance(getattr(op, "axis", None), int) \
+            else "full"
+    if type(op).__name__ not in ELEMENTWISE_OPS:
         return "full"
     args = keras.tree.flatten((node.arguments.args, node.arguments.kwargs))
     for value in args:
@@ -345,7 +353,15 @@ def _operation_spec(node, tid):
         inputs=tuple(tid(t) for t in node.input_tensors), output=tid(node.outputs[0]),
         in_shapes=tuple(tuple(t.shape) for t in node.input_tensors),
         out_shape=tuple(node.outputs[0].shape),
-        attrs={"operation": operation_kind(node)})
+        attrs=_operation_attrs(node))
+
+
+def _operation_attrs(node):
+    kind = operation_kind(node)
+    attrs = {"operation": kind}
+    if kind == "concat":
+        attrs["axis"] = node.operation.axis
+    return attrs
 
 
 def _plain(value):

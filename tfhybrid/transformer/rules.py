@@ -297,6 +297,8 @@ def runs_on_blocks(node) -> bool:
         >>> runs_on_blocks(node_of(keras.layers.Concatenate()))
         True
     """
+    if node.attr("operation") == "concat":   # keras.ops.concatenate
+        return channels_last_axis(node)
     if node.attr("operation"):     # keras.ops: x / 255.0, a + b of one shape
         return node.attr("operation") in ("elementwise", "merge")
     if node.attr("folded_into"):   # a padding its convolution applies (fold_same_padding)
@@ -567,7 +569,8 @@ for _names, _rule in ((ELEMENTWISE + ("Activation",), Elementwise()), (CHANNELWI
 _DEFAULT = FullInput()
 
 
-_OPERATIONS = {"elementwise": Elementwise(), "merge": Merge(), "full": _DEFAULT}
+_OPERATIONS = {"elementwise": Elementwise(), "merge": Merge(), "concat": Concat(),
+               "full": _DEFAULT}
 
 
 def rule_for(cls_name: str) -> Rule:

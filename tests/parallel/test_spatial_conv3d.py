@@ -72,3 +72,56 @@ def test_spatial_conv3d_other_halo_methods_match_keras(grid_of, spec, method):
         check_conv3d(spec, (3, 1, 1, "same"), ["eager", "function"], grid_of)
     finally:
         halo.set_halo_method(None)
+
+
+def _stderr_of(fn):
+    """What ``fn()`` writes to file descriptor 2 (TensorFlow's C++ log)."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            fn()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        return tmp.read().decode(errors="replace")
+
+
+@pytest.mark.parametrize("padding,overlap", [("same", False), ("same", True),
+                                             ("valid", False)])
+@pytest.mark.parametrize("spec", split_specs(3), ids=str)
+def test_a_traced_step_keeps_tensorflows_remapper(grid_of, spec, padding, overlap):
+    """The zeros around a halo piece or a block were a Pad feeding the Conv3D:
+    TensorFlow 2.18's remapper fused the two (oneDNN's padded convolution), then
+    failed on the Pad's other consumer and logged "remapper failed: ... fanout
+    ... exist for missing node ... Pad", dropping every remapper fusion of the
+    step. The zeros are now concatenated: no Pad reaches a Conv3D, no failure."""
+    import numpy as np
+    import tensorflow as tf
+
+    mp, split = spec
+    grid_of(mp)
+    conv = keras.layers.Conv3D(4, 3, padding=padding, activation="relu")
+    conv.build((None, 8, 8, 8, 3))
+    spatial = SpatialConv3D.from_layer(conv, split=split, overlap=overlap)
+    grid = grid_of_split(split, 3, mp)
+    if padding == "valid" and 4 in grid:
+        pytest.skip("8 rows: a valid output of 6 rows does not split in 4")
+    x = tf.constant(np.ones((2, *(8 // g for g in grid), 3), np.float32))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(spatial(x) ** 2)
+        return tape.gradient(loss, [x] + spatial.trainable_weights)
+    log = _stderr_of(lambda: [t.numpy() for t in step()])
+    assert "remapper failed" not in log, log
+    graph = step.get_concrete_function().graph
+    pads = [op for op in graph.get_operations() if op.type in ("Pad", "PadV2")
+            and any(c.type == "Conv3D" for out in op.outputs for c in out.consumers())]
+    assert not pads, [op.name for op in pads]

@@ -46,8 +46,10 @@ def _slice_axis(x, axis, start, length):
 def _pad_axis(x, axis, before, after, value):
     if before == 0 and after == 0:
         return x
-    pads = [[0, 0]] * x.shape.rank
-    pads[axis] = [before, after]
+    pads = [(0, 0)] * x.shape.rank
+    pads[axis] = (before, after)
+    if value == 0:      # zeros a convolution reads: see _zero_framed
+        return _zero_framed(x, pads)
     return tf.pad(x, pads, constant_values=value)
 
 
@@ -308,11 +310,32 @@ def _region(t, starts, lengths):
     return tf.slice(t, [0] + list(starts) + [0], [-1] + list(lengths) + [-1])
 
 
+def _zero_framed(t, pads):
+    """``t`` with ``pads[axis] = (before, after)`` rows of zeros along each axis,
+    concatenated rather than padded: TensorFlow 2.18's remapper fuses a Pad into
+    the Conv3D it feeds (oneDNN's padded convolution) and then fails on the
+    Pad's other consumer (the convolution gradient's ShapeN), which drops every
+    remapper fusion of the whole step ("remapper failed: ... fanout ... exist
+    for missing node ... Pad")."""
+    for axis, (before, after) in enumerate(pads):
+        parts = []
+        for rows in (before, after):
+            if rows:
+                shape = [d if d is not None else tf.shape(t)[i]
+                         for i, d in enumerate(t.shape)]
+                shape[axis] = rows
+                parts.append(tf.zeros(shape, t.dtype))
+            else:
+                parts.append(None)
+        if parts[0] is not None or parts[1] is not None:
+            t = tf.concat([p for p in (parts[0], t, parts[1]) if p is not None], axis)
+    return t
+
+
 def _thin_input(piece, axes):
     """The thin ``valid``-conv input of one piece: its used rows, zeros around."""
     used = _region(piece, [a[0][0] for a in axes], [a[0][1] for a in axes])
-    pads = [[0, 0]] + [list(a[1]) for a in axes] + [[0, 0]]
-    return tf.pad(used, pads) if any(v for a in axes for v in a[1]) else used
+    return _zero_framed(used, [(0, 0)] + [a[1] for a in axes] + [(0, 0)])
 
 
 def block_conv(x, plans, groups, conv, kernel, name):

@@ -5,8 +5,8 @@ import pytest
 from tfhybrid.layers import SpatialConv3D
 
 from conftest import randn
-from test_spatial_conv import (check_against, check_unsplittable, grid_of_split, split_specs,
-                               valid_size)
+from test_spatial_conv import (check_against, check_unsplittable, grid_of_split, group_sum,
+                               my_block, split_specs, valid_size)
 
 # -- 3-D ----------------------------------------------------------------------------
 
@@ -125,3 +125,39 @@ def test_a_traced_step_keeps_tensorflows_remapper(grid_of, spec, padding, overla
     pads = [op for op in graph.get_operations() if op.type in ("Pad", "PadV2")
             and any(c.type == "Conv3D" for out in op.outputs for c in out.consumers())]
     assert not pads, [op.name for op in pads]
+
+
+@pytest.mark.parametrize("spec", split_specs(3), ids=str)
+def test_bfloat16_kernel_gradient_of_thin_blocks_is_right(grid_of, spec):
+    """mixed_bfloat16 on CPU: TensorFlow 2.18's oneDNN Conv3D filter gradient of
+    a block thinner than the window (2 rows under 3x3x3) came out wrong or
+    non-finite at random (a U-Net under s trained to NaN within 1-4 steps).
+    The blocks' kernel gradients summed over the spatial group now equal
+    float32's on the whole volume (bfloat16 rounding), every time."""
+    import numpy as np
+    import tensorflow as tf
+
+    mp, split = spec
+    grid_of(mp)
+    grid = grid_of_split(split, 3, mp)
+    shape = (4, *[2 * g if g > 1 else 8 for g in grid], 4)   # blocks of 2 rows
+    ref = keras.layers.Conv3D(8, 3, padding="same")
+    ref.build((None, *shape[1:]))
+    ref.set_weights([randn(v.shape, "bf16", i) for i, v in enumerate(ref.weights)])
+    conv = keras.layers.Conv3D(8, 3, padding="same", dtype="mixed_bfloat16")
+    conv.build((None, *shape[1:]))
+    conv.set_weights(ref.get_weights())
+    spatial = SpatialConv3D.from_layer(conv, split=split)
+    x, u = randn(shape, "bf16-x"), randn((*shape[:-1], 8), "bf16-u")
+    with tf.GradientTape() as tape:
+        y = ref(x)
+    want = tape.gradient(y, ref.kernel, output_gradients=u).numpy()
+    xb, ub = my_block(x, grid, spatial), my_block(u, grid, spatial)
+    for attempt in range(4):
+        with tf.GradientTape() as tape:
+            yb = spatial(xb)
+        got = tape.gradient(yb, spatial.kernel, output_gradients=tf.cast(ub, yb.dtype))
+        got = group_sum(tf.cast(got, tf.float32).numpy(), spatial, f"test.bf16.{attempt}")
+        assert np.all(np.isfinite(got)), attempt
+        np.testing.assert_allclose(got, want, atol=0.03 * np.max(np.abs(want)),
+                                   err_msg=str(attempt))

@@ -338,6 +338,29 @@ def _thin_input(piece, axes):
     return _zero_framed(used, [(0, 0)] + [a[1] for a in axes] + [(0, 0)])
 
 
+def _same_kernel_grad(conv, t, k, dy, windows):
+    """The kernel gradient of ``conv(t, k, "same")``.
+
+    TensorFlow 2.18's oneDNN Conv3D filter gradient in bfloat16 returns wrong or
+    non-finite values (at random) when a spatial extent of the input is smaller
+    than the window, e.g. a block of 2 rows under a 3x3x3 kernel: 60 of 240
+    shapes in a probe, every one with such an extent, none without; float16,
+    float32, 2-D and GPUs are not affected. A spatial split makes such thin
+    blocks (a U-Net's deepest level at 4 ranks), so there the gradient is
+    computed in float32 and cast back."""
+    if t.dtype == tf.bfloat16 and t.shape.rank == 5 and not _gpu_visible() and any(
+            d is not None and d < w for d, w in zip(t.shape[1:-1], windows)):
+        t32, k32, dy32 = (tf.cast(v, tf.float32) for v in (t, k, dy))
+        with tf.GradientTape() as tape:
+            tape.watch(k32)
+            yb = conv(t32, k32, "same")
+        return tf.cast(tape.gradient(yb, k32, output_gradients=dy32), k.dtype)
+    with tf.GradientTape() as tape:
+        tape.watch(k)
+        yb = conv(t, k, "same")
+    return tape.gradient(yb, k, output_gradients=dy)
+
+
 def block_conv(x, plans, groups, conv, kernel, name):
     """A convolution of this rank's block ``x`` with its halo, keeping no
     halo-extended copy of the block in the forward or the backward pass.
@@ -392,10 +415,7 @@ def block_conv(x, plans, groups, conv, kernel, name):
             y = halo._anchored(y, anchors)
 
         def grad(dy):
-            with tf.GradientTape() as tape:
-                tape.watch(k)
-                yb = conv(t, k, "same")
-            dk = tape.gradient(yb, k, output_gradients=dy)
+            dk = _same_kernel_grad(conv, t, k, dy, [p.geometry.window for p in plans])
             grads = {}
             for o, _ in plan.receive_from:
                 full = piece_shape(o, dy)

@@ -264,7 +264,52 @@ def _default_region(graph, ctx, opts):
     region, stop = _region_walk(graph, ctx)
     if not region:
         raise ValueError(empty_region_message(graph, ctx, opts, stop))
+    if stop is not None and _feeds_conv(graph, stop[0]):
+        _warn_early_stop(graph, ctx, opts, region, stop)
     return region
+
+
+def _warn_early_stop(graph, ctx, opts, region, stop):
+    """Warn (rank 0) that convolutions after the spatial region run replicated:
+    a U-Net whose pooled size stops splitting evenly would otherwise run its
+    decoder at full resolution on every rank without a word."""
+    import warnings
+
+    from tfhybrid import runtime
+
+    if not runtime.is_root():
+        return
+    node, reason = stop
+    after = [n.name for n in graph.nodes if n.cls in rules.SPATIAL_WEIGHTED
+             and n.name not in region]
+    shown = ", ".join(repr(n) for n in after[:3]) + (", ..." if len(after) > 3 else "")
+
+    def fits(other):
+        found, _ = _region_walk(graph, other)
+        return len(found) > len(region)
+
+    warnings.warn(
+        f"tfhybrid.transform(strategy={ctx.strategy!r}, {_grid_text(ctx, opts)}): the spatial "
+        f"region ends at layer {node.name!r} ({node.cls}): {reason}. The {len(after)} "
+        f"convolution(s) after it ({shown}) run replicated on the whole "
+        f"{'image' if len(ctx.spatial) == 2 else 'volume'} on every rank: no speed-up and "
+        f"no memory saving for them. To keep them on blocks, use an input size whose "
+        f"split axes still divide there{_other_grids(ctx, opts, fits)}; "
+        f"tfhybrid.describe(model) shows the layout.", UserWarning,
+        stacklevel=_caller_level())
+
+
+def _caller_level():
+    """The ``warnings.warn`` stacklevel of the first frame outside tfhybrid (the
+    user's call), seen from the function calling this one."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _explicit_walk(graph, ctx, count):

@@ -66,3 +66,12 @@ def test_feasibility_checks_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert refusal(_unet(), "s", 4, 4) is None
+
+
+def test_a_channels_first_volume_model_is_told_to_build_channels_last():
+    inp = keras.Input((1, 8, 8, 8))
+    x = L.Conv3D(4, 3, padding="same", data_format="channels_first", name="c0")(inp)
+    model = keras.Model(inp, L.Conv3D(2, 1, data_format="channels_first", name="c1")(x))
+    with pytest.raises(ValueError, match=r"channels_first.*To fix, build the model "
+                                         r"channels_last .* or use strategy='d'"):
+        _plan(model, 2)

@@ -392,6 +392,9 @@ def empty_region_message(graph, ctx, opts, stop, overridden=()):
                    f"on spatial blocks: {reason}")
         fix = "use strategy='d' (data parallelism)" + _other_grids(
             ctx, opts, lambda other: bool(_region_walk(graph, other)[0]))
+        if stop is not None and stop[0].attr("data_format") == "channels_first":
+            fix = ("build the model channels_last (Keras' default: data_format="
+                   "'channels_last', inputs (batch, spatial..., channels)), or " + fix)
     return (f"{head}: {why}. Every rank would compute the whole model on the same rows "
             f"(replicated, no speed-up). To fix, {fix}.")
 

@@ -201,7 +201,7 @@ def _ops_unet():
                                        loss="sparse_categorical_crossentropy")
 
 
-@pytest.mark.parametrize("spatial", [None, "width"] + ([(2, 2)] if world_size() == 4 else []))
+@pytest.mark.parametrize("spatial", [None, "width"] if world_size() == 2 else [None, (2, 2)])
 def test_a_unet_joined_by_keras_ops_concatenate_stays_on_blocks(grid_of, spatial):
     """keras.ops.concatenate along channels joined the skip of a U-Net by
     gathering both inputs: the decoder ran at full resolution on every rank.

@@ -25,6 +25,9 @@ ends it and the fix (``strategy='d'``, another ``spatial`` grid).
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 from typing import Dict
 
 from tfhybrid.oracle import formulas
@@ -273,8 +276,6 @@ def _warn_early_stop(graph, ctx, opts, region, stop):
     """Warn (rank 0) that convolutions after the spatial region run replicated:
     a U-Net whose pooled size stops splitting evenly would otherwise run its
     decoder at full resolution on every rank without a word."""
-    import warnings
-
     from tfhybrid import runtime
 
     if not runtime.is_root():
@@ -288,23 +289,23 @@ def _warn_early_stop(graph, ctx, opts, region, stop):
         found, _ = _region_walk(graph, other)
         return len(found) > len(region)
 
+    fixes = ([f"use an input size whose split axes still divide at {node.name!r}"]
+             if node.cls in rules.SPATIAL_WINDOWED + rules.SPATIAL_WEIGHTED else [])
+    grids = _other_grids(ctx, opts, fits)[len(", or "):]
+    fixes += [grids] if grids else []
+    advice = f" To keep them on blocks, {' or '.join(fixes)}." if fixes else ""
     warnings.warn(
         f"tfhybrid.transform(strategy={ctx.strategy!r}, {_grid_text(ctx, opts)}): the spatial "
         f"region ends at layer {node.name!r} ({node.cls}): {reason}. The {len(after)} "
         f"convolution(s) after it ({shown}) run replicated on the whole "
         f"{'image' if len(ctx.spatial) == 2 else 'volume'} on every rank: no speed-up and "
-        f"no memory saving for them. To keep them on blocks, use an input size whose "
-        f"split axes still divide there{_other_grids(ctx, opts, fits)}; "
-        f"tfhybrid.describe(model) shows the layout.", UserWarning,
-        stacklevel=_caller_level())
+        f"no memory saving for them.{advice} tfhybrid.describe(model) shows the layout.",
+        UserWarning, stacklevel=_caller_level())
 
 
 def _caller_level():
     """The ``warnings.warn`` stacklevel of the first frame outside tfhybrid (the
     user's call), seen from the function calling this one."""
-    import os
-    import sys
-
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     frame, level = sys._getframe(2), 2
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):

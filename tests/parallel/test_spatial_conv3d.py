@@ -1,6 +1,11 @@
 """SpatialConv3D against keras Conv3D on the full volume (helpers: test_spatial_conv)."""
+import os
+import tempfile
+
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from tfhybrid.layers import SpatialConv3D
 
@@ -76,9 +81,6 @@ def test_spatial_conv3d_other_halo_methods_match_keras(grid_of, spec, method):
 
 def _stderr_of(fn):
     """What ``fn()`` writes to file descriptor 2 (TensorFlow's C++ log)."""
-    import os
-    import tempfile
-
     with tempfile.TemporaryFile() as tmp:
         saved = os.dup(2)
         os.dup2(tmp.fileno(), 2)
@@ -100,9 +102,6 @@ def test_a_traced_step_keeps_tensorflows_remapper(grid_of, spec, padding, overla
     failed on the Pad's other consumer and logged "remapper failed: ... fanout
     ... exist for missing node ... Pad", dropping every remapper fusion of the
     step. The zeros are now concatenated: no Pad reaches a Conv3D, no failure."""
-    import numpy as np
-    import tensorflow as tf
-
     mp, split = spec
     grid_of(mp)
     conv = keras.layers.Conv3D(4, 3, padding=padding, activation="relu")
@@ -134,9 +133,6 @@ def test_bfloat16_kernel_gradient_of_thin_blocks_is_right(grid_of, spec):
     non-finite at random (a U-Net under s trained to NaN within 1-4 steps).
     The blocks' kernel gradients summed over the spatial group now equal
     float32's on the whole volume (bfloat16 rounding), every time."""
-    import numpy as np
-    import tensorflow as tf
-
     mp, split = spec
     grid_of(mp)
     grid = grid_of_split(split, 3, mp)

@@ -318,17 +318,13 @@ def _zero_framed(t, pads):
     remapper fusion of the whole step ("remapper failed: ... fanout ... exist
     for missing node ... Pad")."""
     for axis, (before, after) in enumerate(pads):
-        parts = []
-        for rows in (before, after):
-            if rows:
-                shape = [d if d is not None else tf.shape(t)[i]
-                         for i, d in enumerate(t.shape)]
-                shape[axis] = rows
-                parts.append(tf.zeros(shape, t.dtype))
-            else:
-                parts.append(None)
-        if parts[0] is not None or parts[1] is not None:
-            t = tf.concat([p for p in (parts[0], t, parts[1]) if p is not None], axis)
+        if not (before or after):
+            continue
+        shape = [d if d is not None else tf.shape(t)[i] for i, d in enumerate(t.shape)]
+
+        def zeros(rows):
+            return [tf.zeros(shape[:axis] + [rows] + shape[axis + 1:], t.dtype)] if rows else []
+        t = tf.concat(zeros(before) + [t] + zeros(after), axis)
     return t
 
 

@@ -97,7 +97,7 @@ def _padded_model():
     h = L.DepthwiseConv2D(3, strides=2, name="dw")(h)             # 4x4
     h = L.ZeroPadding2D(1, name="sep_pad")(h)                      # (1, 1): 'same' at stride 1
     h = L.SeparableConv2D(8, 3, name="sep")(h)
-    h = L.ZeroPadding2D(((1, 1), (1, 1)), name="plain_pad")(h)     # not 'same' here: no fold
+    h = L.ZeroPadding2D(((1, 1), (1, 1)), name="plain_pad")(h)     # not 'same': border_padding
     h = L.Conv2D(8, 3, strides=2, name="conv")(h)                  # 6 -> 2
     h = L.GlobalAveragePooling2D(name="gap")(h)
     out = L.Dense(CLASSES, name="out")(h)
@@ -121,9 +121,10 @@ def test_same_padding_steps_fold_into_their_convolution(grid_of):
     model = tfhybrid.transform(source, "s" if grid.data_size == 1 else "ds")
     model.compile(optimizer=tfhybrid.DistributedOptimizer(kwargs.pop("optimizer")), **kwargs)
     kinds = {r.name: r.kind for r in tfhybrid.describe(model, print_fn=None).rows}
-    assert [kinds[n] for n in ("stem_pad", "dw_pad", "sep_pad")] == ["fold"] * 3, kinds
-    assert all(kinds[n].startswith("spatial") for n in ("stem", "dw", "sep", "plain_pad",
-                                                         "conv")), kinds
+    assert [kinds[n] for n in ("stem_pad", "dw_pad", "sep_pad", "plain_pad")] == ["fold"] * 4, \
+        kinds
+    assert all(kinds[n].startswith("spatial") for n in ("stem", "dw", "sep", "conv")), kinds
+    assert model.get_layer("conv").border_padding == ((1, 1), (1, 1))
     rows = slice(grid.data_rank, None, grid.data_size)
     got = model.fit(x[rows], y[rows], batch_size=BATCH // grid.data_size, epochs=2,
                     shuffle=False, verbose=0)

@@ -1,9 +1,11 @@
 """ZeroPadding2D under spatial strategies (pure Python: geometry and planner).
 
-A ZeroPadding2D on a space-split tensor becomes SpatialZeroPadding2D when the
-padded sizes still split evenly (re-blocking within one neighbour block),
-and the spatial region of s/ds runs through it (ResNet-50's stem and
-``pool1_pad``). Single process; the grid is a ProcessGrid value.
+A ZeroPadding2D that only feeds a ``valid`` Conv2D or pooling folds into that
+layer (``border_padding``: zeros at the global border, the unpadded tensor is
+split; ResNet-50's ``conv1_pad`` and ``pool1_pad``). Another ZeroPadding2D on a
+space-split tensor becomes SpatialZeroPadding2D when the padded sizes still
+split evenly (re-blocking within one neighbour block). Single process; the
+grid is a ProcessGrid value.
 """
 import functools
 
@@ -71,41 +73,64 @@ def test_padding_that_cannot_split_evenly_is_a_problem():
 def test_s_runs_the_region_through_both_paddings_of_the_stem():
     plan = plan_of(stem(), "s")
     kinds = {n.name: n.kind for n in plan.nodes}
-    assert kinds["conv1_pad"] == "replicate"           # before the region: full input
-    assert plan.node("conv1_conv").conversions == ("space_scatter",)
-    assert kinds["conv1_conv"] == kinds["pool1_pad"] == kinds["pool1_pool"] == "spatial"
+    # both paddings fold into their layer: the blocks are cut before conv1_pad
+    assert kinds["conv1_pad"] == kinds["pool1_pad"] == "fold"
+    assert plan.node("conv1_pad").conversions == ("space_scatter",)
+    assert plan.node("conv1_conv").conversions == (None,)
+    assert plan.node("conv1_conv").params["border_padding"] == ((3, 3), (3, 3))
+    assert plan.node("pool1_pool").params["border_padding"] == ((1, 1), (1, 1))
+    assert kinds["conv1_conv"] == kinds["pool1_pool"] == "spatial"
     assert kinds["conv2"] == "spatial" and kinds["conv1_bn"] == "syncbn"
     assert plan.node("pool1_pad").conversions == (None,)
     assert plan.node("gap").conversions == (None,) and kinds["gap"] == "spatial"
     assert plan.node("gap").output.kind == "replicated"   # summed blocks: no gather
 
 
+def test_padding_folds_only_where_the_unpadded_input_splits():
+    graph = describe_graph(as_functional(stem(size=30)))
+    folded = rules.fold_padding(graph, (4, 1))           # 30 rows do not split over 4
+    assert not folded.node("conv1_pad").attr("folded_into")
+    folded = rules.fold_padding(graph, (2, 1))
+    assert folded.node("conv1_pad").attr("folded_into") == "conv1_conv"
+    assert folded.node("conv1_conv").attr("border_padding") == ((3, 3), (3, 3))
+    assert folded.node("conv1_conv").in_shapes[0][1:3] == (30, 30)
+
+
 def test_ds_spatial_layers_counts_only_convolutions():
     plan = plan_of(stem(), "ds", size=4, m=2, spatial_layers=1)
     kinds = {n.name: n.kind for n in plan.nodes}
-    assert kinds["conv1_conv"] == kinds["pool1_pad"] == kinds["pool1_pool"] == "spatial"
+    assert kinds["conv1_conv"] == kinds["pool1_pool"] == "spatial"
+    assert kinds["pool1_pad"] == "fold"
     assert kinds["conv2"] == "replicate"
     assert plan.node("conv2").conversions == ("space_gather",)
 
 
+def test_padding_folded_into_its_convolution_splits_the_unpadded_input():
+    # 4 ranks along height: conv1_pad would make conv1_conv's input 38 rows, which do
+    # not split; folded, the 32 unpadded rows split and the stem runs on blocks.
+    plan = plan_of(stem(), "s", size=4, m=4)
+    kinds = {n.name: n.kind for n in plan.nodes}
+    assert kinds["conv1_conv"] == kinds["pool1_pool"] == kinds["conv2"] == "spatial"
+    # A 2x2 block grid splits every axis in two: the stem runs spatially too.
+    plan = plan_of(stem(), "s", size=4, m=4, spatial=(2, 2))
+    assert plan.node("pool1_pool").kind == "spatial"
+
+
 def test_padding_that_does_not_split_leaves_nothing_spatial_and_raises():
-    # 4 ranks along height: conv1_pad (before the region, on the full input) makes
-    # conv1_conv's input 38 rows, which do not split: nothing would be spatial.
+    # 30 rows do not split over 4 ranks (no fold); padded, conv1_conv's output of 15
+    # rows does not either: nothing would be spatial.
     with pytest.raises(ValueError, match=r"Strategy 's' would split no layer spatially "
                                          r"\(spatial='height', a 4x1 grid\): the first Conv2D, "
-                                         r"'conv1_conv', cannot be split: its input 38x38 .*"
-                                         r"along height, size 38 does not split evenly over 4 "
-                                         r"ranks.*strategy='d'.*or spatial=\(2, 2\)\.$"):
-        plan_of(stem(), "s", size=4, m=4)
-    # A 2x2 block grid splits every axis in two: the stem runs spatially.
-    plan = plan_of(stem(), "s", size=4, m=4, spatial=(2, 2))
-    assert plan.node("pool1_pad").kind == "spatial"
+                                         r"'conv1_conv', cannot be split: its input 36x36 .*"
+                                         r"along height, the output size 15 .*does not split "
+                                         r"evenly over 4 ranks"):
+        plan_of(stem(size=30), "s", size=4, m=4)
 
 
 def test_explicit_region_names_the_convolution_a_padding_leaves_unsplittable():
     with pytest.raises(ValueError, match=r"Strategy 's' would split no layer spatially.*"
-                                         r"'conv1_conv', cannot be split: its input 38x38"):
-        plan_of(stem(), "s", size=4, m=4, spatial_layers=1)
+                                         r"'conv1_conv', cannot be split: its input 36x36"):
+        plan_of(stem(size=30), "s", size=4, m=4, spatial_layers=1)
 
 
 def test_shape_only_layers_before_the_first_convolution_run_on_the_full_input():
@@ -153,9 +178,9 @@ def test_resnet50_default_region_gathers_before_the_1x1_stage(strategy, size, m,
     shortcut and the main branch)."""
     plan = resnet50_plan(strategy, size=size, m=m, spatial=spatial)
     kinds = {n.name: n.kind for n in plan.nodes}
-    assert kinds["conv1_pad"] == "replicate" and kinds["pool1_pad"] == "spatial"
+    assert kinds["conv1_pad"] == kinds["pool1_pad"] == "fold"
     assert kinds["pool1_pool"] == "spatial"
-    assert plan.node("conv1_conv").conversions == ("space_scatter",)
+    assert plan.node("conv1_pad").conversions == ("space_scatter",)
     assert kinds["conv4_block6_3_conv"] == "spatial" and kinds["conv4_block6_3_bn"] == "syncbn"
     assert plan.node("conv4_block6_add").conversions == (None, None)
     assert kinds["conv5_block1_1_conv"] == kinds["conv5_block1_0_conv"] == "replicate"
@@ -164,8 +189,8 @@ def test_resnet50_default_region_gathers_before_the_1x1_stage(strategy, size, m,
     bn = plan.node("conv5_block1_1_bn")      # replicated rows: synced over data groups only
     assert (bn.kind, bn.params.get("bn_groups")) == (("syncbn", ("data",)) if size > m
                                                      else ("replicate", None))
-    # conv1, pool1_pad + pool1_pool, then 3/4/6 blocks of 3 convolutions + a shortcut
-    assert sum(k == "spatial" for k in kinds.values()) == 1 + 2 + 10 + 13 + 19
+    # conv1, pool1_pool (the paddings fold), then 3/4/6 blocks of 3 convolutions + a shortcut
+    assert sum(k == "spatial" for k in kinds.values()) == 1 + 1 + 10 + 13 + 19
 
 
 def test_resnet50_spatial_layers_moves_the_gather_earlier():

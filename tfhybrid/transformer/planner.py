@@ -106,8 +106,8 @@ def make_plan(graph, opts, grid) -> Plan:
             partitioned (and ``fallback="error"``), or an override is invalid.
     """
     strategy = strategy_for(opts.strategy)
-    if strategy.name in ("s", "ds"):     # correct_pad + valid conv -> one 'same' conv
-        graph = rules.fold_same_padding(graph)
+    if strategy.name in ("s", "ds"):     # ZeroPadding + valid conv/pool -> one layer
+        graph = rules.fold_padding(graph, strategy.context(grid, opts, graph).spatial)
     ctx = dataclasses.replace(strategy.context(grid, opts, graph), batch_norm=opts.batch_norm)
     kinds = strategy.kinds(graph, ctx, opts)
     kinds = _apply_overrides(graph, kinds, opts, ctx)

@@ -106,10 +106,15 @@ _SPATIAL_COPIES = {"Conv2D": P.SpatialConv2D, "DepthwiseConv2D": P.SpatialDepthw
 def _spatial(layer, np, grid):
     split = _split_arg(np.params["split"])
     if np.cls in _SPATIAL_COPIES:
-        folded = {"padding": np.params["padding"]} if "padding" in np.params else {}
-        return _SPATIAL_COPIES[np.cls].from_layer(layer, split=split, group=GROUP, **folded)
+        return _SPATIAL_COPIES[np.cls].from_layer(layer, split=split, group=GROUP,
+                                                  **_folded(np))
     config = {k: v for k, v in layer.get_config().items() if k != "data_format"}
-    return getattr(P, _SPATIAL_POOLS[np.cls])(split=split, group=GROUP, **config)
+    return getattr(P, _SPATIAL_POOLS[np.cls])(split=split, group=GROUP, **config, **_folded(np))
+
+
+def _folded(np):
+    """The padding a folded ZeroPadding hands its layer (rules.fold_padding)."""
+    return {k: np.params[k] for k in ("padding", "border_padding") if k in np.params}
 
 
 def _syncbn(layer, np, grid):

@@ -153,7 +153,8 @@ class Channelwise(Rule):
         if lay.kind != "space":
             return Decision((None,), "replicate", lay)
         if spatial_window(node, ctx.spatial):
-            return Decision((None,), "spatial", lay, {"split": ctx.spatial})
+            return Decision((None,), "spatial", lay, {"split": ctx.spatial,
+                                                      **_folded_params(node)})
         if spatial_global_pool(node):   # the blocks' sums or maxima combined: no gather
             return Decision((None,), "spatial", lay.with_kind("replicated"),
                             {"split": ctx.spatial})
@@ -301,7 +302,7 @@ def runs_on_blocks(node) -> bool:
         return channels_last_axis(node)
     if node.attr("operation"):     # keras.ops: x / 255.0, a + b of one shape
         return node.attr("operation") in ("elementwise", "merge")
-    if node.attr("folded_into"):   # a padding its convolution applies (fold_same_padding)
+    if node.attr("folded_into"):   # a padding its convolution applies (fold_padding)
         return True
     if node.cls == "Softmax" or (node.cls == "Activation" and
                                  node.attr("activation") in CHANNEL_MIXING):
@@ -359,8 +360,8 @@ class Linear(Rule):
         rows = Layout("replicated", lay.grouped or lay.kind == "rows")
         if kind == "spatial":
             params = {"split": ctx.spatial}
-            if node.attr("folded_padding"):     # it pads at the border itself ('same')
-                params["padding"] = "same"
+            if node.attr("folded_padding"):     # it pads at the border itself
+                params.update(_folded_params(node))
             return Decision(("space",), "spatial", lay.with_kind("space"), params)
         if kind in ("filter", "filter_split"):
             split = kind == "filter_split"
@@ -436,6 +437,9 @@ def window_specs(node):
     else:
         sizes = _per_axis(node.attr("pool_size"), 2, n)
         strides = _per_axis(node.attr("strides"), sizes, n)
+    rows = node.attr("border_padding")      # a folded ZeroPadding (fold_padding)
+    if rows:
+        return [(w, s, tuple(r)) for w, s, r in zip(sizes, strides, rows)]
     return [(w, s, node.attr("padding", "valid")) for w, s in zip(sizes, strides)]
 
 
@@ -497,21 +501,33 @@ def _same_pads(size, window, stride):
     return before, max((out - 1) * stride + window - size, 0) - before
 
 
-def fold_same_padding(graph):
+# valid window layers whose spatial counterpart pads a folded ZeroPadding itself
+# (``border_padding``: zeros at the global border only)
+BORDER_PADDED = ("Conv2D", "Conv3D") + SPATIAL_POOLS
+
+
+def fold_padding(graph, spatial=None):
     """``graph`` (a GraphSpec) with each ``ZeroPadding`` that only feeds a
-    ``valid`` convolution and pads exactly as that convolution's ``same``
-    padding would (Keras applications' ``correct_pad`` before a stride-2
-    convolution: MobileNetV2, EfficientNet) described as one ``same``
-    convolution of the unpadded input.
+    ``valid`` convolution or pooling described as part of that layer, so that
+    spatial strategies split the unpadded tensor and the layer pads at the
+    global border only.
+
+    * Padding exactly as the convolution's ``same`` padding would (Keras
+      applications' ``correct_pad`` before a stride-2 convolution: MobileNetV2,
+      EfficientNet): the convolution gets ``padding="same"``.
+    * Other padding before a ``Conv2D/3D`` or a pooling layer (ResNet's
+      ``ZeroPadding2D(3)`` before its 7x7 stride-2 stem and ``ZeroPadding2D(1)``
+      before its first max pooling): the layer gets ``attrs["border_padding"]``,
+      the rows per axis, when ``spatial`` (the block grid, per spatial axis) is
+      None or splits the unpadded sizes evenly. E.g. ResNet-50 at 224x224 on a
+      4x1 grid: the padded 230 rows do not split over 4 ranks, the 224 do.
 
     The padding node keeps its name and class, with ``attrs["folded_into"]``
-    (the convolution) and its input shape as output shape; the convolution
-    gets ``padding="same"``, ``attrs["folded_padding"]`` and that input shape.
-    Spatial strategies then split the unpadded tensor (e.g. 64 rows, not 65),
-    and the padding runs inside the convolution, at the global border only.
+    (the layer) and its input shape as output shape; the layer gets
+    ``attrs["folded_padding"]`` and that input shape.
 
     Example:
-        >>> [n.attr("padding") for n in fold_same_padding(spec).nodes][:2]
+        >>> [n.attr("padding") for n in fold_padding(spec).nodes][:2]
         [((0, 1), (0, 1)), 'same']
     """
     nodes = list(graph.nodes)
@@ -520,37 +536,61 @@ def fold_same_padding(graph):
         if not pad.cls.startswith("ZeroPadding") or pad.output in graph.outputs:
             continue
         users = graph.consumers(pad.output)
-        if len(users) != 1 or users[0].cls not in SPATIAL_CONVS:
+        if len(users) != 1 or users[0].cls not in SPATIAL_CONVS + SPATIAL_POOLS:
             continue
-        conv, shape = users[0], pad.in_shapes[0]
+        layer, shape = users[0], pad.in_shapes[0]
         ndim = spatial_ndim(pad)
-        if str(conv.attr("padding", "valid")).lower() != "valid" or len(shape) != ndim + 2 \
-                or spatial_ndim(conv) != ndim \
-                or conv.attr("data_format", "channels_last") != "channels_last":
+        if str(layer.attr("padding", "valid")).lower() != "valid" or len(shape) != ndim + 2 \
+                or spatial_ndim(layer) != ndim \
+                or layer.attr("data_format", "channels_last") != "channels_last":
             continue
         sizes = shape[1:ndim + 1]
-        if any(n is None for n in sizes) or any(
-                tuple(int(v) for v in rows) != _same_pads(n, window, stride)
-                for rows, n, (window, stride, _) in zip(pad.attr("padding"), sizes,
-                                                        window_specs(conv))):
+        if any(n is None for n in sizes):
             continue
-        nodes[i] = dataclasses.replace(pad, out_shape=tuple(shape),
-                                       attrs={**pad.attrs, "folded_into": conv.name})
-        j = index[conv.name]
+        rows = tuple(tuple(int(v) for v in r) for r in pad.attr("padding"))
+        same = layer.cls in SPATIAL_CONVS and all(
+            r == _same_pads(n, window, stride)
+            for r, n, (window, stride, _) in zip(rows, sizes, window_specs(layer)))
+        if same:
+            folded = {"padding": "same"}
+        elif layer.cls in BORDER_PADDED and (spatial is None or len(spatial) != ndim or all(
+                n % parts == 0 for n, parts in zip(sizes, spatial))):
+            folded = {"border_padding": rows}
+        else:
+            continue
+        j = index[layer.name]
         nodes[j] = dataclasses.replace(nodes[j], in_shapes=(tuple(shape),),
-                                       attrs={**nodes[j].attrs, "padding": "same",
+                                       attrs={**nodes[j].attrs, **folded,
                                               "folded_padding": pad.name})
+        # a pooling runs on blocks when its input does and it fits the grid (no kind
+        # of its own): the padding records whether it fits (FoldedPadding.plan)
+        fits = layer.cls in SPATIAL_POOLS and spatial is not None and \
+            spatial_problem(nodes[j], spatial) is None
+        nodes[i] = dataclasses.replace(pad, out_shape=tuple(shape),
+                                       attrs={**pad.attrs, "folded_into": layer.name,
+                                              "folded_pool_fits": fits})
     return dataclasses.replace(graph, nodes=tuple(nodes))
 
 
+def _folded_params(node):
+    """The rebuild arguments of a layer a ZeroPadding folded into (fold_padding)."""
+    if not node.attr("folded_padding"):
+        return {}
+    if node.attr("border_padding"):
+        return {"border_padding": node.attr("border_padding")}
+    return {"padding": "same"}
+
+
 class FoldedPadding(Rule):
-    """A ZeroPadding that its spatial convolution applies (``padding='same'``,
-    :func:`~tfhybrid.transformer.rules.fold_same_padding`): with kind
-    ``spatial`` (its convolution's) it takes blocks and passes them through
-    (``fold``); otherwise it pads the whole input, as the layer does."""
+    """A ZeroPadding that its spatial convolution or pooling applies
+    (:func:`~tfhybrid.transformer.rules.fold_padding`): with kind ``spatial``
+    (its convolution's), or on blocks before a pooling that fits the grid, it
+    takes blocks and passes them through (``fold``); otherwise it pads the
+    whole input, as the layer does."""
 
     def plan(self, node, layouts, kind, ctx):
-        if kind == "spatial":           # its convolution runs on blocks: split here
+        pool = node.attr("folded_pool_fits") and layouts[0].kind == "space"
+        if kind == "spatial" or pool:   # its convolution/pooling runs on blocks: split here
             return Decision(("space",), "fold", layouts[0].with_kind("space"))
         if layouts[0].kind == "space":
             return super().plan(node, layouts, "replicate", ctx)     # gathers the blocks

@@ -45,11 +45,12 @@ class _SpatialConv(core.SpatialMixin):
 
     def __init__(self, filters, kernel_size, strides=1, padding="valid", dilation_rate=1,
                  activation=None, use_bias=True, split=None, group="model", overlap=None,
-                 **kwargs):
+                 border_padding=None, **kwargs):
         super().__init__(filters=filters, kernel_size=kernel_size, strides=strides,
                          padding=padding, dilation_rate=dilation_rate, activation=activation,
                          use_bias=use_bias, **kwargs)
         self._init_conv_spatial(split, group, overlap)
+        self._init_border_padding(border_padding)
 
     def _init_conv_spatial(self, split, group, overlap):
         """The spatial arguments, once the Keras layer is initialised (channels_last only)."""
@@ -76,7 +77,7 @@ class _SpatialConv(core.SpatialMixin):
         copy of the block in forward or backward) where the plans allow, else
         one ``valid`` operation of the halo-extended block."""
         plans = core.window_plans(self, inputs.shape, self._windows(), self.strides,
-                                  self.padding)
+                                  self._plan_padding())
         overlap = self._overlap_now()
         if BLOCK_CONV and not overlap and core.block_conv_possible(plans):
             outputs = core.block_conv(inputs, plans, self._spatial_groups(), op, kernel,
@@ -104,7 +105,7 @@ class _SpatialConv(core.SpatialMixin):
 
     def compute_output_shape(self, input_shape):
         return core.output_block_shape(self, input_shape, self._windows(), self.strides,
-                                       self.padding, self.filters)
+                                       self._plan_padding(), self.filters)
 
     @staticmethod
     def _weights_input_shape(conv):

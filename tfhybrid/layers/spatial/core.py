@@ -454,7 +454,8 @@ def block_conv(x, plans, groups, conv, kernel, name):
 
 # -- the shared layer machinery ---------------------------------------------------
 
-SPATIAL_KEYS = ("split", "group", "overlap")   # config keys the Keras counterpart lacks
+# config keys the Keras counterpart lacks
+SPATIAL_KEYS = ("split", "group", "overlap", "border_padding")
 
 
 class SpatialMixin(NoXLA):
@@ -468,6 +469,7 @@ class SpatialMixin(NoXLA):
 
     _ndim = 2
     _eager_overlap = False
+    border_padding = None     # see _init_border_padding
     _keras_class = None          # the Keras layer a subclass parallelises
     _default_split = "height"
     # Layers with weights define it (a staticmethod: Keras layer -> an input shape
@@ -536,7 +538,35 @@ class SpatialMixin(NoXLA):
         config.update({"split": self.split, "group": serialize_group(self.group)})
         if self._takes_overlap:
             config["overlap"] = self.overlap
+        if self.border_padding is not None:
+            config["border_padding"] = [list(rows) for rows in self.border_padding]
         return config
+
+    def _init_border_padding(self, border_padding):
+        """Zero rows ``((before, after), ...)`` per spatial axis that a folded
+        ``ZeroPadding2D/3D`` adds at the global border before this ``valid``
+        window layer (None: the layer's own ``padding``). The blocks are those
+        of the unpadded input; the zeros are added at the global border only."""
+        if border_padding is None:
+            self.border_padding = None
+            return
+        rows = tuple(tuple(r) if isinstance(r, (tuple, list)) else (r, r)
+                     for r in border_padding)
+        if len(rows) != self._ndim or any(
+                len(r) != 2 or any(not isinstance(v, int) or isinstance(v, bool) or v < 0
+                                   for v in r) for r in rows):
+            raise ValueError(f"{self._label()}: Received border_padding={border_padding!r}; "
+                             f"expected {self._ndim} pairs (before, after) of non-negative "
+                             "ints, one per spatial axis.")
+        if str(self.padding).lower() != "valid":
+            raise ValueError(f"{self._label()}: border_padding needs padding='valid' (the "
+                             f"zeros replace a ZeroPadding before a valid layer); received "
+                             f"padding={self.padding!r}.")
+        self.border_padding = rows
+
+    def _plan_padding(self):
+        """The padding the window plans use: ``border_padding`` per axis, else ``padding``."""
+        return self.border_padding if self.border_padding is not None else self.padding
 
     def _init_spatial(self, split, group, overlap=None):
         split = sp.normalize_split(split)
@@ -668,7 +698,8 @@ def window_plans(layer, local_shape, windows, strides, padding):
         shape = layer._grid_shape()
         plans = []
         for d, (n, g) in enumerate(zip(dims, groups)):
-            geom = sp.AxisGeometry(n * g.size, g.size, windows[d], strides[d], padding)
+            rows = padding[d] if isinstance(padding, tuple) else padding   # per axis
+            geom = sp.AxisGeometry(n * g.size, g.size, windows[d], strides[d], rows)
             if geom.problem():
                 raise ValueError(sp.axis_problem_message(
                     layer._label(), layer._global_shape(local_shape), shape,

@@ -26,7 +26,7 @@ class _SpatialPool(core.SpatialMixin):
     _mode = "max"
 
     def __init__(self, pool_size=2, strides=None, padding="valid", split=None, group="model",
-                 overlap=None, **kwargs):
+                 overlap=None, border_padding=None, **kwargs):
         super().__init__(pool_size=pool_size, strides=strides, padding=padding, **kwargs)
         if self.data_format != "channels_last":
             raise ValueError(f"{self._label()}: only data_format='channels_last' is supported; "
@@ -36,11 +36,15 @@ class _SpatialPool(core.SpatialMixin):
                              f"{self.padding!r}; expected 'valid' or 'same'.")
         self.padding = self.padding.lower()
         self._init_spatial(self._default_split if split is None else split, group, overlap)
+        self._init_border_padding(border_padding)
 
     def call(self, inputs):
         plans = core.window_plans(self, inputs.shape, self.pool_size, self.strides,
-                                  self.padding)
-        if self._mode == "max":
+                                  self._plan_padding())
+        if self.border_padding is not None:   # a folded ZeroPadding: zeros that count
+            pad_value, op = 0.0, (self._max_op if self._mode == "max"
+                                  else lambda x, _ranges: self._average_op(x, None, None))
+        elif self._mode == "max":
             pad_value, op = float("-inf"), self._max_op
         else:
             pad_value, op = 0.0, lambda x, ranges: self._average_op(x, ranges, plans)
@@ -53,12 +57,14 @@ class _SpatialPool(core.SpatialMixin):
 
     def _average_op(self, x, ranges, plans):
         mean = ops.average_pool(x, self.pool_size, self.strides, "valid", "channels_last")
+        if plans is None:      # zeros of a folded ZeroPadding count in the mean
+            return mean
         scale = _window_scale(plans, ranges, self.pool_size)
         return mean if scale is None else mean * ops.cast(scale, mean.dtype)
 
     def compute_output_shape(self, input_shape):
         return core.output_block_shape(self, input_shape, self.pool_size, self.strides,
-                                       self.padding, input_shape[-1])
+                                       self._plan_padding(), input_shape[-1])
 
 
 def _window_scale(plans, ranges, pool_size):

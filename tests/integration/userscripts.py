@@ -68,7 +68,11 @@ def launch(script, np=2, args=(), timeout=300, env=None) -> Run:
         out = ((err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes)
                else (err.stdout or "")) + ((err.stderr or b"").decode(errors="replace")
                                              if isinstance(err.stderr, bytes) else (err.stderr or ""))
-    return Run(rc, out, time.time() - start)
+    run = Run(rc, out, time.time() - start)
+    if rc != 0:   # shown under "Captured stdout" if the test fails (an assert's repr is cut)
+        print(f"--- {path.name} (np={np}) exit {rc} after {run.seconds:.1f} s; output tail:\n"
+              f"{out[-8000:]}", flush=True)
+    return run
 
 
 _RESULT = re.compile(r"RESULT (\{.*\})")

@@ -106,9 +106,10 @@ def make_plan(graph, opts, grid) -> Plan:
             partitioned (and ``fallback="error"``), or an override is invalid.
     """
     strategy = strategy_for(opts.strategy)
-    if strategy.name in ("s", "ds"):     # ZeroPadding + valid conv/pool -> one layer
-        graph = rules.fold_padding(graph, strategy.context(grid, opts, graph).spatial)
+    # the context reads the graph's spatial rank only, which folding keeps
     ctx = dataclasses.replace(strategy.context(grid, opts, graph), batch_norm=opts.batch_norm)
+    if strategy.name in ("s", "ds"):     # ZeroPadding + valid conv/pool -> one layer
+        graph = rules.fold_padding(graph, ctx.spatial)
     kinds = strategy.kinds(graph, ctx, opts)
     kinds = _apply_overrides(graph, kinds, opts, ctx)
     kinds = _check_feasible(graph, kinds, opts, ctx)

@@ -547,8 +547,7 @@ class SpatialMixin(NoXLA):
         ``ZeroPadding2D/3D`` adds at the global border before this ``valid``
         window layer (None: the layer's own ``padding``). The blocks are those
         of the unpadded input; the zeros are added at the global border only."""
-        if border_padding is None:
-            self.border_padding = None
+        if border_padding is None:    # the class default: the layer's own padding
             return
         rows = tuple(tuple(r) if isinstance(r, (tuple, list)) else (r, r)
                      for r in border_padding)

@@ -41,11 +41,9 @@ class _SpatialPool(core.SpatialMixin):
     def call(self, inputs):
         plans = core.window_plans(self, inputs.shape, self.pool_size, self.strides,
                                   self._plan_padding())
-        if self.border_padding is not None:   # a folded ZeroPadding: zeros that count
-            pad_value, op = 0.0, (self._max_op if self._mode == "max"
-                                  else lambda x, _ranges: self._average_op(x, None, None))
-        elif self._mode == "max":
-            pad_value, op = float("-inf"), self._max_op
+        if self._mode == "max":   # a folded ZeroPadding's zeros can win: they are data
+            pad_value = float("-inf") if self.border_padding is None else 0.0
+            op = self._max_op
         else:
             pad_value, op = 0.0, lambda x, ranges: self._average_op(x, ranges, plans)
         overlap = self._overlap_now()
@@ -57,7 +55,7 @@ class _SpatialPool(core.SpatialMixin):
 
     def _average_op(self, x, ranges, plans):
         mean = ops.average_pool(x, self.pool_size, self.strides, "valid", "channels_last")
-        if plans is None:      # zeros of a folded ZeroPadding count in the mean
+        if self.border_padding is not None:   # a folded ZeroPadding's zeros count in the mean
             return mean
         scale = _window_scale(plans, ranges, self.pool_size)
         return mean if scale is None else mean * ops.cast(scale, mean.dtype)

@@ -328,10 +328,14 @@ def _zero_framed(t, pads):
     return t
 
 
-def _thin_input(piece, axes):
+def _used_rows(piece, axes):
+    """The rows of a received piece its thin convolution reads."""
+    return _region(piece, [a[0][0] for a in axes], [a[0][1] for a in axes])
+
+
+def _thin_input(used, axes):
     """The thin ``valid``-conv input of one piece: its used rows, zeros around."""
-    used = _region(piece, [a[0][0] for a in axes], [a[0][1] for a in axes])
-    return _zero_framed(used, [(0, 0)] + [a[1] for a in axes] + [(0, 0)])
+    return tf.pad(used, [(0, 0)] + [a[1] for a in axes] + [(0, 0)])
 
 
 def _same_kernel_grad(conv, t, k, dy, windows):
@@ -401,12 +405,14 @@ def block_conv(x, plans, groups, conv, kernel, name):
     @tf.custom_gradient
     def run(t, k):
         got, anchors = halo.block_halo_pieces(t, plan)
-        thin = {o: _thin_input(tf.ensure_shape(got[o], piece_shape(o, t)), regions[o])
+        # only the rows read are kept for the backward, not their zero frame
+        rows = {o: _used_rows(tf.ensure_shape(got[o], piece_shape(o, t)), regions[o])
                 for o in used}
         if used:    # every alltoall must feed the output (see halo._swap)
-            thin[used[0]] = halo._anchored(thin[used[0]], anchors)
+            rows[used[0]] = halo._anchored(rows[used[0]], anchors)
         y = halo.add_all_at(conv(t, k, "same"), [
-            (conv(thin[o], k, "valid"), [a[2][0] for a in regions[o]] + [0]) for o in used])
+            (conv(_thin_input(rows[o], regions[o]), k, "valid"),
+             [a[2][0] for a in regions[o]] + [0]) for o in used])
         if not used:
             y = halo._anchored(y, anchors)
 
@@ -420,10 +426,15 @@ def block_conv(x, plans, groups, conv, kernel, name):
                     continue
                 axes = regions[o]
                 dyo = _region(dy, [a[2][0] for a in axes], [a[2][1] for a in axes])
+                # framed again here, after dy exists: a copy that lives only in
+                # this backward (the dependency keeps Grappler from merging it
+                # with the forward's frame, which would then live from forward on)
+                with tf.control_dependencies([dyo]):
+                    thin = _thin_input(tf.identity(rows[o]), axes)
                 with tf.GradientTape() as tape:
-                    tape.watch([thin[o], k])
-                    yo = conv(thin[o], k, "valid")
-                d_thin, dko = tape.gradient(yo, [thin[o], k], output_gradients=dyo)
+                    tape.watch([thin, k])
+                    yo = conv(thin, k, "valid")
+                d_thin, dko = tape.gradient(yo, [thin, k], output_gradients=dyo)
                 dk = dk + dko
                 d_used = _region(d_thin, [a[1][0] for a in axes], [a[0][1] for a in axes])
                 pads = [[0, 0]] + [[a[0][0], f - a[0][0] - a[0][1]]

@@ -22,6 +22,58 @@ def test_batch_checksum_sees_row_order_and_values():
     assert float(guards.batch_checksum((x, y))) == base
 
 
+def _numpy_checksum(arrays, position=0):
+    total = 0.0
+    for a in arrays:
+        rows = np.asarray(a, np.float64).reshape(len(a), -1)
+        cols = 1.0 + (np.arange(rows.shape[1]) % 7) / 7.0
+        row_w = 1.0 + np.arange(len(rows)) + position * len(rows)
+        total += float(((rows @ cols) * row_w).sum())
+    return total
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (3, 5, 6, 2), (2, 16, 16, 16, 1), (5, 1)])
+def test_batch_checksum_is_the_weighted_float64_sum(shape):
+    """Column j weighs 1 + (j % 7) / 7, row i 1 + i (+ position x rows): the
+    seven strided float64 slice sums equal numpy's weighted sum, eager and
+    traced, for float, integer and bool inputs."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    y = rng.integers(0, 5, shape[:1] + (3,)).astype(np.int32)
+    mask = rng.random(shape[:2]) > 0.5
+    want = _numpy_checksum([x, y, mask])
+    for fn in (guards.batch_checksum, tf.function(guards.batch_checksum)):
+        got = float(fn((tf.constant(x), tf.constant(y), tf.constant(mask))))
+        assert got == pytest.approx(want, rel=1e-12)
+    got = float(tf.function(guards.batch_checksum)((tf.constant(x),), tf.constant(2)))
+    assert got == pytest.approx(_numpy_checksum([x], position=2), rel=1e-12)
+
+
+def test_batch_checksum_sees_columns_and_blocks_sum_to_the_batch():
+    """Two columns of other weights swapped change it; a batch's blocks, each
+    checksummed at its position, sum to the whole batch's (p/ls compare so)."""
+    x = np.arange(2 * 9, dtype=np.float32).reshape(2, 9)
+    swapped = x[:, [1, 0] + list(range(2, 9))]
+    assert float(guards.batch_checksum((tf.constant(swapped),))) != float(
+        guards.batch_checksum((tf.constant(x),)))
+    big = np.random.default_rng(2).standard_normal((6, 4, 5)).astype(np.float32)
+    blocks = sum(float(guards.batch_checksum((tf.constant(big[2 * i:2 * i + 2]),),
+                                             tf.constant(i))) for i in range(3))
+    assert blocks == pytest.approx(float(guards.batch_checksum((tf.constant(big),))),
+                                   rel=1e-12)
+
+
+def test_batch_checksum_keeps_no_batch_sized_constant():
+    """The column weights are not a row-long vector: in a traced step Grappler
+    folded that into a constant held for the step's lifetime (0.84 MB for a
+    48^3 volume, up to its 10 MB limit; past it, a float64 copy each step)."""
+    x = tf.zeros((2, 24, 24, 24, 1))
+    graph = tf.function(guards.batch_checksum).get_concrete_function((x,)).graph
+    big = [op.name for op in graph.get_operations() if op.type in ("Range", "Const")
+           and any(o.shape.num_elements() and o.shape.num_elements() > 64 for o in op.outputs)]
+    assert not big, big
+
+
 def test_structure_digest_changes_with_layer_names():
     assert guards.structure_digest(_model("a")) != guards.structure_digest(_model("b"))
     assert guards.structure_digest(_model("a")) == guards.structure_digest(_model("a"))

@@ -408,11 +408,12 @@ def block_conv(x, plans, groups, conv, kernel, name):
         # only the rows read are kept for the backward, not their zero frame
         rows = {o: _used_rows(tf.ensure_shape(got[o], piece_shape(o, t)), regions[o])
                 for o in used}
-        if used:    # every alltoall must feed the output (see halo._swap)
-            rows[used[0]] = halo._anchored(rows[used[0]], anchors)
+        thin_out = {o: conv(_thin_input(rows[o], regions[o]), k, "valid") for o in used}
+        if used:    # every alltoall must feed the output (see halo._swap); anchored
+            # on a thin output, not on the kept rows (the anchor copies its tensor)
+            thin_out[used[0]] = halo._anchored(thin_out[used[0]], anchors)
         y = halo.add_all_at(conv(t, k, "same"), [
-            (conv(_thin_input(rows[o], regions[o]), k, "valid"),
-             [a[2][0] for a in regions[o]] + [0]) for o in used])
+            (thin_out[o], [a[2][0] for a in regions[o]] + [0]) for o in used])
         if not used:
             y = halo._anchored(y, anchors)
 

@@ -15,7 +15,7 @@ during ``fit``. Printed beside them:
   parameters; under ``s`` all are replicated);
 * ``oracle``: ``tfhybrid.oracle.predict(model, "s"|"serial", p, B,
   machine).memory_bytes`` (ParaDL Table 3's activations + parameters per
-  rank, gamma = 1);
+  rank, times the machine's gamma);
 * ``ideal = peak(1)/p + replicated params`` and ``ratio = peak(p)/ideal``
   (whole resident set); ``fit ratio``, the same on the growth during
   ``fit`` (``growth(1)/p + params``), which leaves out the fixed runtime
@@ -26,88 +26,75 @@ Models: ``--model unet`` (default: the 3-D U-Net of
 on blocks under ``s``) or ``--model cosmoflow`` (a CosmoFlow-like encoder:
 Conv3D and MaxPooling3D stacks, then Dense, 4 regression targets).
 
-Measured on the 2-core box (U-Net 96^3 x 1, 8 filters, global batch 3, 2
-steps; worst rank; one process grows by 1571-1623 MB during ``fit``, which
-moves the ratios; ``runtime`` is the resident set before ``fit``)::
+Measured on the 2-core box (session 30; U-Net 96^3 x 1, 8 filters, global
+batch 3, 2 steps, ``--fusion_mb 1``; worst rank; ``runtime`` is the resident
+set before ``fit``; ``vol`` subtracts each rank's growth training the same
+model on 16^3 volumes, see ``--baseline``)::
 
-    Horovod fusion buffer       default (128 MiB)       --fusion_mb 1
-    p  runtime MB  block   fit +MB  fit ratio  ratio   fit +MB  fit ratio  ratio
-    1  525         96^3    1571-1615  1.00     1.00    1623     1.00       1.00
-    2  529-530     48x96^2 1021-1034  1.26-1.31 1.45-1.49  954-958  1.18  1.38
-    4  530         24x96^2  626-646   1.55-1.64 2.16-2.24  600-624  1.48  2.10
+    p  runtime MB  block      fit +MB  fit ratio  vol +MB  vol ratio
+    1  525         96^3       1518     1.00       1461     1.00
+    2  530         48x96^2     930     1.23        815     1.12
+    4  530         24x96^2     559     1.47        427     1.17
 
-The target (per-rank peak ~ single/p + replicated parameters) refers to the
-``fit ratio``: the whole-RSS ``ratio`` divides the ~525-530 MB of runtime
-each process carries before ``fit`` (TensorFlow, Horovod, the model, the
-graph; printed as ``runtime``), which does not shrink with p. Horovod's
-tensor-fusion buffer (``tfhybrid.Config(fusion_threshold_bytes)``, 128 MiB by
-default) is allocated during ``fit`` at p > 1 only; under ``s`` the gradients
-to fuse are 0.33 MB, so ``--fusion_mb 1`` shows the growth without it.
+The same at 128^3 (one process grows by 3.5 GB): fit ratio 1.19 (p = 2) and
+1.32 (p = 4), vol ratio 1.15 and 1.19. With Horovod's default 128 MiB fusion
+buffer (allocated during ``fit`` at p > 1 only) at 96^3: fit ratio 1.36 / 1.57.
 
-History (fit ratio p = 2 / p = 4): 1.59 / 1.70 with the halo-extended,
-padded conv input kept for backward; 1.42 / 1.63 keeping only the frame of
-halo and padding rows; 1.40 / 1.40-1.55 with the returned halo gradients added
-in place and a convolution's input gradient after its kernel gradient;
-1.33 / 1.60 rerun later on that code, 1.26-1.31 / 1.55-1.64 now (p = 1's
-growth differs by run, 1571-1677 MB): a ``same`` convolution whose block padding
-equals the rows each rank needs runs on the block itself plus thin ``valid``
-convolutions of the received halo pieces, added in place
-(``tfhybrid.layers.spatial.core.block_conv``), so no halo-extended or padded
-copy of the block exists in forward or backward. A probe of that
-(6 stacked Conv3D, 64^3 x 12, batch 4, ``/tmp`` probe): fit growth per rank at
-p = 2 equals a plain Keras fit of the half volume (267 vs 272 MB, fusion buffer
-1 MiB); at p = 4, 200-207 MB vs 125 MB plain on a quarter volume, the two
-middle ranks (two neighbours) worst: that excess, and the U-Net's at p = 4,
-is not yet explained (it grows with the number of layers, ~1 activation per
-layer on a middle rank). The oracle's ParaDL formula (gamma = 1)
-overestimates all rows.
+TensorFlow's own tensor memory (``--tensors``, ``--trace``) at 96^3: the
+allocator's peak 1511 / 797 / 407 MB at p = 1 / 2 / 4 (ratio to single/p +
+params 1.05 and 1.07); the bytes a traced step's tensors requested at their
+peak 1231 / 667 / 342 MB (1.08 and 1.11). At 48^3 (blocks of 12 rows at
+p = 4): allocator 1.04-1.20 / 1.20-1.26 over four runs, requested 1.01 / 1.10.
+What a rank holds beyond single/p is its halo rows (a middle rank receives
+two per convolution) and the 1 MiB fusion buffer; the allocator columns add
+its rounding and fragmentation, which move with the order ops run in (p = 1's
+own peak moved 108-118 MB at 48^3 between runs).
 
-Block convolution on (the default) vs off (``TFHYBRID_BLOCK_CONV=0``: one
-``valid`` convolution of the halo-extended block), back to back on a quiet box
-(session 10, default fusion buffer; one run each): fit ratio p = 2 1.26 vs 1.41,
-p = 4 1.65 vs 1.47 (worst rank 1188 vs 1116 MB peak; a middle rank with block
-convolution, an edge rank without). With ``--fusion_mb 1`` and block
-convolution: 1.20 / 1.57. The block convolution wins at p = 2 and does not at
-p = 4, where the middle ranks' excess above stays unexplained.
+So the memory that grows with the volume scales as single/p within 5-20 %.
+What the ``fit ratio`` charges beyond that at p = 4 is fixed per process:
+each rank of ``s`` grows ~125-150 MB during ``fit`` whatever the volume
+(16^3: 64 MB at p = 1, 90 MB per rank for ``d`` at p = 4, 125 MB on an edge
+and 148 MB on a middle rank for ``s``; not oneDNN's primitive cache, which
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` leaves unchanged; the traced step of a
+spatial model has many more ops), while ``growth(1)/p`` spreads p = 1's
+fixed ~57 MB over the ranks. It weighs less as the volume grows (1.47 at 96^3,
+1.32 at 128^3).
 
-What grows with the volume (session 11, ``--baseline``, default 16): each p
-also trains the same model on 16^3 volumes; a rank's growth there (the traced
-graph, Horovod's and Gloo's buffers: 56-57 MB at p = 1, 102-107 MB at p = 2,
-102-123 MB at p = 4, middle ranks the most) is subtracted from its growth on
-the real volume, and ``vol ratio = vol(p) / (vol(1)/p + params)``. Two runs
-each, back to back, default fusion buffer::
+Where the p = 4 excess came from (session 30, found with ``--trace``'s
+allocator events per op): 1.41-1.64 before. Three causes in
+``core.block_conv``, all of halo pieces: (1) the thin ``valid``-convolution
+input of each received piece (its rows framed by zeros: 3 x 50 x 50 for a
+1-row halo at 48^3) was kept from forward to backward; (2) the zeros were
+``tf.zeros`` of static shape, which Grappler folds into constants that a
+traced function holds for its lifetime (one per frame, forward and
+backward); (3) the anchor that keeps a rank's alltoall in the graph copied
+one piece per convolution. Now only the received rows are kept, the frame is
+a ``tf.pad`` (fused into the convolution), the backward pads again, and the
+anchor sits on a thin output. The guards' batch checksum also stopped
+folding a row-long float64 weight vector into a constant. Earlier history
+(fit ratio p = 2 / p = 4): 1.59 / 1.70 with the halo-extended, padded conv
+input kept for backward; 1.42 / 1.63 keeping only the frame of halo and
+padding rows; 1.26-1.31 / 1.55-1.64 with the block convolution
+(``tfhybrid.layers.spatial.core.block_conv``: a ``same`` convolution of the
+block plus thin convolutions of the received halo pieces, added in place).
 
-    inter-op threads   p = 1 fit +MB   fit ratio p2 / p4   vol ratio p2 / p4
-    2 (default)        1602, 1602      1.25-1.26 / 1.59-1.62   1.16 / 1.34-1.37
-    1                  1743, 1743      1.18-1.20 / 1.31-1.35   1.10-1.11 / 1.06-1.10
+The oracle's ParaDL Table 3 estimate (gamma of the calibrated machine, fitted
+on the calibration CNN) is 5x the measured growth here: it counts every
+layer's input and output twice, which TensorFlow does not keep.
 
-With one inter-op thread (``TF_NUM_INTEROP_THREADS=1``: TensorFlow runs one
-op at a time) what grows with the volume scales as single/p within 6-11 %;
-with two, TensorFlow runs independent ops of the step side by side, and at
-p = 4 a rank holds ~80 MB (about four level-0 activations of its block) more
-at its peak. The fixed part is what the issue's plain ``fit ratio`` charges
-to p: growth(1)/p spreads p = 1's fixed ~57 MB over the ranks, while every
-rank of p = 4 carries ~100-120 MB of its own. p = 1's growth itself differs
-from run to run and setting to setting (1524-1743 MB seen), which moves
-every ratio by up to ~10 %.
-
-``--tensors`` (session 27) also reports TensorFlow's own peak of tensor memory
-during ``fit`` (``TF_CPU_ALLOCATOR_USE_BFC=true``: the allocator's statistics,
-free of malloc arenas and the runtime; the resident-set columns then stop
-scaling, as that allocator keeps the regions it grew, so read only its own
-lines). U-Net 48^3 x 1, 8 filters, batch 2, ``--fusion_mb 1``, data.volumes,
-2 inter-op threads: 117.4 MB at p = 1; 63.7 MB at p = 2 (ratio 1.08 to
-single/p + params); 42.0 MB at p = 4 (1.41, the middle ranks). At p = 4 the
-excess over single/p grows with the blocks' faces, not their volumes (a
-/tmp probe with ``fit(x, y)``, 1 inter-op thread: 5.5-6.5 MB at 32^3,
-10-13 MB at 48^3, 14-21 MB at 64^3 over a plain quarter-volume fit); keeping
-only the received halo rows for the backward (the zero-framed thin inputs
-rebuilt there) did not lower it, so those inputs are not what peaks.
+``--tensors`` runs TensorFlow's BFC allocator on CPU
+(``TF_CPU_ALLOCATOR_USE_BFC=true``) and prints each p's worst peak of its
+tensor memory during ``fit`` (no malloc arenas or runtime; the resident-set
+columns then stop scaling, as that allocator keeps the regions it grew, so
+read only its lines). ``--trace`` adds one step under TensorFlow's profiler
+and prints the peak of the bytes its tensors requested (the allocator's
+per-op events summed at their requested sizes: no rounding or fragmentation).
 
 Usage (the whole run stays under ~5 GB on the box)::
 
     .venv/bin/python bench/volume_memory.py                 # p = 1, 2, 4
     .venv/bin/python bench/volume_memory.py --size 64 --nps 1 4 --steps 1
+    .venv/bin/python bench/volume_memory.py --trace --fusion_mb 1 --baseline 0
 
 A worker can run under a memory limit (``--limit_mb``: ``RLIMIT_DATA``, the
 private writable memory a process may map; see
@@ -160,9 +147,16 @@ def _args(argv=None):
                     "fit (TF_CPU_ALLOCATOR_USE_BFC=true: the allocator's statistics; no "
                     "malloc arenas or runtime; Horovod's fusion buffer counts: use "
                     "--fusion_mb 1)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also trace one more step with TensorFlow's profiler (implies "
+                    "--tensors) and report the peak of the bytes its tensors requested "
+                    "(live allocations summed at their requested sizes: no allocator "
+                    "rounding or fragmentation)")
     ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)   # output directory
     args = ap.parse_args(argv)
+    if args.trace:
+        args.tensors = True
     defaults = {"unet": (96, 1, 8, 3), "cosmoflow": (128, 2, 12, 4)}[args.model]
     for name, value in zip(("size", "channels", "filters", "batch"), defaults):
         if getattr(args, name) is None:
@@ -314,6 +308,8 @@ def worker(args):
         row["ok"] = True
         if tensors:
             row["tensor_peak_mb"] = tf.config.experimental.get_memory_info("CPU:0")["peak"] / MB
+        if tensors and args.trace:
+            row["step_requested_peak_mb"] = traced_step_peak(model, ds) / MB
     except (tf.errors.OpError, MemoryError) as err:     # OOM, oneDNN "could not create"
         row["ok"], row["error"] = False, f"{type(err).__name__}: {str(err)[:200]}"
     row["peak_mb"] = _rss_mb()
@@ -326,6 +322,61 @@ def worker(args):
         os._exit(3)      # peers may wait in a collective: leave at once
 
 
+def requested_peak(xplane_path):
+    """The peak of the bytes live tensors requested, over the allocations a
+    profiler trace (``*.xplane.pb``) records: the BFC allocator's
+    MemoryAllocation / MemoryDeallocation events, each allocation counted at
+    its requested size from its allocation to its deallocation (allocations
+    made before the trace, e.g. weights and optimizer slots, are not counted)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(xplane_path, "rb") as f:
+        space.ParseFromString(f.read())
+    events = []
+    for plane in space.planes:
+        names, stats = plane.event_metadata, plane.stat_metadata
+        for line in plane.lines:
+            for ev in line.events:
+                kind = names[ev.metadata_id].name
+                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
+                    continue
+                vals = {stats[x.metadata_id].name: x.int64_value or x.uint64_value
+                        for x in ev.stats}
+                events.append((line.timestamp_ns * 1000 + ev.offset_ps,
+                               kind == "MemoryAllocation", vals.get("addr"),
+                               vals.get("requested_bytes", 0)))
+    live, now, peak = {}, 0, 0
+    for _, alloc, addr, size in sorted(events, key=lambda e: e[0]):
+        if alloc:
+            now += size - live.get(addr, 0)
+            live[addr] = size
+        else:
+            now -= live.pop(addr, 0)
+        peak = max(peak, now)
+    return peak
+
+
+def traced_step_peak(model, ds):
+    """One more training step under TensorFlow's profiler: the peak of the bytes
+    its tensors requested (:func:`requested_peak`)."""
+    import glob
+
+    import tensorflow as tf
+
+    logdir = tempfile.mkdtemp(prefix="vm_trace_")
+    try:
+        tf.profiler.experimental.start(logdir)
+        try:
+            model.fit(ds, epochs=1, steps_per_epoch=1, verbose=0)
+        finally:
+            tf.profiler.experimental.stop()
+        paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        return requested_peak(paths[0]) if paths else float("nan")
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+
+
 # -- the driver --------------------------------------------------------------------
 
 def run(args, p, out_dir, timeout=1800):
@@ -334,6 +385,8 @@ def run(args, p, out_dir, timeout=1800):
            "--model", args.model, "--size", str(args.size), "--channels", str(args.channels),
            "--filters", str(args.filters), "--batch", str(args.batch), "--steps",
            str(args.steps), "--limit_mb", str(args.limit_mb), "--fusion_mb", str(args.fusion_mb)]
+    if getattr(args, "trace", False):
+        cmd += ["--trace"]
     if args.machine:
         cmd += ["--machine", args.machine]
     if p > 1:
@@ -429,6 +482,13 @@ def summary(rows_by_p, fusion=0, base_by_p=None, baseline=0):
         lines += [f"   p={p}: {t:.1f} MB, ideal {tensors[1] / p + params[p]:.1f} MB, "
                   f"ratio {t / (tensors[1] / p + params[p]):.2f}"
                   for p, t in sorted(tensors.items())]
+    traced = {p: max(r["step_requested_peak_mb"] for r in rows) for p, rows in rows_by_p.items()
+              if rows and all("step_requested_peak_mb" in r for r in rows)}
+    if traced and 1 in traced:
+        lines += ["bytes a traced step's tensors requested, at their peak (profiler; no "
+                  "allocator rounding or fragmentation; worst rank; ideal = step(1)/p):"]
+        lines += [f"   p={p}: {t:.1f} MB, ideal {traced[1] / p:.1f} MB, "
+                  f"ratio {t / (traced[1] / p):.2f}" for p, t in sorted(traced.items())]
     if vol:
         lines += [
             f"'vol +MB' is a rank's fit growth minus its growth training the same model on a "

@@ -334,7 +334,14 @@ def _used_rows(piece, axes):
 
 
 def _thin_input(used, axes):
-    """The thin ``valid``-conv input of one piece: its used rows, zeros around."""
+    """The thin ``valid``-conv input of one piece: its used rows, zeros around.
+
+    A ``tf.pad``, not :func:`_zero_framed`: ``tf.zeros`` of a static shape
+    become constants a traced function holds for its lifetime (Grappler folds
+    them), one per frame. The remapper failure that :func:`_zero_framed`
+    avoids needs a Pad feeding a convolution and another op; :func:`block_conv`
+    pads once for the forward convolution and again, separately, in the
+    backward (tests/parallel/test_spatial_conv3d.py checks the graph)."""
     return tf.pad(used, [(0, 0)] + [a[1] for a in axes] + [(0, 0)])
 
 

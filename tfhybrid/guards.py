@@ -191,6 +191,11 @@ def step_sums_variable(model):
     return sums
 
 
+# batch_checksum's rows up to this many items use one matrix-vector product
+# (fewer traced ops: every guarded train step traces it); longer rows use slices
+CHECKSUM_SMALL_ROW = 4096
+
+
 def batch_checksum(data, position=None):
     """A traced float64 checksum of a batch, sensitive to row order and values.
 
@@ -199,12 +204,13 @@ def batch_checksum(data, position=None):
     as rows ``position x rows ...`` of that batch, so the blocks' checksums
     sum to the joined batch's.
 
-    Each row's sum weighs column ``j`` by ``1 + (j % 7) / 7``, taken as seven
-    strided column slices summed in float64 one after the other: no float64
-    copy of the whole batch and no row-long weight vector (which TensorFlow
-    folds into a constant kept for the traced step's lifetime), so a volume
-    batch costs a few sevenths of its size at most (2x + a row's float64
-    copy before)."""
+    Each row's sum weighs column ``j`` by ``1 + (j % 7) / 7``. Rows of up to
+    :data:`CHECKSUM_SMALL_ROW` items take one float64 matrix-vector product
+    (a weight vector TensorFlow folds into a constant: small). Longer rows
+    (volumes) are summed as seven strided column slices in float64, one after
+    the other: no row-long weight constant kept for the traced step's
+    lifetime and no float64 copy of the whole batch, a few sevenths of the
+    batch's size at most."""
     total = tf.constant(0.0, tf.float64)
     for t in tf.nest.flatten(data):
         if t is None or not tf.is_tensor(t) or not (t.dtype.is_floating or t.dtype.is_integer
@@ -214,12 +220,17 @@ def batch_checksum(data, position=None):
             total += tf.cast(t, tf.float64)
             continue
         rows = tf.reshape(t, [tf.shape(t)[0], -1])
-        per_row = tf.zeros([tf.shape(rows)[0]], tf.float64)
-        for r in range(7):
-            # one slice at a time: the previous float64 copy is freed before the next
-            with tf.control_dependencies([per_row] if r else []):
-                part = tf.cast(rows[:, r::7], tf.float64)
-            per_row += tf.reduce_sum(part, axis=1) * (1.0 + r / 7.0)
+        width = rows.shape[1]
+        if width is not None and width <= CHECKSUM_SMALL_ROW:
+            cols = 1.0 + tf.cast(tf.range(width) % 7, tf.float64) / 7.0
+            per_row = tf.linalg.matvec(tf.cast(rows, tf.float64), cols)
+        else:
+            per_row = tf.zeros([tf.shape(rows)[0]], tf.float64)
+            for r in range(7):
+                # one slice at a time: the previous float64 copy is freed before the next
+                with tf.control_dependencies([per_row] if r else []):
+                    part = tf.cast(rows[:, r::7], tf.float64)
+                per_row += tf.reduce_sum(part, axis=1) * (1.0 + r / 7.0)
         row_w = 1.0 + tf.cast(tf.range(tf.shape(rows)[0]), tf.float64)
         if position is not None:
             row_w += tf.cast(position * tf.shape(rows)[0], tf.float64)

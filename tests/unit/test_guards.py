@@ -32,11 +32,13 @@ def _numpy_checksum(arrays, position=0):
     return total
 
 
-@pytest.mark.parametrize("shape", [(4, 3), (3, 5, 6, 2), (2, 16, 16, 16, 1), (5, 1)])
+@pytest.mark.parametrize("shape", [(4, 3), (3, 5, 6, 2), (2, 16, 16, 16, 1), (5, 1),
+                                   (2, 20, 20, 20, 1), (3, 4097)])
 def test_batch_checksum_is_the_weighted_float64_sum(shape):
     """Column j weighs 1 + (j % 7) / 7, row i 1 + i (+ position x rows): the
-    seven strided float64 slice sums equal numpy's weighted sum, eager and
-    traced, for float, integer and bool inputs."""
+    matrix-vector product of short rows and the seven strided float64 slice
+    sums of long ones equal numpy's weighted sum, eager and traced, for
+    float, integer and bool inputs."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape).astype(np.float32)
     y = rng.integers(0, 5, shape[:1] + (3,)).astype(np.int32)

@@ -432,6 +432,12 @@ def volume_ratios(rows_by_p, base_by_p):
     return out
 
 
+def _worst_per_p(rows_by_p, key):
+    """Per world size whose every rank reported ``key``: the worst rank's value."""
+    return {p: max(r[key] for r in rows) for p, rows in rows_by_p.items()
+            if rows and all(key in r for r in rows)}
+
+
 def summary(rows_by_p, fusion=0, base_by_p=None, baseline=0):
     """The printed table: per world size, the worst rank, beside the estimates."""
     one = rows_by_p.get(1)
@@ -472,18 +478,16 @@ def summary(rows_by_p, fusion=0, base_by_p=None, baseline=0):
         "Horovod's tensor-fusion buffer (128 MiB by default; --fusion_mb) is allocated",
         "during fit by p > 1 only and so counts in its growth"
         + (f" (here {fusion} MiB)." if fusion else ": compare --fusion_mb 1.")]
-    tensors = {p: max(r["tensor_peak_mb"] for r in rows) for p, rows in rows_by_p.items()
-               if rows and all("tensor_peak_mb" in r for r in rows)}
+    tensors = _worst_per_p(rows_by_p, "tensor_peak_mb")
     if tensors and 1 in tensors:
-        params = {p: max(r["param_mb"] for r in rows) for p, rows in rows_by_p.items() if rows}
+        params = _worst_per_p(rows_by_p, "param_mb")
         lines += ["tensor memory (TensorFlow allocator's peak during fit, worst rank; "
                   "ideal = tensors(1)/p + params; under this allocator the resident-set "
                   "columns above do not scale):"]
         lines += [f"   p={p}: {t:.1f} MB, ideal {tensors[1] / p + params[p]:.1f} MB, "
                   f"ratio {t / (tensors[1] / p + params[p]):.2f}"
                   for p, t in sorted(tensors.items())]
-    traced = {p: max(r["step_requested_peak_mb"] for r in rows) for p, rows in rows_by_p.items()
-              if rows and all("step_requested_peak_mb" in r for r in rows)}
+    traced = _worst_per_p(rows_by_p, "step_requested_peak_mb")
     if traced and 1 in traced:
         lines += ["bytes a traced step's tensors requested, at their peak (profiler; no "
                   "allocator rounding or fragmentation; worst rank; ideal = step(1)/p):"]
@@ -494,7 +498,7 @@ def summary(rows_by_p, fusion=0, base_by_p=None, baseline=0):
             f"'vol +MB' is a rank's fit growth minus its growth training the same model on a "
             f"{baseline}^3 volume",
             "at the same p (what fit adds whatever the volume: the traced graph, Horovod's",
-            "and Gloo's buffers; ~57 MB at p = 1, ~100-120 MB at p = 4 here), worst rank;",
+            "and Gloo's buffers; ~57 MB at p = 1, ~115-130 MB at p = 2, 4 here), worst rank;",
             "'vol ratio' = vol(p) / (vol(1)/p + params): how the memory that grows with the",
             "volume scales with p."]
     return "\n".join(lines)

@@ -370,6 +370,59 @@ def _check_path(path):
     return str(path)
 
 
+def template_sample(path) -> str:
+    """``path`` with ``{epoch}`` and ``{step}`` filled in (a :class:`Checkpoint` template).
+
+    Raises:
+        ValueError: for a field other than ``epoch`` and ``step``, or a bad format spec.
+    """
+    try:
+        return str(path).format(epoch=0, step=0)
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(f"Received an invalid checkpoint path {str(path)!r}: it cannot be "
+                         f"formatted ({type(err).__name__}: {err}); the fields it may hold are "
+                         "{epoch} and {step} (e.g. 'ckpt/e{epoch:03d}.keras'); write a literal "
+                         "brace as {{ or }}.") from None
+
+
+def check_writable(path, sharded: bool = False) -> None:
+    """Refuse a checkpoint path that no save could write (no collective, no write).
+
+    The directory a checkpoint goes into may not exist yet (:class:`Checkpoint`
+    creates it at its first save): its deepest existing ancestor must then be
+    a directory this process may write into. ``path`` itself must not be a
+    directory (a single-file checkpoint) or a file (``sharded``). The result
+    depends only on ``path`` and the file system, so every rank that sees the
+    same file system decides alike, and all of them fail together before any
+    training, not one rank at its first save while the others wait.
+
+    Raises:
+        ValueError: naming the path, what is in the way and what to do.
+    """
+    sample = os.path.abspath(template_sample(path))
+    head = f"Checkpoint path {str(path)!r} cannot be written: "
+    fix = "pass a path in a directory you can write to"
+    if not sharded and os.path.isdir(sample):
+        raise ValueError(f"{head}{sample!r} is a directory; pass a file name ending in "
+                         "'.keras' (or sharded=True to save per-rank parts into a directory).")
+    if sharded and os.path.exists(sample) and not os.path.isdir(sample):
+        raise ValueError(f"{head}{sample!r} is a file and a sharded checkpoint is a "
+                         f"directory; remove the file or {fix}.")
+    directory = os.path.dirname(sample)
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{head}{existing!r} is a file, not a directory, so the directory "
+                         f"{directory!r} cannot be created; {fix}, or move the file.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        needed = ("to write into it" if existing == directory
+                  else f"to create {directory!r} in it")
+        raise ValueError(f"{head}no write permission in directory {existing!r} ({needed}); "
+                         f"{fix}, or give this user write permission there "
+                         f"(chmod u+w {existing!r}).")
+
+
 @collective_api("tfhybrid.save")
 def save(model, path, epoch: int | None = None, step: int | None = None,
          sharded: bool = False, redundant: bool = False):
@@ -753,9 +806,16 @@ class Checkpoint(keras.callbacks.Callback):
         redundant: With ``sharded``, each rank's part is also kept by its
             neighbour (Stanza §5.3 redundant checkpoint).
 
+    The directory of ``path`` is created at the first save when it does not
+    exist. A path no save could write (a file where a directory must be, no
+    write permission) is refused when the callback is made, on every rank,
+    before any training (:func:`check_writable`).
+
     Raises:
-        ValueError: for a non-``.keras`` path, a negative ``every_n_steps``,
-            ``keep`` < 1, or nothing to save (both triggers off).
+        ValueError: for a non-``.keras`` path, a path that cannot be written,
+            a field other than ``{epoch}``/``{step}`` in it, a negative
+            ``every_n_steps``, ``keep`` < 1, or nothing to save (both
+            triggers off).
 
     Example:
         >>> model.fit(data, epochs=10, callbacks=tfhybrid.callbacks.standard() + [
@@ -784,10 +844,12 @@ class Checkpoint(keras.callbacks.Callback):
         if not every_n_steps and not every_epoch:
             raise ValueError("Checkpoint would never save: pass every_n_steps > 0 or "
                              "every_epoch=True.")
+        check_writable(path, self.sharded)
         self.path, self.every_n_steps, self.every_epoch, self.keep = (
             str(path), every_n_steps, bool(every_epoch), keep)
         self._epoch = 0
         self._written = []
+        self._made = set()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -801,8 +863,29 @@ class Checkpoint(keras.callbacks.Callback):
         if self.every_epoch:
             self._save(epoch + 1, 0)
 
+    def _make_directory(self, path):
+        """Create the directory ``path`` goes into (with its parents), as Keras'
+        ``ModelCheckpoint`` does, on the ranks that write: rank 0 (a single
+        file), every rank (``sharded``: each writes its part). Collective the
+        first time per directory (the same on every rank: ``path`` comes from
+        the same template and counters), so a rank that cannot create it
+        stops every rank here."""
+        directory = os.path.dirname(os.path.abspath(path))
+        if directory in self._made:
+            return
+        if runtime.current_grid().size == 1:
+            os.makedirs(directory, exist_ok=True)
+        else:
+            from tfhybrid.comm import backend
+
+            with backend.together(f"tfhybrid.callbacks.Checkpoint creating {directory!r}"):
+                if self.sharded or runtime.is_root():
+                    os.makedirs(directory, exist_ok=True)
+        self._made.add(directory)
+
     def _save(self, epoch, step):
         path = self.path.format(epoch=epoch, step=step)
+        self._make_directory(path)
         save(self.model, path, epoch=epoch, step=step, sharded=self.sharded,
              redundant=self.redundant)
         if runtime.is_root() and path != self.path:

@@ -49,6 +49,7 @@ after ``init`` shuffles identically on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -1534,6 +1535,39 @@ _SAVE_FIX = ("Use tfhybrid.save(model, path) on every rank (rank 0 writes a plai
              "per-rank files.")
 
 
+@contextlib.contextmanager
+def after_reading(data):
+    """A context in which every op of a step waits for the step's batch ``data``.
+
+    Keras' loss tracker and ratio metrics add the batch's row count to their
+    ``count`` state, and with a static batch size that count is a constant
+    (``tf.shape`` of a fully known shape), so its ``assign_add`` depends on
+    nothing the step reads. When a dataset of unknown length ends, the step
+    function is called once more and its ``get_next`` raises
+    ``OutOfRangeError`` (Keras' end-of-epoch signal), yet the constant
+    ``assign_add`` may already have run: every loss and metric of the pass
+    (fit's epoch logs, validation, evaluate) then comes out ``n / (n + 1)``
+    of its value over ``n`` batches (measured: every epoch under Keras
+    3.15.1 / TF 2.18.1, in one process too). Inside this context every op of
+    the step, constants included, runs only after the batch was read, so the
+    end-of-data call changes no state. Eager steps need no ordering (a no-op).
+    Variables the step creates (metrics built at their first update) are
+    created outside the context: their initial values are lifted out of the
+    traced step and must not depend on its input.
+    """
+    if tf.executing_eagerly():
+        yield
+        return
+
+    def without_dependencies(next_creator, **kwargs):
+        with tf.control_dependencies(None):
+            return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(without_dependencies), tf.control_dependencies(
+            [t for t in tf.nest.flatten(data, expand_composites=True) if tf.is_tensor(t)]):
+        yield
+
+
 def install(model, part=False):
     """Make transformed ``model``'s compile/fit/evaluate/predict run the guards.
 
@@ -1605,38 +1639,45 @@ def install(model, part=False):
         # Only where ranks of a model group must feed the same rows (nothing to
         # compare otherwise: pure data parallelism, one process), and only on
         # the steps the GuardCallback checks.
-        if _config().guards and _batch_checksummed(self):
-            # split labels (per-voxel outputs under s/ds) differ within a model group
-            split = any(getattr(self, "_tfhybrid_split_outputs", ())) and isinstance(data, tuple)
-            rows = data[0] if split else data
-            checksum.assign(tf.cond(due, lambda: batch_checksum(rows), checksum.read_value))
-        with batch_losses.weighted_rows(self, batch_losses.rows_factor(self, data, weighting)):
-            logs = cls.train_step(self, data)
-        if _config().guards and runtime.current_grid().size > 1:
-            gather_step_sums(self, checksum, weights_due)
+        with after_reading(data):
+            if _config().guards and _batch_checksummed(self):
+                # split labels (per-voxel outputs under s/ds) differ within a model group
+                split = (any(getattr(self, "_tfhybrid_split_outputs", ()))
+                         and isinstance(data, tuple))
+                rows = data[0] if split else data
+                checksum.assign(tf.cond(due, lambda: batch_checksum(rows), checksum.read_value))
+            with batch_losses.weighted_rows(self, batch_losses.rows_factor(self, data,
+                                                                            weighting)):
+                logs = cls.train_step(self, data)
+            if _config().guards and runtime.current_grid().size > 1:
+                gather_step_sums(self, checksum, weights_due)
         return logs
 
     def test_step(self, data):
         batch_losses.wrap(self)
         batch_losses.wrap_metrics(self)
         data = full_labels_to_blocks(self, data)
-        if _config().guards and _data_replicas_checked(self):     # EvaluateRows' batch
-            split = any(getattr(self, "_tfhybrid_split_outputs", ())) and isinstance(data, tuple)
-            rows = data[0] if split else data
-            checksum.assign(tf.cond(evaluate_due, lambda: batch_checksum(rows),
-                                    checksum.read_value))
-        with batch_losses.weighted_rows(self, batch_losses.rows_factor(self, data, weighting)):
-            return cls.test_step(self, data)
+        with after_reading(data):
+            if _config().guards and _data_replicas_checked(self):     # EvaluateRows' batch
+                split = (any(getattr(self, "_tfhybrid_split_outputs", ()))
+                         and isinstance(data, tuple))
+                rows = data[0] if split else data
+                checksum.assign(tf.cond(evaluate_due, lambda: batch_checksum(rows),
+                                        checksum.read_value))
+            with batch_losses.weighted_rows(self, batch_losses.rows_factor(self, data,
+                                                                            weighting)):
+                return cls.test_step(self, data)
 
     def part_step(keras_step):
         """p/ls: the batch checksum of the steps :class:`PartRows` compares."""
         def step(self, data):
-            rows = part_rows(self) if _config().guards else None
-            if rows is not None:
-                position = tf.constant(rows[0], tf.int32)
-                checksum.assign(tf.cond(due, lambda: batch_checksum(data, position),
-                                        checksum.read_value))
-            return keras_step(self, data)
+            with after_reading(data):
+                rows = part_rows(self) if _config().guards else None
+                if rows is not None:
+                    position = tf.constant(rows[0], tf.int32)
+                    checksum.assign(tf.cond(due, lambda: batch_checksum(data, position),
+                                            checksum.read_value))
+                return keras_step(self, data)
         return step
 
     def fit(self, *args, **kwargs):

@@ -47,14 +47,32 @@ def test_partial_batches_trimmed_and_tiny_ones_skipped(rank):
         assert int(local.cardinality()) == 3            # Keras still knows the steps
         got = [b.numpy().tolist() for b in local]
         local21 = [b.numpy().tolist() for b in tfhybrid.data.shard(rows(21))]
+        assert not data.equal_blocks(tfhybrid.data.shard(rows(21)))   # fit weighs the blocks
+        assert data.equal_blocks(tfhybrid.data.shard(rows(24)))      # 8, 8, 8: equal blocks
     assert got == [list(range(s + 4 * rank, s + 4 * rank + 4)) for s in (0, 8, 16)]
-    assert local21[-1] == [16 + 2 * rank, 17 + 2 * rank]     # 5 rows: 2 each, row 20 dropped
+    assert local21[-1] == [[16, 17, 18], [19, 20]][rank]     # 5 rows: 3 + 2, every row kept
     said = " ".join(str(w.message) for w in caught)
     if rank == 0:
         assert "skipped a global batch of 1 rows" in said
-        assert "dropped 1 of the 5 rows" in said and "each rank keeps 2 rows" in said
+        assert "dropped" not in said
     else:
         assert "tfhybrid.data.shard" not in said
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_odd_batch_size_keeps_every_row_or_is_refused(rank):
+    """``.batch(15)`` over 2 ranks: blocks of 8 and 7 rows (every row trained);
+    where blocks must be equal (gmp's model groups) a ValueError that names the
+    batch, the ranks and the fix, instead of a row of every batch dropped."""
+    with rank_of_2(rank):
+        got = [b.numpy().tolist() for b in tfhybrid.data.shard(rows(60, batch=15))]
+        gmp = type("Gmp", (), {"layers": [], "_tfhybrid_batch_split": "world"})()
+        runtime._STATE["grid"] = ProcessGrid(size=2, rank=rank, model_parallel=2)
+        with pytest.raises(ValueError, match=r"batches of 15 rows .*2 equal blocks.*"
+                                             r"\.batch\(14\) or \.batch\(16\)"):
+            tfhybrid.data.shard(rows(60, batch=15), model=gmp)
+    assert got == [list(range(s, s + 8)) if rank == 0 else list(range(s + 8, s + 15))
+                   for s in (0, 15, 30, 45)]
 
 
 def test_remainder_error_and_bad_value():

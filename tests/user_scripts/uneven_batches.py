@@ -11,8 +11,10 @@ The script writes what a user writes: ``Dataset.from_tensor_slices((x, y))
 and ``evaluate``. Every rank must run the same number of steps (no hang),
 rank 0 warns about the rows it drops, and the result must equal
 single-process training and evaluation of the unmodified model on the rows
-kept: each global batch of ``r`` rows keeps ``r // p_data`` rows per rank
-(its first ``p_data * (r // p_data)`` rows), and a batch of fewer than
+kept: under d (and df) each global batch of ``r`` rows is cut into blocks of
+``r // p_data`` rows or one row more, so every row is trained; under gmp
+(model groups gather equal blocks) each rank keeps ``r // p_data`` rows (the
+first ``p_data * (r // p_data)`` rows of the batch). A batch of fewer than
 ``p_data`` rows is skipped. Each rank prints ``RESULT {json}``.
 """
 import json
@@ -35,12 +37,15 @@ def make_model():
     return keras.Model(inputs, keras.layers.Dense(2, name="fc2")(hidden), name="uneven")
 
 
-def kept_rows(n, blocks):
-    """Indices of the rows data.shard keeps, in order."""
+def kept_rows(n, blocks, whole):
+    """Indices of the rows data.shard keeps, in order: every row of each batch of
+    at least ``blocks`` rows when ``whole`` (blocks may differ by a row), else the
+    first ``blocks * (rows // blocks)`` rows of each batch."""
     keep = []
     for start in range(0, n, BATCH):
         rows = min(BATCH, n - start)
-        keep.extend(range(start, start + blocks * (rows // blocks)))
+        if rows >= blocks:
+            keep.extend(range(start, start + (rows if whole else blocks * (rows // blocks))))
     return np.asarray(keep)
 
 
@@ -65,13 +70,13 @@ def main(n, strategy):
     full = tfhybrid.gather(pmodel)
 
     blocks = tfhybrid.data.batch_split(pmodel)[0]
-    keep = kept_rows(n, blocks)
+    whole = strategy != "gmp"      # gmp's model groups gather equal blocks
+    keep = kept_rows(n, blocks, whole)
     ref = make_model()
     ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
     # the kept rows in batches of 8: the same batches as the sharded run's global batches
     ref_data = tf.data.Dataset.from_tensor_slices((x[keep], y[keep])).batch(BATCH)
-    batches = [b for b in (blocks * (min(BATCH, n - s) // blocks)
-                           for s in range(0, n, BATCH)) if b]
+    batches = [b for b in (min(BATCH, n - s) for s in range(0, n, BATCH)) if b >= blocks]
     ref.fit(ref_data, epochs=EPOCHS, verbose=0, shuffle=False)
     ref_scores = ref.evaluate(ref_data, verbose=0, return_dict=True)
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(full.get_weights(), ref.get_weights()))

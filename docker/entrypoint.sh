@@ -25,6 +25,8 @@ SSH_KEYS=${TFHYBRID_SSH_KEYS:-/etc/tfhybrid/ssh}
 # Tests only (tests/unit/test_docker_files.py): write under a scratch root, run another sshd.
 R=${TFHYBRID_ENTRYPOINT_ROOT:-}
 SSHD=${TFHYBRID_ENTRYPOINT_SSHD:-/usr/sbin/sshd}
+# Server policy (keys only), shared with the test hosts of tests/multihost/hosts.py.
+SSHD_POLICY=$(dirname "$(readlink -f "$0")")/sshd_config
 SUBCOMMANDS_RE='^(plan|calibrate|-h|--help|--version)$'
 
 die() { echo "[entrypoint] error: $*" >&2; exit 2; }
@@ -45,9 +47,8 @@ setup_ssh() {
   fi
   [ -e "$R/root/.ssh/authorized_keys" ] \
     || echo "[entrypoint] warning: no /root/.ssh/authorized_keys: mount one in $SSH_KEYS; nobody can log in" >&2
-  # Server: keys only, on our port.
-  printf 'Port %s\nPermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM yes\n' \
-    "$SSH_PORT" > "$R/etc/ssh/sshd_config.d/tfhybrid.conf"
+  # Server: our port, then the policy shared with the test hosts (docker/sshd_config).
+  { printf 'Port %s\n' "$SSH_PORT"; cat "$SSHD_POLICY"; } > "$R/etc/ssh/sshd_config.d/tfhybrid.conf"
   # Remote commands (horovodrun's, mpirun's orted) get the image's environment, not a login shell's.
   env | grep -E '^(PATH|LD_LIBRARY_PATH|PYTHONPATH|VIRTUAL_ENV|TF_[A-Z_]*|NCCL_[A-Z_]*|HOROVOD_[A-Z_]*|OMPI_[A-Z_]*|CUDA_[A-Z_]*|NVIDIA_[A-Z_]*|TFHYBRID_[A-Z_]*)=' \
     > "$R/etc/environment" || true

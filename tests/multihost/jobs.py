@@ -1,0 +1,77 @@
+"""Launching jobs on the test hosts (tests/multihost/hosts.py) and the plain
+single-process reference; the interpreter and its Horovod build."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hosts import IFACE
+
+ROOT = Path(__file__).resolve().parents[2]
+PATCH = "0100-gloo-process-set-interface"
+
+
+def python():
+    """The ranks' interpreter: TFHYBRID_MULTIHOST_PYTHON, else the one running pytest."""
+    return os.environ.get("TFHYBRID_MULTIHOST_PYTHON") or sys.executable
+
+
+def horovod_patches(py=None):
+    """Patches of the Horovod that ``py`` imports (empty: stock build)."""
+    out = subprocess.run(
+        [py or python(), "-c", "import horovod.tfhybrid_patches as p; print(*p.PATCHES)"],
+        capture_output=True, text=True, timeout=120)
+    return tuple(out.stdout.split()) if out.returncode == 0 else ()
+
+
+class Run:
+    """Outcome of one launch: ``rc``, ``out`` (stdout+stderr), ``seconds``."""
+
+    def __init__(self, rc, out, seconds):
+        self.rc, self.out, self.seconds = rc, out, seconds
+
+    def __repr__(self):
+        return f"Run(rc={self.rc}, seconds={self.seconds:.1f}, out=...{self.out[-4000:]})"
+
+
+def launch(hosts, script, slots, args=(), timeout=600, env=None):
+    """``horovodrun`` on h1 over the test hosts, ``slots`` ranks on each."""
+    py = python()
+    hvdrun = str(Path(py).parent / "horovodrun")
+    spec = ",".join(f"{name}:{slots}" for name in hosts.names)
+    cmd = [hvdrun, "--gloo", "-np", str(slots * len(hosts.names)), "-H", spec,
+           "--network-interface", IFACE, "--start-timeout", "120",
+           py, str(script), *map(str, args)]
+    run_env = dict(os.environ, TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="2",
+                   OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=str(ROOT))
+    for key in ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"):
+        run_env.pop(key, None)
+    run_env.update(env or {})
+    start = time.time()
+    try:
+        proc = hosts.run(hosts.names[0], cmd, timeout=timeout, cwd=ROOT, env=run_env)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        rc = "timeout"
+        out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                      for x in (err.stdout, err.stderr))
+    run = Run(rc, out, time.time() - start)
+    print(f"--- {Path(script).name} on {spec}: exit {rc} after {run.seconds:.1f} s", flush=True)
+    if rc != 0:
+        print(out[-8000:], flush=True)
+    return run
+
+
+def run_plain(script, args=(), timeout=600):
+    """The single-process reference: plain ``python script`` on this machine."""
+    env = dict(os.environ, TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="2",
+               OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(ROOT))
+    for key in list(env):
+        if key.startswith("HOROVOD_"):
+            env.pop(key)
+    proc = subprocess.run([python(), str(script), *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return Run(proc.returncode, proc.stdout + proc.stderr, 0.0)

@@ -115,8 +115,8 @@ def weight_checksums(variables) -> np.ndarray:
     """Position-weighted sums of each variable (order and value sensitive).
 
     The position weights are cached per size: the checks run at the start
-    of every ``fit`` and after its first steps (19 ms -> a few ms per call
-    for a 0.8 M-parameter CNN).
+    of every ``fit`` and after its first steps, and building the weights is
+    most of a call's cost.
     """
     out = []
     for v in variables:
@@ -156,8 +156,7 @@ def gather_step_sums(model, checksum, due):
     this step's batch checksum and weight checksums over the world and keep
     them in the model's step-sums variable for the callback to verify. The
     allgather then runs in the traced step, instead of an eager pass over the
-    weights in numpy and an eager allgather between two steps (measured on
-    the README's data-parallel fit at 2 ranks: 12-50 ms per fit). Nothing
+    weights in numpy and an eager allgather between two steps. Nothing
     when the variable is missing or sized for other variables (a train
     function traced before ``fit`` made it): the callback then finds it
     unwritten and runs the eager check."""
@@ -240,7 +239,8 @@ def batch_checksum(data, position=None):
 
 
 # input_fingerprint hashes an array whole up to this size, else FINGERPRINT_ROWS
-# evenly spaced rows of it (BLAKE2b runs at ~1 GB/s: 32 MiB is ~30 ms).
+# evenly spaced rows of it (BLAKE2b hashes on the order of 1 GB/s, so the whole-array
+# bound keeps a fingerprint to tens of milliseconds).
 FINGERPRINT_WHOLE_BYTES = 32 * 2**20
 FINGERPRINT_ROWS = 1024
 
@@ -1357,9 +1357,8 @@ def carry_weight_decay_exclusions(model, optimizer):
 
     Keras keys the excluded variables by object (the TF variable's unique id):
     the transformed model's variables are new objects, so the exclusion
-    silently matched nothing
-    (measured: AdamW with the biases excluded, d and f at 2 ranks, 4.3e-2
-    relative off one process after 2 epochs). Each excluded variable of the
+    would silently match nothing and decay what the script excluded. Each
+    excluded variable of the
     source model maps to the variable of the same path here (under p/ls a
     variable another rank holds maps to nothing on this rank).
 
@@ -1458,9 +1457,8 @@ _PART_OPTIONS = (
 def refuse_part_options(optimizer, strategy):
     """``p``/``ls`` models apply their own gradient step: a DistributedOptimizer
     option that changes the numbers there (``backward_passes_per_step``, ``op``,
-    ``compression``, the FC options) would be ignored silently (measured:
-    ``backward_passes_per_step=3`` under p trained 2.3 relative off one
-    process accumulating 3 batches), so it is refused at compile."""
+    ``compression``, the FC options) would be ignored silently, so it is
+    refused at compile."""
     for name, default, fix in _PART_OPTIONS:
         value = getattr(optimizer, name, default)
         if value != default:
@@ -1547,8 +1545,8 @@ def after_reading(data):
     ``OutOfRangeError`` (Keras' end-of-epoch signal), yet the constant
     ``assign_add`` may already have run: every loss and metric of the pass
     (fit's epoch logs, validation, evaluate) then comes out ``n / (n + 1)``
-    of its value over ``n`` batches (measured: every epoch under Keras
-    3.15.1 / TF 2.18.1, in one process too). Inside this context every op of
+    of its value over ``n`` batches (under Keras 3.15.1 / TF 2.18.1, in one
+    process too). Inside this context every op of
     the step, constants included, runs only after the batch was read, so the
     end-of-data call changes no state. Eager steps need no ordering (a no-op).
     Variables the step creates (metrics built at their first update) are
@@ -1768,8 +1766,8 @@ def install(model, part=False):
     def on_batch(name):
         """Keras' ``train_on_batch``/``test_on_batch`` with the batch's logs of the
         global batch, as one process computes them (Keras resets the metrics
-        before the step, so summing the states gives that batch's): before,
-        each rank returned its own rows' loss and metrics."""
+        before the step, so summing the states gives that batch's), not each
+        rank's own rows' loss and metrics."""
         keras_method = getattr(cls, name)
 
         def method(self, *args, **kwargs):
@@ -1864,8 +1862,8 @@ def lean_train_function(model, keras_function):
 
     Keras 3 (``steps_per_execution=1``) wraps the same step in an outer
     function returning a ``tf.experimental.Optional`` and then runs two eager
-    ops per step (``has_value``, ``get_value``) on it: ~0.13 ms of CPU per
-    step here, 1-2% of a small CNN's data-parallel step. The step itself is
+    ops per step (``has_value``, ``get_value``) on it, a cost a small CNN's
+    data-parallel step notices. The step itself is
     the same ``train_step`` (bit-identical weights); an exhausted iterator
     raises ``OutOfRangeError``, which Keras' epoch loop treats as the end of
     the data, as it does for its own function. Keras' function is kept
@@ -1884,7 +1882,7 @@ def lean_train_function(model, keras_function):
     step = tf.function(one_step_on_iterator, reduce_retracing=True, jit_compile=False)
     # The epoch's iterator and its traced step: calling the concrete function skips
     # the polymorphic dispatch (the iterator's type spec canonicalised and hashed
-    # on every call: 0.07-0.09 ms per step here). A new iterator (next epoch or
+    # on every call). A new iterator (next epoch or
     # fit) looks the step up again, so a new element spec still retraces.
     epoch = {"iterator": None, "step": None}
 
@@ -1893,8 +1891,17 @@ def lean_train_function(model, keras_function):
             return keras_function(iterator)
         seen = epoch["iterator"]
         if seen is None or seen() is not iterator:
+            # An iterator's first step runs through the tf.function's own call, as
+            # Keras' function does: it creates the variables the first trace makes
+            # (metrics built at their first update) and, when an initial value
+            # depends on the batch (made inside the step, after reading it), falls
+            # back to initialising it inside the step. get_concrete_function alone
+            # would raise UnliftableError there; after this call it only looks up
+            # the step that creates no variables.
+            logs = step(iterator)
             epoch["step"] = _flat_caller(step.get_concrete_function(iterator), iterator)
             epoch["iterator"] = weakref.ref(iterator)
+            return logs
         return epoch["step"]()
 
     return function
@@ -1905,8 +1912,7 @@ def _flat_caller(concrete, iterator):
     iterator's resource handle (checked once here against the traced signature).
 
     ``ConcreteFunction.__call__`` binds and type-checks the structured
-    arguments on every call (the iterator's spec canonicalised and cast:
-    0.11 ms per call here, ~1% of a small CNN's data-parallel step);
+    arguments on every call (the iterator's spec canonicalised and cast);
     ``_call_flat`` with the same flat tensors runs the same function (TF
     2.18). Where this TensorFlow has no such entry point, or the iterator
     does not flatten to one resource tensor, the structured call is kept.

@@ -3,7 +3,8 @@
 Run: ``.venv/bin/horovodrun -np 2 --gloo .venv/bin/python bench/dp.py``
 
 Same model, same global batch, contenders interleaved over several rounds
-(this machine is shared and noisy; medians and ratios from one run):
+(medians and ratios from one run, so outside load on a shared machine hits
+every contender alike):
 
 - ``tfhybrid``: ``model.fit`` with ``tfhybrid.DistributedOptimizer`` (default
   25 MiB buckets: one bucket for this model) on pre-sharded local batches;
@@ -14,7 +15,7 @@ Same model, same global batch, contenders interleaved over several rounds
 
 Every contender above reads the same ``tf.data`` pipeline of local batches
 (the loops iterate it with ``for x, y in dataset``). Two contenders are
-written the way users write them instead (issue 20's comparison):
+written the way users write them instead (the ``--pair`` comparison):
 
 - ``horovod loop (numpy)``: the Horovod loop below fed numpy slices of this
   rank's arrays (``for i in range(steps): step(x[i*b:(i+1)*b], ...)``), the
@@ -27,17 +28,14 @@ written the way users write them instead (issue 20's comparison):
   loop has not, which short fits (``--steps``) weigh more: one allgather of
   every rank's state digest (rank 0's state is broadcast only where it
   differs) carrying the guards' structure/steps check, the guards' weight
-  check after step 2 (one allgather inside the traced step; as an eager
-  pass and allgather between steps 2 and 3 it cost 12-50 ms, now ~1 ms) and
-  the epoch-end metric average (one allreduce). Measured at load ~15-19 on 2 cores (CPU, paired rounds): 100-step
-  fits 1.016x median (0.959-1.241), 30-step fits 0.919x (0.799-1.492).
+  check after step 2 (one allgather inside the traced step) and the
+  epoch-end metric average (one allreduce).
 
 ``--pair`` also times ``tfhybrid fit (README, tf.data autotune on)``: the same
 fit over ``data.shard(..., autotune=True)``. With tf.data's autotuning on,
 the end of a fit often waits for the autotuner's next period (10 ms
-doubling); measured on a quiet box (np2, 9 rounds x 100 steps): 20.44 vs
-15.58 ms/step median, 1.204x paired for shard's default (autotune off), and
-README fit vs numpy loop 0.913x (0.631x before shard turned autotuning off).
+doubling), which is why ``shard`` turns autotuning off by default; the
+``autotune_off_vs_on`` ratio shows what that saves.
 
 ``--single`` (run without horovodrun) compares plain Keras ``fit`` with
 ``transform(model, "d")`` + ``DistributedOptimizer`` ``fit`` at world size 1
@@ -50,7 +48,7 @@ on the same arrays, interleaved.
   TF_CONFIG is built per rank from HOROVOD_RANK with localhost ports
   ``DP_BENCH_PORT`` (default 29811) + rank.
 
-Also measured: bytes each rank writes to its sockets per step (``wchar`` of
+Also reported: bytes each rank writes to its sockets per step (``wchar`` of
 /proc/self/io, i.e. real traffic incl. Horovod's control messages) against
 the ring minimum 2(p-1)/p |W| (MWMS talks gRPC through sendmsg, which
 wchar does not count, so its bytes are not reported), and Lee et al.'s overlap ratio (Eq. 11)
@@ -66,12 +64,9 @@ costs. The README fit vs numpy loop (and, with ``--single``, plain Keras vs
 and range) and from each contender's best round. ``--pair`` runs only that
 pair (``horovodrun -np 2 ... bench/dp.py --pair``). ``--step-level`` times
 the pair's traced steps alone, interleaved step by step (fit's train
-function called directly vs the loop's step): at np2 under load 8-16 it gave
-1.04-1.07x (tfhybrid's step faster), so what the README fit loses to the
-loop is in fit's per-step Python (Keras' epoch loop and callback list,
-0.3-0.6 ms/step per rank measured at that load) and per-fit work, not in
-the step. Per-gradient allreduces (Horovod's own fusion) or 1 MiB buckets
-were not faster at step level.
+function called directly vs the loop's step): it tells whether what the
+README fit loses to the loop is in the step or in fit's per-step Python
+(Keras' epoch loop and callback list) and per-fit work.
 
 Writes bench/results/dp.json and prints a markdown table on rank 0.
 """
@@ -284,7 +279,7 @@ VARIANTS = {"tfhybrid": (None, 1), "tfhybrid (1 MiB buckets)": (2**20, 1),
 
 
 def build_pair(c):
-    """Only issue 20's pair: the user's Horovod loop and the README fit."""
+    """Only the ``--pair`` contenders: the user's Horovod loop and the README fit."""
     return {"horovod loop (numpy)": c.horovod_numpy_loop(),
             "tfhybrid fit (README)": c.readme_fit(),
             AUTOTUNE_ON: c.readme_fit(autotune=True)}, {}
@@ -364,7 +359,7 @@ def summarise(samples, bytes_sent, cpu, c, opts, args):
 
 
 def _pair_summary(samples, cpu, steps):
-    """Issue 20's comparison in wall time and in CPU time (summed over ranks)."""
+    """The ``--pair`` comparison in wall time and in CPU time (summed over ranks)."""
     slow, fast = "horovod loop (numpy)", "tfhybrid fit (README)"
     extra = ({"autotune_off_vs_on": _paired_ratio(samples, AUTOTUNE_ON, fast)}
              if AUTOTUNE_ON in samples else {})
@@ -525,7 +520,7 @@ def main():
     ap.add_argument("--single", action="store_true",
                     help="world size 1: plain Keras fit vs transform(d) fit")
     ap.add_argument("--pair", action="store_true",
-                    help="only issue 20's pair: horovod loop (numpy) vs tfhybrid fit (README)")
+                    help="only the pair: horovod loop (numpy) vs tfhybrid fit (README)")
     ap.add_argument("--step-level", action="store_true",
                     help="the pair's steps alone, interleaved step by step (no fit loop)")
     args = ap.parse_args()

@@ -12,7 +12,7 @@ every rank
    ``tfhybrid.transform`` + ``tfhybrid.DistributedOptimizer``;
 3. times them in ``--rounds`` interleaved rounds of ``--steps`` steps each
    (serial, d, df, ... serial, d, df, ...), so a burst of outside load on
-   this shared box hits every strategy alike instead of deciding one job's
+   a shared machine hits every strategy alike instead of deciding one job's
    result; each case reports the median over rounds of each round's best
    step (``best_s``: the best of all). Between rounds every rank re-measures
    the compute slowdown of 2, 4, ... ranks computing at once (calibration's
@@ -122,9 +122,8 @@ def _step_config():
     """The grid's config for the timed steps: ``train_on_batch`` without its
     per-call metric sum (``average_metrics=False``), i.e. the step ``fit``
     runs (fit sums the metric states once per epoch, not per step). With the
-    sum, each timed step carried one eager allreduce the oracle does not
-    model and a training step does not run: ``d`` at 2 ranks measured 10.50
-    vs 7.45 ms per step (probe, interleaved), against 7.69-7.85 ms predicted."""
+    sum, each timed step would carry one eager allreduce the oracle does not
+    model and a training step does not run."""
     import tfhybrid  # noqa: WPS433
     return tfhybrid.Config(average_metrics=False)
 
@@ -179,7 +178,7 @@ def _interleaved(steps, rounds, per_round, log, probe=None):
     """Step times per strategy over ``rounds`` x ``per_round`` steps.
 
     The strategies take turns, round after round, in one job: a burst of
-    outside load on this shared box hits every strategy alike instead of
+    outside load on a shared machine hits every strategy alike instead of
     deciding one job's result. Serial runs on rank 0 while the others wait.
     ``probe`` (collective) runs once per round after the strategies: the
     load-sensitive part of the calibration, measured under the same load.

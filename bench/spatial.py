@@ -13,8 +13,8 @@ timed for three variants on the same block:
   padding, no halo): the compute a spatial rank cannot avoid;
 * ``halo_<method>``: ``SpatialConv2D``/``3D`` with ``overlap=False``
   (exchange the halo, then one convolution of the extended block), once per
-  halo exchange method (``tfhybrid.comm.halo.HALO_METHODS``): ``axis`` (the
-  previous default: one alltoall per split axis in turn over the axis
+  halo exchange method (``tfhybrid.comm.halo.HALO_METHODS``): ``axis`` (one
+  alltoall per split axis in turn over the axis
   sub-group, corners forwarded), ``neighbour`` (one alltoall over the
   spatial group, splits empty except towards the ranks that need this
   rank's rows, corners sent directly), ``pairs`` (one 2-rank alltoall per
@@ -22,14 +22,14 @@ timed for three variants on the same block:
 * ``overlap``: the same layer with ``overlap=True`` (interior convolution
   while the halo is in flight, then the boundary strips). The layers'
   default (``overlap=None``) overlaps only when a GPU is visible, because
-  on CPU-only hosts, where the ranks share the cores, this variant is
-  measured no faster (usually slower) than ``halo``.
+  on CPU-only hosts, where the ranks share the cores, this variant is no
+  faster (usually slower) than ``halo``.
 
 Variants are interleaved round by round (the machine is noisy and shared)
 and the median per-step time over rounds is reported, taking the slowest
 rank (the one that sets the pace). The halo overhead ratio is
 ``halo / local`` (``overlap / local``), per method; ``neighbour/axis`` and
-``pairs/axis`` compare the new methods with the old path in the same run.
+``pairs/axis`` compare the other methods with ``axis`` in the same run.
 Bytes: the elements each method sends per forward exchange (recorded from
 its splits when traced) over the analytic halo of the rank (the volume of
 its halo-extended block minus the block, from the geometry), worst rank. The partial weight-gradient

@@ -31,7 +31,7 @@ round (p/d ratio); then each rank times its stage alone (forward+backward of
 its M micro-batches, no communication): the bubble fraction measured is
 1 - busy / step time (mean over stages), printed beside GPipe's
 (S-1)/(M+S-1) (which assumes balanced stages, free transfers and one core
-per rank: on a shared 2-core box the ranks' compute does not overlap, so the
+per rank: where ranks outnumber cores their compute does not overlap, so the
 measured fraction is not the schedule's alone).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Peak resident memory per rank training a 3-D model on a large volume, 1/2/4 ranks under s.
 
-Issue 17 item 3 (Gholami et al., ParaDL: a sample that does not fit one
-device is split spatially). For each world size ``p`` the driver launches
+Gholami et al. and ParaDL: a sample that does not fit one device is split
+spatially. For each world size ``p`` the driver launches
 ``p`` workers (``horovodrun -np p --gloo`` for p > 1, a plain process for
 p = 1) that write nothing but read their blocks of the synthetic volumes
 with ``tfhybrid.data.volumes`` (one memory-mapped ``.npy``) and train a few
@@ -26,61 +26,39 @@ Models: ``--model unet`` (default: the 3-D U-Net of
 on blocks under ``s``) or ``--model cosmoflow`` (a CosmoFlow-like encoder:
 Conv3D and MaxPooling3D stacks, then Dense, 4 regression targets).
 
-Measured on the 2-core box (session 30; U-Net 96^3 x 1, 8 filters, global
-batch 3, 2 steps, ``--fusion_mb 1``; worst rank; ``runtime`` is the resident
-set before ``fit``; ``vol`` subtracts each rank's growth training the same
-model on 16^3 volumes, see ``--baseline``)::
+Reading the table (one row per p, its worst rank; ``runtime`` is the
+resident set before ``fit``; ``vol`` subtracts each rank's growth training
+the same model on small volumes, see ``--baseline``): a ``fit ratio`` or
+``vol ratio`` near 1 means the memory that grows with the volume scales as
+single/p. What a rank holds beyond single/p is its halo rows (a middle rank
+receives two per convolution) and Horovod's fusion buffer (``--fusion_mb``;
+the buffer is allocated during ``fit`` at p > 1 only, so it counts in the
+growth); the allocator columns (``--tensors``) add its rounding and
+fragmentation, which move with the order ops run in. Each rank of ``s`` also
+grows by a fixed amount during ``fit`` whatever the volume (the traced step
+of a spatial model has many more ops than the original's), while
+``growth(1)/p`` spreads p = 1's smaller fixed growth over the ranks: the
+``fit ratio`` charges that to p > 1, the ``vol ratio`` does not, and it
+weighs less as the volume grows.
 
-    p  runtime MB  block      fit +MB  fit ratio  vol +MB  vol ratio
-    1  525         96^3       1518     1.00       1461     1.00
-    2  530         48x96^2     930     1.23        815     1.12
-    4  530         24x96^2     559     1.47        427     1.17
-
-The same at 128^3 (one process grows by 3.5 GB): fit ratio 1.19 (p = 2) and
-1.32 (p = 4), vol ratio 1.15 and 1.19. With Horovod's default 128 MiB fusion
-buffer (allocated during ``fit`` at p > 1 only) at 96^3: fit ratio 1.36 / 1.57.
-
-TensorFlow's own tensor memory (``--tensors``, ``--trace``) at 96^3: the
-allocator's peak 1511 / 797 / 407 MB at p = 1 / 2 / 4 (ratio to single/p +
-params 1.05 and 1.07); the bytes a traced step's tensors requested at their
-peak 1231 / 667 / 342 MB (1.08 and 1.11). At 48^3 (blocks of 12 rows at
-p = 4): allocator 1.04-1.20 / 1.20-1.26 over four runs, requested 1.01 / 1.10.
-What a rank holds beyond single/p is its halo rows (a middle rank receives
-two per convolution) and the 1 MiB fusion buffer; the allocator columns add
-its rounding and fragmentation, which move with the order ops run in (p = 1's
-own peak moved 108-118 MB at 48^3 between runs).
-
-So the memory that grows with the volume scales as single/p within 5-20 %.
-What the ``fit ratio`` charges beyond that at p = 4 is fixed per process:
-each rank of ``s`` grows ~125-150 MB during ``fit`` whatever the volume
-(16^3: 64 MB at p = 1, 90 MB per rank for ``d`` at p = 4, 125 MB on an edge
-and 148 MB on a middle rank for ``s``; not oneDNN's primitive cache, which
-``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` leaves unchanged; the traced step of a
-spatial model has many more ops), while ``growth(1)/p`` spreads p = 1's
-fixed ~57 MB over the ranks. It weighs less as the volume grows (1.47 at 96^3,
-1.32 at 128^3).
-
-Where the p = 4 excess came from (session 30, found with ``--trace``'s
-allocator events per op): 1.41-1.64 before. Three causes in
-``core.block_conv``, all of halo pieces: (1) the thin ``valid``-convolution
-input of each received piece (its rows framed by zeros: 3 x 50 x 50 for a
-1-row halo at 48^3) was kept from forward to backward; (2) the zeros were
-``tf.zeros`` of static shape, which Grappler folds into constants that a
+Halo pieces are what ``tfhybrid.layers.spatial.core.block_conv`` (a ``same``
+convolution of the block plus thin convolutions of the received halo pieces,
+added in place) keeps small: only the received rows are kept from forward to
+backward, not the thin ``valid``-convolution input they are framed into; the
+frame of zeros is a ``tf.pad`` fused into the convolution, because
+``tf.zeros`` of static shape are folded by Grappler into constants that a
 traced function holds for its lifetime (one per frame, forward and
-backward); (3) the anchor that keeps a rank's alltoall in the graph copied
-one piece per convolution. Now only the received rows are kept, the frame is
-a ``tf.pad`` (fused into the convolution), the backward pads again, and the
-anchor sits on a thin output. The guards' batch checksum also stopped
-folding a row-long float64 weight vector into a constant. Earlier history
-(fit ratio p = 2 / p = 4): 1.59 / 1.70 with the halo-extended, padded conv
-input kept for backward; 1.42 / 1.63 keeping only the frame of halo and
-padding rows; 1.26-1.31 / 1.55-1.64 with the block convolution
-(``tfhybrid.layers.spatial.core.block_conv``: a ``same`` convolution of the
-block plus thin convolutions of the received halo pieces, added in place).
+backward); the backward pads again; and the anchor that keeps a rank's
+alltoall in the graph sits on a thin output rather than copying a piece per
+convolution. ``--trace``'s allocator events per op show where any excess
+comes from.
 
 The oracle's ParaDL Table 3 estimate (gamma of the calibrated machine, fitted
-on the calibration CNN) is 5x the measured growth here: it counts every
-layer's input and output twice, which TensorFlow does not keep.
+on the calibration CNN) is several times the growth this bench reports: it
+counts every layer's input and output twice, which TensorFlow does not keep.
+
+``python bench/record.py -- COMMAND`` adds a run's table to
+docs/benchmarks.md.
 
 ``--tensors`` runs TensorFlow's BFC allocator on CPU
 (``TF_CPU_ALLOCATOR_USE_BFC=true``) and prints each p's worst peak of its
@@ -90,7 +68,7 @@ read only its lines). ``--trace`` adds one step under TensorFlow's profiler
 and prints the peak of the bytes its tensors requested (the allocator's
 per-op events summed at their requested sizes: no rounding or fragmentation).
 
-Usage (the whole run stays under ~5 GB on the box)::
+Usage (the whole run needs about 5 GB of memory)::
 
     .venv/bin/python bench/volume_memory.py                 # p = 1, 2, 4
     .venv/bin/python bench/volume_memory.py --size 64 --nps 1 4 --steps 1
@@ -187,7 +165,7 @@ def cosmoflow_like(size, channels, filters, targets=4):
 
 
 def unet(size, channels, filters, classes=3):
-    """The issue-17 3-D U-Net (tests/parallel/unet_models.py), depth 2, BatchNormalization."""
+    """The 3-D U-Net of tests/parallel/unet_models.py, depth 2, BatchNormalization."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "parallel"))
     from unet_models import unet3d
 
@@ -469,7 +447,7 @@ def summary(rows_by_p, fusion=0, base_by_p=None, baseline=0):
             f"{f'{vol[p][1]:.2f}' if p in vol else '-':>10}"
             f"  {all(r.get('ok') for r in rows) and len(rows) == p}")
     lines += [
-        "target (issue 17 item 3: per-rank peak ~ single/p + replicated parameters) is the",
+        "target (per-rank peak ~ single/p + replicated parameters) is the",
         "'fit ratio': growth(p) / (growth(1)/p + params), the memory training adds above the",
         "resident set before fit (activations, gradients, temporaries); the aim is ~1.0-1.2.",
         "'runtime' is that resident set before fit (TensorFlow, Horovod, the model, the",
@@ -498,7 +476,7 @@ def summary(rows_by_p, fusion=0, base_by_p=None, baseline=0):
             f"'vol +MB' is a rank's fit growth minus its growth training the same model on a "
             f"{baseline}^3 volume",
             "at the same p (what fit adds whatever the volume: the traced graph, Horovod's",
-            "and Gloo's buffers; ~57 MB at p = 1, ~115-130 MB at p = 2, 4 here), worst rank;",
+            "and Gloo's buffers), worst rank;",
             "'vol ratio' = vol(p) / (vol(1)/p + params): how the memory that grows with the",
             "volume scales with p."]
     return "\n".join(lines)

@@ -15,8 +15,9 @@ Flags common to all examples (absl, as TensorFlow's model scripts):
 * ``--steps`` timed training steps after ``--warmup_steps`` untimed ones (the
   first step traces the graph);
 * ``--machine``: machine JSON for the printed plan (default: the shipped
-  ParaDL ABCI V100 cluster, as ``tfhybrid plan``; this box: ``tfhybrid
-  calibrate`` or ``tfhybrid/oracle/machines/cpu_box.json``).
+  ParaDL ABCI V100 cluster, as ``tfhybrid plan``; the machine the script
+  runs on: ``tfhybrid calibrate``, or the shipped 2-core CPU machine
+  ``tfhybrid/oracle/machines/cpu_box.json``).
 """
 from __future__ import annotations
 

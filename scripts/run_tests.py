@@ -56,8 +56,8 @@ def suites(only, extra):
         out.append(("unit", None, pytest_cmd(["tests/unit"], RESULTS / "unit.xml", extra)))
     if only in (None, "parallel"):
         for np_ in (2, 4):
-            # -np 4: two sessions (fresh processes), each rank's resident set grew ~2.5 GB
-            # over one session and 4 ranks filled the 24 GB box (OOM kill at 85 %)
+            # -np 4: two sessions (fresh processes): each rank's resident set grows by a
+            # few GB over one session, more than 4 ranks of a 24 GB node can hold
             parts = [["tests/parallel"]] if np_ == 2 else parallel_halves()
             for i, paths in enumerate(parts):
                 name = f"parallel-np{np_}" + (f"-part{i + 1}" if len(parts) > 1 else "")

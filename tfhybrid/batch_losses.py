@@ -5,9 +5,9 @@ The optimizer averages gradients over the ranks that hold different rows
 (:mod:`tfhybrid.optimizer.reduction`), and the guards sum the loss tracker's
 states over them: right for Keras' default ``sum_over_batch_size`` (equal
 blocks: the mean of the block means is the global mean), wrong by the
-number of blocks ``D`` for the others. Measured before this module (``d``,
-2 ranks, ``SparseCategoricalCrossentropy(reduction="sum")``, SGD): the
-gradient was half the single-process one, and the logged loss half of it.
+number of blocks ``D`` for the others (with ``reduction="sum"`` under ``d``
+at 2 ranks, both the gradient and the logged loss would be half the
+single-process ones).
 
 * ``reduction="sum"``: the block's loss is multiplied by ``D``, so the
   average over the blocks is the global batch's sum (the logged loss too);
@@ -387,15 +387,13 @@ def whole_regularization(model, loss):
     * A rank holding a block of a regularised weight (f, c, df:
       filter/channel-parallel kernels) adds only its block's penalty to its
       loss: the block's gradient is right, but the loss value (History,
-      ``evaluate``) lacked the other blocks' share (f, 2 ranks, L2 0.01 on two
-      Dense kernels: 1.4225 logged vs 1.5201 in one process). Added here
+      ``evaluate``) lacks the other blocks' share. That share is added here
       without gradient: one scalar allreduce per group of blocks per step.
     * A *partial* weight (the spatial layers of s/ds: each rank holds the whole
       kernel, the optimizer sums the ranks' gradients over the model group)
-      got its penalty's gradient once per rank, K times in all, on a model
-      whose output is gathered (s, 2 ranks, L2 0.05 on the convolutions:
-      weights 8e-3 off one process after 8 SGD steps, silently). Its penalty
-      now enters each rank's gradient x 1/K (the value is unchanged).
+      would get its penalty's gradient once per rank, K times in all, on a
+      model whose output is gathered, and drift silently from one process. Its
+      penalty enters each rank's gradient x 1/K (the value is unchanged).
       A split output's loss is the group mean already
       (:mod:`tfhybrid.layers.spatial.output`), which weighs it 1/K.
     """

@@ -327,10 +327,10 @@ def _without_autotune_stall(dataset, autotune):
     With autotuning on (TensorFlow's default), every iterator starts a model
     thread that re-tunes the pipeline at periods doubling from 10 ms to 60 s;
     destroying the iterator (at the end of each ``fit``, epoch, ``evaluate``
-    or ``predict`` pass) often waits for that thread's next period. Measured
-    here (TF 2.18.1, plain Keras, one process): a 4.2 s epoch ended at 5.11 s
-    in 2 of 4 fits, a 0.93 s epoch at 1.27 s in 6 of 6; under data
-    parallelism the waiting rank holds the others at their next collective.
+    or ``predict`` pass) often waits for that thread's next period (TF
+    2.18.1, plain Keras, one process too: up to a third of a short epoch);
+    under data parallelism the waiting rank holds the others at their next
+    collective.
     Off, ``AUTOTUNE`` parallelism falls back to the number of cores and
     ``prefetch(AUTOTUNE)`` to TensorFlow's legacy buffer growth.
     """

@@ -135,9 +135,9 @@ def replay_collectives(calls, reps: int = 3) -> dict:
         fn = _replay_fn(op, ranks, inputs, splits)
         fn()
         # the group's ranks start each replay together: without it a rank's time
-        # held its partners' late arrival (a 2-rank allreduce replayed at ~9 ms
-        # beside ~2 ms in calibration's chains, at 4 ranks on 2 cores), and the
-        # compute left over (forward+backward less the replays) came out 0
+        # holds its partners' late arrival (several times calibration's time for
+        # the same collective on an oversubscribed node), and the compute left
+        # over (forward+backward less the replays) comes out 0
         sync = _group_sync(ranks)
         out[phase_of(op, name)] += _best(fn, reps, sync)
     return out
@@ -218,9 +218,9 @@ def measure_phases(model, local_batch: int, reps: int = 3) -> dict:
             _, local = both()         # traced here: records the step's collectives
         calls = executed_collectives(calls, both.get_concrete_function().graph)
         # every rank starts each repetition together, as a training step runs them:
-        # without it the best of a few repetitions was one that ran while the other
-        # ranks did not compute (d at 2 ranks on 2 cores: 2.7 ms, where calibration
-        # timed two ranks computing at once at 4.0 ms)
+        # without it the best of a few repetitions is one that ran while the other
+        # ranks did not compute, faster than a step where every rank computes at
+        # once (what calibration's compute_contention times)
         world = _group_sync(tuple(range(backend.size()))) if backend.size() > 1 else None
         out = {"forward": _best(forward, reps, world),
                "forward_backward": _best(both, reps, world)}

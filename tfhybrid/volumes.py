@@ -403,7 +403,7 @@ def accept_blocks(model):
     Its input ``SpatialScatter`` becomes a ``BlockInputScatter`` (a full
     volume is still split; a block passes through), the model's input check
     leaves the split axes' sizes open, and the guards' same-rows check is
-    skipped (the ranks of a model group now feed different blocks of the
+    skipped (the ranks of a model group then feed different blocks of the
     same rows). Idempotent. Returns True when the model takes blocks.
     """
     import keras

@@ -4,7 +4,7 @@ resume under others, compare with one uninterrupted single-process run.
 Each chain trains 3 steps, saves, and resumes for 3 more steps on another
 world size / strategy; the resumed run's gathered weights and optimizer
 slots must equal plain Keras training of all 6 steps on the same global
-batches (1e-4 relative; measured ~1e-6), with the same iteration count.
+batches (1e-4 relative), with the same iteration count.
 """
 import subprocess
 import sys

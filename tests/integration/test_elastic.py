@@ -1,4 +1,4 @@
-"""Issue 15 item 4: elastic training loses a worker and continues, exactly.
+"""Elastic training loses a worker and continues, exactly.
 
 ``horovodrun --min-np 2`` with a discovery script naming two "hosts" that
 are both this machine (Horovod's gloo launcher runs any name that resolves
@@ -15,7 +15,7 @@ gathered weights must match plain Keras on all 6 batches (1e-5 relative):
   ``gmp`` likewise.
   Its model and data groups run without Horovod process sets (elastic runs
   issue group collectives as world alltoalls, see tfhybrid/comm/backend.py):
-  with process sets, Horovod 0.28.1 aborted the survivors
+  with process sets, Horovod 0.28.1 aborts the survivors
   (``terminate ... gloo::IoException``).
 
 A survivor whose Gloo receive waits on another survivor (rather than on the
@@ -49,9 +49,8 @@ def _launch_elastic(np, discovery, args, timeout=400):
 
 
 # The df case (process groups smaller than the world, the hard one) runs in
-# every suite: 46 s on a quiet 2-core box. The others are opt-in for their
-# time, not their reliability (25/25 elastic runs passed here at load 11-33;
-# a case takes 47-204 s under load: 3-4 workers importing TensorFlow, a 15 s
+# every suite. The others are opt-in for their time, not their reliability (a
+# case takes minutes on a loaded node: 3-4 workers importing TensorFlow, a 15 s
 # Gloo timeout, the re-formation's retracing). Run them with
 # TFHYBRID_TEST_ELASTIC=1.
 _OPT_IN = pytest.mark.skipif(os.environ.get("TFHYBRID_TEST_ELASTIC") != "1",

@@ -1,7 +1,6 @@
-"""Issue 18 item 4: every example in examples/ runs 1-2 steps at -np 2 with
-synthetic data and tiny sizes (flags), prints the oracle's plan for its
-shape before training and its result table, and exits 0. About 2.5 minutes
-on the 2-core box."""
+"""Every example in examples/ runs 1-2 steps at -np 2 with synthetic data
+and tiny sizes (flags), prints the oracle's plan for its shape before
+training and its result table, and exits 0."""
 import pytest
 
 from userscripts import ROOT, launch

@@ -1,4 +1,4 @@
-"""Issue 13, item 2: consistency guards on transformed models, as users write scripts.
+"""Consistency guards on transformed models, as users write scripts.
 
 ``tests/user_scripts/guard_cases.py`` runs each case under horovodrun with no
 barrier and no helper beyond tfhybrid itself.

@@ -1,4 +1,4 @@
-"""Issue 46 item 2: ``data.shard(files, reader=tf.data.TFRecordDataset, ...)`` under
+"""``data.shard(files, reader=tf.data.TFRecordDataset, ...)`` under
 real horovodrun, as a user writes it (tests/user_scripts/record_files.py).
 
 Each data-parallel block (``d``: every rank; ``df`` with ``model_parallel=2``:

@@ -1,4 +1,4 @@
-"""tfhybrid.load resumes at the saved data position (issue 15 item 1).
+"""tfhybrid.load resumes at the saved data position.
 
 A checkpoint written by ``tfhybrid.callbacks.Checkpoint(every_n_steps=3)``
 in the middle of an epoch holds (epoch 0, step 3). Loading it under another

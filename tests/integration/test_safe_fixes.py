@@ -1,18 +1,18 @@
-"""Issue 13, bugs 1-4, reproduced as user scripts under real ``horovodrun``.
+"""Four ways a user script can silently go wrong, as user scripts under real ``horovodrun``.
 
 The scripts (tests/user_scripts/safe_*.py) add no barrier; each rank compares
 itself with single-process training of the unmodified model (same data,
 same global batches, rank 0's pretrained weights) and prints ``RESULT``
 lines:
 
-- bug 1, sharded broadcast with several data groups (df, gmp at -np 4):
+- sharded broadcast with several data groups (df, gmp at -np 4):
   ``safe_quickstart.py`` (the README quick start);
-- bug 2, a script ending or building a second model right after ``gather``
+- a script ending or building a second model right after ``gather``
   or ``evaluate``: ``safe_quickstart.py``, ``safe_gather_exit.py``; a rank
   that raises must still end the job promptly;
-- bug 3, a second ``fit`` with new callbacks (Adam, SGD momentum, RMSprop):
+- a second ``fit`` with new callbacks (Adam, SGD momentum, RMSprop):
   ``safe_second_fit.py`` compares the weights and every optimizer slot;
-- bug 4, pretrained weights restored on rank 0 only: every script but
+- pretrained weights restored on rank 0 only: every script but
   ``safe_gather_exit.py`` builds its model with rank-specific random weights
   and loads the pretrained ones on rank 0 only.
 """

@@ -1,4 +1,4 @@
-"""Issue 18 item 5: a data set whose length is not a multiple of the global batch,
+"""A data set whose length is not a multiple of the global batch,
 as a user writes it (``.batch(8)`` without ``drop_remainder``), under real horovodrun.
 
 tests/user_scripts/uneven_batches.py: every rank must run the same number of

@@ -1,19 +1,20 @@
-"""Issue 46, items 1 and 6: numbers of input pipelines as users write them,
-under real horovodrun, against one plain Keras process.
+"""Numbers of input pipelines as users write them, under real horovodrun,
+against one plain Keras process.
 
-Item 1 (tests/user_scripts/unknown_length.py): TFRecord files read back with
-``TFRecordDataset`` and a validation set cut with ``filter`` (TensorFlow does
-not know either length), ``fit`` with ``validation_data`` and ``evaluate``
-under d and df at 2 and 4 ranks. At the end of such a dataset the step
-function is called once more and meets the end of the data; its constant
-row count was still added to every metric's ``count``, so every loss and
-metric came out n/(n+1) of one process's (0.8 at 4 steps). Every History
+Unknown length (tests/user_scripts/unknown_length.py): TFRecord files read
+back with ``TFRecordDataset`` and a validation set cut with ``filter``
+(TensorFlow does not know either length), ``fit`` with ``validation_data``
+and ``evaluate`` under d and df at 2 and 4 ranks. At the end of such a
+dataset the step function is called once more and meets the end of the
+data; were its constant row count added to every metric's ``count``, every
+loss and metric would come out n/(n+1) of one process's. Every History
 value, validation metric, evaluation and weight must equal the plain run's.
 
-Item 6 (tests/user_scripts/odd_batch.py): ``.batch(15)`` at 2 data-parallel
-ranks trains every row (blocks of 8 and 7 rows) under d and df, exactly as
-one process; under gmp ``data.shard`` refuses with an error naming the batch,
-the ranks and the fix (it used to drop a row of every batch behind a warning).
+Odd batches (tests/user_scripts/odd_batch.py): ``.batch(15)`` at 2
+data-parallel ranks trains every row (blocks of 8 and 7 rows) under d and
+df, exactly as one process; under gmp ``data.shard`` refuses with an error
+naming the batch, the ranks and the fix (rather than drop a row of every
+batch).
 
 Each script runs its strategies one after another in one launch (each on its
 own grid): five launches in all.

@@ -1,4 +1,4 @@
-"""Callbacks that write files, as users write scripts (issue 46).
+"""Callbacks that write files, as users write scripts.
 
 ``tests/user_scripts/checkpoint_new_dir.py`` trains under horovodrun with
 ``tfhybrid.callbacks.Checkpoint("<tmp>/newdir/e{epoch:03d}.keras")`` into a

@@ -1,18 +1,17 @@
 """Under a per-process memory limit that single-process training of the
 bench's volume exceeds, ``s`` at 4 ranks (each reading only its depth block
-with ``tfhybrid.data.volumes``) trains within it (issue 17 item 3).
+with ``tfhybrid.data.volumes``) trains within it.
 
 The volume and model are ``bench/volume_memory.py``'s: a 3-D U-Net (depth
 2, 8 filters, BatchNormalization) on 96^3 x 1 volumes, global batch 3. The
 limit is ``RLIMIT_DATA`` (private writable memory: what malloc and
 TensorFlow's CPU allocator map); ``RLIMIT_AS`` is not usable, TensorFlow and
-Horovod reserve address space they never touch. Measured on the 2-core box
-(VmData peaks polled every 5 ms): one process 2798 MB, each of 4 ranks under
-s 1773-1793 MB (resident peaks 2129 MB vs 1152-1210 MB). The limit of 2300
-MB lies between, ~500 MB from both: the single process builds its model and
-pipeline within it (~500-700 MB) and dies in its training step (an
-allocation fails: seen as an abort), while the 4 ranks finish their step.
-Runs the bench's own workers (~65 s here).
+Horovod reserve address space they never touch. The limit of 2300 MB lies
+about 500 MB from both VmData peaks (one process about 2.8 GB, each of 4
+ranks under s about 1.8 GB; ``bench/volume_memory.py`` prints them): the
+single process builds its model and pipeline within it and dies in its
+training step (an allocation fails: an abort), while the 4 ranks finish
+their step. Runs the bench's own workers.
 """
 import os
 import shutil

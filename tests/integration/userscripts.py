@@ -1,6 +1,6 @@
 """Run user-style scripts under real ``horovodrun`` (no barriers added by the harness).
 
-Issue 13's standard: each way a user writes a script is a test. A test writes
+The standard: each way a user writes a script is a test. A test writes
 (or names) a script, launches it with :func:`launch` at 2 or 4 processes and
 checks the exit code, the output and the time from launch to exit. Scripts
 print machine-readable lines ``RESULT <json>`` that :func:`results` parses

@@ -16,13 +16,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # (long eager references on one rank while the others wait in a collective),
 # yet one that ends a hung session long before the suite's timeout.
 os.environ.setdefault("TFHYBRID_WATCHDOG_SECONDS", "600")
-# Horovod's background loop at its default 1 ms cycle burns 12-39 % of a core per
-# rank while the rank waits (measured: 4 ranks sleeping 4 s, no process sets
-# beyond the world), ~1.2 of the box's 2 cores at -np 4, taken from the ranks
-# that are computing a reference or tracing. At 5 ms it is 2-12 %. The same three
-# test files at -np 4: 264 s and 385 s at 1 ms, 197 s and 205 s at 5 ms (327 s at
-# 3 ms, 262 s at 10 ms). Collectives are the same at any cycle time; the
-# integration tests run users' scripts at Horovod's default.
+# Horovod's background loop at its default 1 ms cycle burns a sizeable share of a
+# core per rank while the rank waits, taken from the ranks that are computing a
+# reference or tracing when ranks outnumber cores; a 5 ms cycle burns several
+# times less and makes the parallel suite faster on an oversubscribed node.
+# Collectives are the same at any cycle time; the integration tests run users'
+# scripts at Horovod's default.
 os.environ.setdefault("HOROVOD_CYCLE_TIME", "5")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -166,10 +165,10 @@ def floatx(dtype):
 def _release_memory_after_module():
     """Give what a module's models freed back to the system before the next module.
 
-    Four ranks share 24 GB through one long session per world size; glibc keeps
-    freed heap in the process unless trimmed, so each module's peak stayed
-    resident under the next one's (a -np 4 session was OOM-killed in
-    test_strategies_resnet after the VGG16 modules).
+    Four ranks may share a small node's memory through one long session per
+    world size; glibc keeps freed heap in the process unless trimmed, so each
+    module's peak would stay resident under the next one's (the ResNet-50
+    module after the VGG16 modules would not fit 4 ranks in 24 GB).
     """
     yield
     gc.collect()
@@ -184,10 +183,10 @@ def pytest_configure(config):
 
 
 # Modules whose models take the most memory (VGG16/ResNet-50, float64): they run
-# first, while the processes are fresh. At -np 4 each rank's resident set grew by
-# about 2.5 GB over a session (freed memory the allocator keeps in pieces), and the
-# VGG16 float64 test, 3.3 GB per rank when run first, reached 5.8 GB per rank at 85 %
-# of the session: 4 ranks filled the 24 GB box and the kernel killed one.
+# first, while the processes are fresh: each rank's resident set grows by a few GB
+# over a session (freed memory the allocator keeps in pieces), and the VGG16
+# float64 test run late would need most of a rank's share of a 24 GB node again
+# on top of it.
 _MEMORY_HEAVY_FIRST = ("test_strategies_vgg16_float64", "test_strategies_resnet",
                        "test_strategies_apps")
 
@@ -267,8 +266,8 @@ def reference_once(compute, *key):
     """``compute()``'s result, computed by rank 0 only and read by every rank.
 
     A parallel test compares the transformed model with the unmodified one
-    trained in one process. Every rank used to train that reference itself:
-    at -np 4 four copies of the same single-process run shared the 2 cores.
+    trained in one process. If every rank trained that reference itself, at
+    -np 4 four copies of the same single-process run would share the cores.
     Here rank 0 runs ``compute`` once and writes its result (anything pickle
     takes: arrays, lists, dicts, floats) to a file the other ranks read.
     ``make test`` (scripts/run_tests.py) gives its -np 2 and -np 4 sessions

@@ -76,9 +76,9 @@ def test_calibrated_machine_predicts(spec):
 
 def test_a_failure_in_rank_0s_compute_part_stops_every_rank(monkeypatch):
     """Rank 0 times compute alone while the others wait; an exception there
-    (a layer it could not time) left rank 0 out of calibration and the others
-    waiting in its next collective until the watchdog ended the job. Every
-    rank now raises: rank 0 its own error, the others a RuntimeError naming it."""
+    (a layer it cannot time) raises on every rank: rank 0 its own error, the
+    others a RuntimeError naming it, rather than leaving them waiting in rank
+    0's next collective until the watchdog ends the job."""
     from tfhybrid.oracle.calibration import run as calibrate_run
 
     size, rank, _ = backend.init()

@@ -143,9 +143,10 @@ def test_fit_epoch_logs_are_the_global_batches(grid_of):
 
 
 def test_progress_bars_on_rank_0_only_unless_verbose_is_given(grid_of, capsys):
-    """Keras' default verbose ("auto") printed one progress bar per rank,
-    interleaved, each repeating rank 0's global logs; now the other ranks are
-    quiet. An explicit verbose is the script's choice on every rank."""
+    """With Keras' default verbose ("auto") only rank 0 prints a progress bar
+    (one per rank would interleave, each repeating rank 0's global logs); the
+    other ranks are quiet. An explicit verbose is the script's choice on every
+    rank."""
     grid = grid_of(1)
     keras.utils.set_random_seed(1)
     model = tfhybrid.transform(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]), "d")

@@ -1,7 +1,7 @@
 """A model compiled before ``transform`` (a script that adds one line before ``fit``).
 
-``transform`` returned an uncompiled model, so ``fit`` failed with Keras' "You
-must call `compile()` before using the model". The transformed model is now
+An uncompiled transformed model would make ``fit`` fail with Keras' "You
+must call `compile()` before using the model". The transformed model is
 compiled like its source (loss, loss weights, metrics; a plain optimizer
 wrapped in ``DistributedOptimizer``, a trained one copied from its config).
 Each case: History and gathered weights vs one process training the

@@ -1,4 +1,4 @@
-"""Conv3D filter and channel parallelism (issue 17 items 4 and 6, CosmoFlow part).
+"""Conv3D filter and channel parallelism (the CosmoFlow part).
 
 Run under ``horovodrun -np 2`` and ``-np 4``. Layer tests: FilterParallelConv3D
 and ChannelParallelConv3D against ``keras.layers.Conv3D`` built on every rank

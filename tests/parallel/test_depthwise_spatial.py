@@ -1,8 +1,8 @@
 """MobileNet-style blocks (DepthwiseConv2D, SeparableConv2D) under ``s``/``ds``.
 
-Depthwise and separable convolutions had no spatial rule: under ``s`` the
-spatial region stopped at the first one and every rank ran the rest of the
-network on the whole image. They now run on blocks with a halo
+Depthwise and separable convolutions have a spatial rule (without one, under
+``s`` the spatial region would stop at the first one and every rank would run
+the rest of the network on the whole image). They run on blocks with a halo
 (``SpatialDepthwiseConv2D``, ``SpatialSeparableConv2D``: the depthwise step
 exchanges the halo, a separable layer's 1x1 pointwise step runs on the
 block). Each case: the layers and their outputs/gradients equal Keras' on

@@ -2,10 +2,10 @@
 
 * ``mixed_bfloat16``: the activations f/c layers exchange are bfloat16, which
   Horovod's TensorFlow ops refuse ("DataType bfloat16 not in list of allowed
-  values"): fit crashed at the first step. They travel as float32 now.
-* A model of float64 and float32 layers: the gradient bucket's grouped
-  allreduce mixed dtypes ("types [float32, ..., float64] that don't all
-  match"): one grouped allreduce per dtype now.
+  values"), so they travel as float32.
+* A model of float64 and float32 layers: a grouped allreduce refuses mixed
+  dtypes ("types [float32, ..., float64] that don't all match"), so the
+  gradient buckets issue one grouped allreduce per dtype.
 """
 import keras
 import numpy as np
@@ -94,8 +94,8 @@ def _embedding_model():
 def test_embedding_sparse_gradients_train_like_one_process(grid_of, strategy, mp, optimizer):
     """An Embedding's gradient is IndexedSlices; Keras' Adam/RMSprop update the
     rows of a sparse gradient their own way, so densifying it before the inner
-    optimizer (as the reduction did) trained another model (5e-2 off after 8
-    Adam steps). Its rows are now gathered from every rank, as Horovod does."""
+    optimizer would train another model. Its rows are gathered from every
+    rank, as Horovod does."""
     grid = grid_of(mp)
     rng = np.random.RandomState(0)
     x = rng.randint(0, 50, size=(64, 10)).astype(np.int32)

@@ -1,12 +1,11 @@
 """Every rank fed the very same rows (whole arrays, or one unsharded dataset).
 
 The commonest Horovod-style script evaluates ``model.evaluate(x_test,
-y_test)`` on every rank. Keras' mean loss and accuracy came out right, but
-the guards summed every metric's states over the data-parallel ranks, so
-counts (``TruePositives``) were multiplied by the ranks, and a
-``reduction="sum"`` loss was too, in ``fit`` as well: gradients 2x those of
-one process at np2 (weights 3x off after 2 epochs), with a warning that said
-the weights were right. Whole arrays are now found before the first step
+y_test)`` on every rank. Keras' mean loss and accuracy come out right
+either way, but summing every metric's states over the data-parallel ranks
+would multiply counts (``TruePositives``) by the ranks, and a
+``reduction="sum"`` loss too, in ``fit`` as well (gradients 2x those of one
+process at np2). Whole arrays are found before the first step
 (a fingerprint in the start-of-fit / evaluate allgather) and each row counts
 once; an unsharded dataset is found at its first batches (evaluate: counts
 exact; a ``sum`` loss is refused, its first steps having counted rows twice).

@@ -1,10 +1,11 @@
 """More encoder-decoders under s/ds: a 3-D V-Net with PReLU, a UNet++ and a net
 of normalisations, each wholly on blocks and equal to one process.
 
-Run under ``horovodrun -np 2`` and ``-np 4``. Before, ``PReLU`` (V-Net's
-activation, one slope per channel with ``shared_axes=[1, 2, 3]``) had no
-spatial rule: the region ended at the first one and the V-Net ran replicated
-from its first layer on (equal to one process, but no layer split). Each
+Run under ``horovodrun -np 2`` and ``-np 4``. ``PReLU`` (V-Net's
+activation, one slope per channel with ``shared_axes=[1, 2, 3]``) has a
+spatial rule: without one the region would end at the first PReLU and the
+V-Net would run replicated from its first layer on (equal to one process,
+but no layer split). Each
 case: the layers that must run on blocks do (the output stays split), and
 fit History and the gathered weights equal one process on the whole batches.
 A PReLU with a slope per position (Keras' default) still gathers.

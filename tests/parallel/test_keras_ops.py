@@ -3,10 +3,10 @@
 Scripts scale their input in the model (``inp / 255.0``), add residuals with
 ``+`` and apply ``keras.ops.relu``; Keras records each as an operation node
 of the functional graph, not a layer (``Embedding(mask_zero=True)`` adds one,
-``NotEqual``, for its mask). ``tfhybrid.transform`` read every node as a
-layer and failed with ``AttributeError: 'TrueDivide' object has no attribute
-'weights'`` under every strategy, ``d`` included. Per-element operations of
-one tensor and scalars, or of tensors of one shape, now pass any layout (they
+``NotEqual``, for its mask). ``tfhybrid.transform`` must not read such a
+node as a layer (it has no ``weights``), under any strategy, ``d`` included.
+Per-element operations of one tensor and scalars, or of tensors of one
+shape, pass any layout (they
 run on spatial blocks and between filter/channel pairs); others gather their
 inputs first. Each case: fit History and gathered weights equal one process
 on the whole data; ``p`` and ``ls`` cut and gather models with operations.
@@ -148,10 +148,9 @@ def _squeeze_excitation(as_operation):
 
 @pytest.mark.parametrize("as_operation", [False, True], ids=["Multiply", "operation"])
 def test_a_squeeze_excitation_gate_trains_like_one_process_under_s(grid_of, as_operation):
-    """A (B, 1, 1, C) gate times a spatially split (B, H, W, C) map: the Multiply
-    layer's rule scattered the gate as if it had the map's shape (transform
-    failed: 'height=1 is not divisible by the 2 blocks'); a broadcast now joins
-    whole tensors."""
+    """A (B, 1, 1, C) gate times a spatially split (B, H, W, C) map: the gate must
+    not be scattered as if it had the map's shape (its height 1 does not divide
+    into blocks); a broadcast joins whole tensors."""
     grid = grid_of(world_size())
     x, y = _data()
     reference = _reference(_squeeze_excitation, x, y, as_operation)
@@ -203,10 +202,10 @@ def _ops_unet():
 
 @pytest.mark.parametrize("spatial", [None, "width"] if world_size() == 2 else [None, (2, 2)])
 def test_a_unet_joined_by_keras_ops_concatenate_stays_on_blocks(grid_of, spatial):
-    """keras.ops.concatenate along channels joined the skip of a U-Net by
-    gathering both inputs: the decoder ran at full resolution on every rank.
-    It now joins the blocks (like a Concatenate layer): no gather, the same
-    training as one process."""
+    """keras.ops.concatenate along channels joins the skip of a U-Net block by
+    block (like a Concatenate layer), not by gathering both inputs, which
+    would run the decoder at full resolution on every rank: no gather, the
+    same training as one process."""
     mp = world_size() if spatial == (2, 2) or world_size() == 2 else 2
     grid = grid_of(mp)
     x = (rng("ops-unet-x").standard_normal((N, 8, 8, 4))).astype(np.float32)

@@ -181,11 +181,11 @@ def test_keras_backup_and_restore_on_split_models_is_refused_before_training(gri
 
 
 def test_a_save_that_fails_on_rank_0_raises_on_every_rank(grid_of, monkeypatch):
-    """tfhybrid.save writes on rank 0 while the others wait; a write that failed
-    there (here an injected full disk) raised on rank 0 alone, and a script
-    catching it left the other ranks waiting in rank 0's next collective. Every
-    rank now raises (rank 0 its OSError, the others a RuntimeError naming the
-    save), and the next collective pairs up."""
+    """tfhybrid.save writes on rank 0 while the others wait; a write that fails
+    there (here an injected full disk) raises on every rank (rank 0 its
+    OSError, the others a RuntimeError naming the save), so a script catching
+    it does not leave the other ranks waiting in rank 0's next collective, and
+    the next collective pairs up."""
     import tfhybrid.checkpoint as checkpoint
 
     grid_of(world_size())                    # f: one model group over the world
@@ -209,10 +209,10 @@ def test_a_save_that_fails_on_rank_0_raises_on_every_rank(grid_of, monkeypatch):
 
 
 def test_a_sharded_save_that_fails_on_one_rank_raises_on_every_rank(grid_of, monkeypatch):
-    """Sharded checkpoints: every rank writes its own file. A write that failed on
-    the last rank (an injected full disk) raised there alone and left the others
-    waiting; every rank now raises, no checkpoint directory is published, and
-    the next save works."""
+    """Sharded checkpoints: every rank writes its own file. A write that fails on
+    the last rank (an injected full disk) raises on every rank, not there alone
+    (which would leave the others waiting), no checkpoint directory is
+    published, and the next save works."""
     import tfhybrid.checkpoint as checkpoint
 
     grid_of(world_size())                    # f: one model group over the world

@@ -78,9 +78,10 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(grid_of, strategy):
 
 @pytest.mark.parametrize("strategy,sharded", [("d", False), ("f", True)])
 def test_checkpoint_keeps_the_loss_scale_and_the_step_count(grid_of, strategy, sharded):
-    """tfhybrid.load started the scaler again at 2^15 with its growth counter at 0
-    (its scalars are no slots), and an earlier fix had made it record the
-    scaler's own unused step count (the resumed iterations read 4 for 8)."""
+    """tfhybrid.load restores the loss scaler's scale and growth counter (its
+    scalars are no slots, so a restore of slots alone would start it again at
+    2^15 with the counter at 0) and the optimizer's step count, not the
+    scaler's own unused one (the resumed iterations would read 4 for 8)."""
     import os
 
     from conftest import job_dir

@@ -9,11 +9,11 @@ Sequential block called inside the outer model), as users write them:
     base.trainable = True                  # on the handle the script kept
     model.compile(...); model.fit(...)     # fine-tune
 
-``transform`` refused nested models under f/c/s/df/ds ("cannot look inside
-it"); it now inlines them. ``gather`` returns the nested architecture. The
-script's ``base.trainable = True`` after ``transform`` changed only the
-original layers, so the fine-tuning silently trained the head alone: the
-transformed model now follows the source layers' flags at its next compile.
+``transform`` inlines nested models under f/c/s/df/ds; ``gather`` returns the
+nested architecture. The script's ``base.trainable = True`` after
+``transform`` changes only the original layers, so the transformed model
+follows the source layers' flags at its next compile (otherwise the
+fine-tuning would silently train the head alone).
 Everything is compared with one process running the same script on the
 unmodified model.
 """

@@ -204,8 +204,8 @@ class _LargestLogit(keras.metrics.Mean):     # a script's own metric, not regist
 @pytest.mark.skipif(world_size() != 2, reason="the same code at -np 4")
 def test_load_takes_the_scripts_custom_loss_and_metric(grid_of):
     """A checkpoint compiled with a loss function and metric class of the script's
-    own: load failed with Keras' "Could not locate function" (after a warning);
-    it now names custom_objects, and takes them."""
+    own: load names custom_objects in its error (rather than Keras' bare
+    "Could not locate function"), and takes them."""
     grid_of(2)
     x = rng("opt-options-x").standard_normal((ROWS, 8, 8, 3)).astype(np.float32)
     y = rng("opt-options-y").integers(0, 4, ROWS)

@@ -3,14 +3,14 @@
 Under ``p`` the stages of a pipeline must feed the same rows; under ``ls`` an
 FC worker feeds its CONV workers' rows joined in order (what
 ``tfhybrid.data.shard(..., model=model)`` gives each part). A script that
-slices the arrays per rank as for data parallelism (``x[rank::size]``) gave
+slices the arrays per rank as for data parallelism (``x[rank::size]``) gives
 the last stage, or the FC worker, the labels of other rows than the first
-stage's or the CONV workers' inputs: the model trained on mismatched rows
-and labels, silently (np2, p: weights 2.1 relative off one process). The
-guards now compare the batches of the first two steps of a fit and the first
-batch of an evaluate (one scalar allgather each) and raise on every rank,
-naming the fix. Also here, scripts on the right rows that failed under p/ls:
-``fit(validation_data=...)`` and ``callbacks.standard()`` on two fits.
+stage's or the CONV workers' inputs: unguarded, the model would train on
+mismatched rows and labels, silently. The guards compare the batches of the
+first two steps of a fit and the first batch of an evaluate (one scalar
+allgather each) and raise on every rank, naming the fix. Also here, scripts
+on the right rows under p/ls: ``fit(validation_data=...)`` and
+``callbacks.standard()`` on two fits.
 """
 import keras
 import numpy as np

@@ -2,12 +2,11 @@
 
 * An adapted ``Normalization`` keeps its mean and variance as tensors that
   ``finalize_state`` derives from its weights; ``set_weights`` does not call
-  it, so every transformed (and gathered) model normalised with a freshly
-  built layer's statistics: outputs 5e-3 off one process under d, f, s, p
-  and ls, silently.
-* ``s``/``ds`` refused any model starting with preprocessing or augmentation
-  layers (``RandomFlip``, ``Resizing``, ``Normalization``...: "cannot run on
-  spatial blocks"); they now run on the whole input before the blocks are cut.
+  it, so a transformed (or gathered) model must call it, or it would
+  normalise with a freshly built layer's statistics, silently.
+* ``s``/``ds`` take models starting with preprocessing or augmentation
+  layers (``RandomFlip``, ``Resizing``, ``Normalization``...), which cannot
+  run on spatial blocks: they run on the whole input before the blocks are cut.
 """
 import keras
 import numpy as np

@@ -6,7 +6,8 @@ feeds a ``valid`` Conv2D/3D or pooling layer into that layer
 and the layer adds the zeros at the global border only. ResNet-50's stem
 (``ZeroPadding2D(3)`` -> 7x7/2 conv, ``ZeroPadding2D(1)`` -> 3x3/2 max pool)
 then splits 4 ways: its padded 230 (or 38) rows do not split over 4 ranks,
-the unpadded 224 (32) do; before, the whole model ran replicated.
+the unpadded 224 (32) do; without the fold the whole model would run
+replicated.
 
 Run under ``horovodrun -np 2`` and ``-np 4``. Layers: every rank computes the
 Keras ZeroPadding + layer on the full, identically seeded input and compares

@@ -97,11 +97,11 @@ def _stderr_of(fn):
                                              ("valid", False)])
 @pytest.mark.parametrize("spec", split_specs(3), ids=str)
 def test_a_traced_step_keeps_tensorflows_remapper(grid_of, spec, padding, overlap):
-    """The zeros around a halo piece or a block were a Pad feeding the Conv3D:
-    TensorFlow 2.18's remapper fused the two (oneDNN's padded convolution), then
-    failed on the Pad's other consumer and logged "remapper failed: ... fanout
-    ... exist for missing node ... Pad", dropping every remapper fusion of the
-    step. Now a Pad that feeds a Conv3D feeds nothing else: the thin halo
+    """TensorFlow 2.18's remapper fuses a Pad feeding a Conv3D (oneDNN's padded
+    convolution), then fails on any other consumer of the Pad and logs
+    "remapper failed: ... fanout ... exist for missing node ... Pad", dropping
+    every remapper fusion of the step. So a Pad that feeds a Conv3D feeds
+    nothing else: the thin halo
     input's zeros are a Pad read by the forward convolution only (the
     backward pads the kept rows again, for the gradients alone), which the
     remapper fuses without failing; other zeros are concatenated."""
@@ -136,9 +136,9 @@ def test_a_traced_step_keeps_tensorflows_remapper(grid_of, spec, padding, overla
 @pytest.mark.parametrize("spec", split_specs(3), ids=str)
 def test_bfloat16_kernel_gradient_of_thin_blocks_is_right(grid_of, spec):
     """mixed_bfloat16 on CPU: TensorFlow 2.18's oneDNN Conv3D filter gradient of
-    a block thinner than the window (2 rows under 3x3x3) came out wrong or
-    non-finite at random (a U-Net under s trained to NaN within 1-4 steps).
-    The blocks' kernel gradients summed over the spatial group now equal
+    a block thinner than the window (2 rows under 3x3x3) comes out wrong or
+    non-finite at random (a U-Net under s would train to NaN within a few
+    steps). The blocks' kernel gradients summed over the spatial group equal
     float32's on the whole volume (bfloat16 rounding), every time."""
     mp, split = spec
     grid_of(mp)

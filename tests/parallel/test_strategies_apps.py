@@ -29,44 +29,37 @@ cancels has a large elementwise relative error; 1e-4 of the largest update
 is 10x that. Each tensor's largest update must exceed 2e-4 of its largest
 weight, so a wrong gradient (missing, doubled, wrongly scaled) cannot pass.
 
-Measured in float32 on this machine, every strategy, -np 2 and -np 4: per
-tensor max |a - e| / (|e| + max|e - w0|) <= 3e-6 (VGG16) and <= 6e-7
-(SplitBrain-VGG), 30x inside the tolerance; norm-wise difference of the
-updates 1e-5 to 3e-5; strictly elementwise |a - e| / (|e| + 1e-6 max|e|)
-up to 2.6e-3 on bias entries near zero (block3_conv2/bias) and 3e-4 on
-kernels. The cause is summation order alone: float64 runs of the same code
-agree to 1e-12, and a single-process float32 emulation of strategy d (mean
-of per-half-batch gradients, no collectives) differs from the one-batch
-reference by the same amounts, with no ReLU or max-pool decision flipped
-(each row's activations are bit-identical for batch 4 and batch 2).
+A strictly elementwise criterion would fail on bias entries near zero while
+every strategy is right: the float32 differences come from summation order
+alone (float64 runs of the same code agree to round-off, and a
+single-process float32 emulation of strategy d, the mean of per-half-batch
+gradients without collectives, differs from the one-batch reference as much,
+with no ReLU or max-pool decision flipped: each row's activations are
+bit-identical for batch 4 and batch 2).
 
 One exception, VGG16 under ``ds`` with a partial spatial region
 (``spatial_layers=4``, -np 4), runs in float64, in its own module
 (``test_strategies_vgg16_float64.py``, after this module has freed its float32
-models: together they peaked at 4.5 GB per rank, and a -np 4 session was
-OOM-killed): there one ReLU pre-activation of
+models: both sets of models at once do not fit 4 ranks' memory): there one
+ReLU pre-activation of
 block5_conv2 (channel 154) is 6e-9 against a layer maximum of 7e-3, within
 float32 rounding of zero, so its mask follows the summation order of the
 spatial convolutions. The block convolution (``core.block_conv``: the block's
 own ``same`` convolution plus thin halo corrections) sums in another order
-than Keras' one convolution of the padded input; that single flip moved every
+than Keras' one convolution of the padded input; that single flip moves every
 gradient below it by ~1e-3 of the tensor's largest update (one bias entry by
 2%), ten times the tolerance. In float64 the same case passes this module's criteria.
 
-The earlier version of this file reported "~1% differences of the updates"
-in float32 and fell back to float64. That came from comparing float32
-*updates* ``w1 - w0`` elementwise at lr 0.01, where VGG16's first kernels
-move by 1.6e-5 of their magnitude: one unit in the last place of ``w1``
-(6e-8 |w|) is then 0.4% to several % of an entry's update. It was not a
-ReLU/max-pool flip and not a bug.
+Weights are compared, not float32 *updates* ``w1 - w0`` elementwise: at lr
+0.01 VGG16's first kernels move by ~1.6e-5 of their magnitude, so one unit
+in the last place of ``w1`` (6e-8 |w|) is 0.4% to several % of an entry's
+update, without any ReLU/max-pool flip or bug.
 
-Cost: every case above runs by default. VGG16 under df and gmp at -np 4 used
-to take 100-190 s each (ranks idle ~55 s per step and ~40 s in ``gather``)
-and were opt-in; the cause was Horovod's Gloo reducescatter locking the
-socket send buffers at 4.6 KB (see ``tfhybrid/comm/backend.py``), and
-``backend.reducescatter`` no longer uses it: 13-19 s each now, like the other
-VGG16 strategies (-np 4: whole file 200 s; -np 2: 110 s). A world barrier
-ends the module (``_world_barrier_at_end``).
+Cost: every case above runs by default, VGG16 under df and gmp at -np 4
+included: ``backend.reducescatter`` avoids Horovod's Gloo reducescatter,
+which locks the socket send buffers at 4.6 KB (see
+``tfhybrid/comm/backend.py``) and would leave the ranks idle most of each
+step. A world barrier ends the module (``_world_barrier_at_end``).
 
 gmp with ``scheme="B/K"`` is tested at -np 2 (local batch 2, K=2).
 

@@ -6,8 +6,8 @@ block5_conv2 is 6e-9 against its layer's 7e-3 maximum, so its mask follows the
 summation order of the spatial convolutions (module doc of
 ``test_strategies_apps.py``). It runs here, in its own module, after that
 module has freed its float32 models: in one module the float64 VGG16 (its
-original, initial weights, reference, transformed and gathered copies) came on
-top of them, 4.5 GB per rank, and a -np 4 session ran out of memory.
+original, initial weights, reference, transformed and gathered copies) would
+come on top of them, more than 4 ranks of a 24 GB node hold.
 """
 import gc
 

@@ -142,8 +142,8 @@ def _reference(key, shape, up, bn, data):
 # (name, input shape, up-sampling, batch norm, sample weights, strategy, mp, spatial, run).
 # run: "traced" (model.fit's tf.function, as users run it) or "eager" (run_eagerly=True).
 # Most cases fit eagerly: tracing and optimising a U-Net's train step with its halo and
-# SyncBN collectives took 17-20 s per case on the shared 2-core box, its eager fit of
-# 2 steps 3.7 s; the traced case at -np 4 (without BatchNormalization, whose traced
+# SyncBN collectives costs several times an eager fit of 2 steps; the traced case at
+# -np 4 (without BatchNormalization, whose traced
 # SyncBN is covered by test_transform_3d) covers the graph path.
 UNET_CASES = {
     2: [("2d-s-height", (16, 16, 1), "transpose", False, None, "s", 2, None, "eager"),

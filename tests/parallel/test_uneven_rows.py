@@ -4,11 +4,10 @@ Horovod's way of feeding arrays, ``fit(x[rank::size], ...)`` with the per-rank
 batch size (what the guards' own duplicate-rows warning recommends), gives
 the ranks arrays of unequal length when the rows do not divide by the ranks:
 61 rows over 2 ranks end in a last batch of 7 rows on rank 0 and 6 on rank 1.
-The optimizer averaged the two block means as if they were equal, so the
-weights differed from one process silently (d, 2 ranks, 51 rows, 2 epochs:
-0.28 relative), while the logged loss was right. A per-rank dataset
-(``dataset.shard(size, rank).batch(b)``) did the same. The guards now find
-such inputs at the start of ``fit`` and the step weighs each block by its
+Averaging the two block means as if they were equal would make the weights
+differ from one process silently, while the logged loss is right; a per-rank
+dataset (``dataset.shard(size, rank).batch(b)``) does the same. The guards
+find such inputs at the start of ``fit`` and the step weighs each block by its
 rows (one scalar allreduce per step, only then); inputs known to give equal
 blocks (equal arrays, ``data.shard``, a static batch size) keep the plain
 step. A ``validation_split`` that cuts each rank's arrays off one process's

@@ -5,9 +5,8 @@ Run under ``horovodrun -np 2`` and ``-np 4``.
 ``keras.losses.Dice()`` (``axis=None``: one ratio for the whole batch) and a
 per-sample Dice (``axis=(1, 2, 3)``) are not means of per-row or per-voxel
 values: averaged over row blocks (``d``, ``df``, ``p``, ``gmp``) or spatial
-blocks (``s``, ``ds``) they trained other weights than one process, silently
-(2 ranks, 2 SGD steps: 4.5e-3 under ``d``, 9.1e-3 under ``s``). tfhybrid now
-computes such a loss on the gathered batch / volume (tfhybrid.batch_losses,
+blocks (``s``, ``ds``) they would train other weights than one process,
+silently. tfhybrid computes such a loss on the gathered batch / volume (tfhybrid.batch_losses,
 tfhybrid.layers.spatial.output). Each case: fit History, ``evaluate`` and the
 gathered weights against one process on the whole batches. The labels are
 skewed per row and per half-volume so that a block average is far from the

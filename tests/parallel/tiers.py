@@ -3,8 +3,8 @@ check the lists in one process).
 
 The core tier (``make test``, what CI runs) is every test except those that
 ``full_tier.txt`` lists for the session's world size and, at 4 or more ranks,
-the eager twins of the layer tests (they run at -np 2; they were 250 s of the
--np 4 suite on the 2-core box). The full tier (``make test-full``,
+the eager twins of the layer tests (they run at -np 2, and at -np 4 they
+would cost minutes of the suite for no new path). The full tier (``make test-full``,
 ``TFHYBRID_TEST_FULL=1``) is every test at every world size.
 """
 import os

@@ -1,4 +1,4 @@
-"""The bad-input catalogue (issue 13 item 5): every bad argument or file a user
+"""The bad-input catalogue: every bad argument or file a user
 can hand tfhybrid, with the error type and a key phrase of the message.
 
 One process. Each API case must raise (no case may pass silently); each CLI

@@ -1,4 +1,4 @@
-"""The exit barrier (issue 13, bug 2) never holds a failing rank."""
+"""The exit barrier never holds a failing rank."""
 import sys
 
 import pytest

@@ -1,4 +1,4 @@
-"""auto and plan never offer what transform cannot build (issue 19 item 3): one
+"""auto and plan never offer what transform cannot build: one
 feasibility check, the transformer's planner on a hypothetical grid."""
 import os
 

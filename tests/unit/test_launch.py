@@ -43,7 +43,7 @@ def test_local_rank_and_gpu_per_launcher(launcher):
 def test_no_launcher_is_local_rank_zero_and_srun_no_longer_means_gpu0():
     assert runtime.local_rank_from_env({}) == (0, None)
     assert runtime.local_rank_from_env({"SLURM_LOCALID": ""}) == (0, None)
-    # Under srun only SLURM_LOCALID is set: each rank now takes its own GPU.
+    # Under srun only SLURM_LOCALID is set: each rank takes its own GPU.
     picks = [runtime.gpu_for_local_rank(runtime.local_rank_from_env({"SLURM_LOCALID": str(r)})[0], 4)
              for r in range(4)]
     assert picks == [0, 1, 2, 3]

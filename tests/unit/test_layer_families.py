@@ -1,4 +1,4 @@
-"""Every parallel layer family speaks the same language (issue 14): each layer
+"""Every parallel layer family speaks the same language: each layer
 with a Keras counterpart has ``from_layer``/``to_layer`` that round-trip its
 config, and ``group=`` takes a name or a ``tfhybrid.process_grid.Group`` in
 every family (world of one process)."""

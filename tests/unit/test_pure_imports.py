@@ -1,5 +1,5 @@
 """The pure modules import in a Python where TensorFlow, Keras and Horovod
-cannot be imported (issue 14): the process grid and its geometry, the oracle
+cannot be imported: the process grid and its geometry, the oracle
 (formulas, machine files, predictions), the strategy table, the error
 template, the config and the shipped docs. `import tfhybrid` itself is also
 TensorFlow-free until a TF-dependent name is touched."""

@@ -1,4 +1,4 @@
-"""Optimizer slots report their model variable's layout (issue 13, bug 3).
+"""Optimizer slots report their model variable's layout.
 
 A slot of a sharded weight (Adam's moments, SGD momentum, RMSprop's
 velocities, gradient accumulators) is a block of state; the broadcast at the

@@ -1,5 +1,5 @@
 """Bad input to tfhybrid.transform: every ValueError names the layer, the
-strategy and the fix (issue 6). Pure planning in one process (the grid is a
+strategy and the fix. Pure planning in one process (the grid is a
 ProcessGrid value); the public-API cases go through ``transform`` itself.
 
 Covers s/ds with an empty spatial region (a model without an image part, a

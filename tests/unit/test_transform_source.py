@@ -1,10 +1,10 @@
-"""What gather needs, recorded and checked by transform (issue 13 item 4).
+"""What gather needs, recorded and checked by transform.
 
 Models with Lambda layers (Python lambdas using globals, named functions),
-unregistered custom layers and custom activation functions used to transform
-and train, then fail in ``gather`` (Keras' safe mode, classes and functions
-it cannot locate). In the process that built the model they now transform
-and gather to the same function; what cannot be rebuilt is refused at
+unregistered custom layers and custom activation functions are ones Keras
+alone cannot rebuild in ``gather`` (Keras' safe mode, classes and functions
+it cannot locate). In the process that built the model they transform and
+gather to the same function; what cannot be rebuilt is refused at
 transform time (see test_bad_input_catalogue.py).
 """
 import keras

@@ -1,4 +1,4 @@
-"""User script: the ways ranks silently disagree, as users write them (issue 13, item 2).
+"""User script: the ways ranks silently disagree, as users write them.
 
     horovodrun -np 4 python guard_cases.py good          # model groups of 2
     horovodrun -np 2 python guard_cases.py per_rank_shuffle

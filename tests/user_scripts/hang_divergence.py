@@ -1,4 +1,4 @@
-"""User-style scripts whose ranks diverge (issue 13, item 7): the watchdog must end them.
+"""User-style scripts whose ranks diverge: the watchdog must end them.
 
     horovodrun -np 2 --gloo python tests/user_scripts/hang_divergence.py CASE [options]
 

@@ -1,4 +1,4 @@
-"""Issue 46, item 6: global batches of an odd number of rows.
+"""Global batches of an odd number of rows.
 
     python odd_batch.py plain                               # the one-process reference
     horovodrun -np 2 --gloo python odd_batch.py d gmp       # strategies one after another

@@ -1,4 +1,4 @@
-"""Issue 46, item 2: training from TFRecord files that each rank reads only its share of.
+"""Training from TFRecord files that each rank reads only its share of.
 
     python record_files.py d:4 df:4 d:2                          # one plain process
     horovodrun -np 4 --gloo python record_files.py d:4 df:4 d:2  # strategy:files ...

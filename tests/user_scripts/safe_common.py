@@ -1,4 +1,4 @@
-"""Shared pieces of the issue-13 "safe" user scripts (not a tfhybrid API).
+"""Shared pieces of the "safe" user scripts (not a tfhybrid API).
 
 Every rank computes the single-process reference itself (plain Keras, same
 data, same global batches, same initial weights), so a script compares its

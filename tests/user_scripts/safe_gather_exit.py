@@ -1,4 +1,4 @@
-"""Issue 13, bug 2: scripts that end (or go on) right after group collectives.
+"""Scripts that end (or go on) right after group collectives.
 
     horovodrun -np 4 --gloo python safe_gather_exit.py [end|raise|exit]
 

@@ -1,4 +1,4 @@
-"""Issue 13, bugs 1, 2 and 4: the README quick start, as a user writes it.
+"""The README quick start, as a user writes it.
 
     horovodrun -np 4 --gloo python safe_quickstart.py [--hvd-init-first] [df gmp ...]
 

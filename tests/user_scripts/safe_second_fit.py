@@ -1,4 +1,4 @@
-"""Issue 13, bugs 3 and 4: a second ``fit`` with a new ``callbacks.standard()``.
+"""A second ``fit`` with a new ``callbacks.standard()``.
 
     horovodrun -np 2 --gloo python safe_second_fit.py f 2
     horovodrun -np 4 --gloo python safe_second_fit.py df 2

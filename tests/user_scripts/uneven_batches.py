@@ -1,4 +1,4 @@
-"""Issue 18, item 5: a data set whose length is not a multiple of the global batch.
+"""A data set whose length is not a multiple of the global batch.
 
     horovodrun -np 2 --gloo python uneven_batches.py N [strategy]
     horovodrun -np 2 --gloo python uneven_batches.py N:strategy [N:strategy ...]

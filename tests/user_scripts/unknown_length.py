@@ -1,4 +1,4 @@
-"""Issue 46, item 1: input pipelines whose length TensorFlow does not know.
+"""Input pipelines whose length TensorFlow does not know.
 
     python unknown_length.py plain                          # the one-process reference
     horovodrun -np 2 --gloo python unknown_length.py d df   # strategies one after another

@@ -172,7 +172,7 @@ def add_all_at(t, pieces):
     """``t`` with every ``(piece, begins)`` of ``pieces`` added at its offset
     (see :func:`_add_at`; pieces must not overlap). Pieces indexed to the same
     axis go in one ``tensor_scatter_nd_add``: one in-place update of ``t``'s
-    buffer, where a chain of them was measured to keep a copy of ``t`` per
+    buffer, where a chain of them keeps a copy of ``t`` per
     extra link (a middle rank's two halo pieces)."""
     groups = {}
     for piece, begins in pieces:
@@ -497,7 +497,7 @@ def _anchored(out, anchors):
     """``out`` with an empty slice of every alltoall output concatenated along
     axis 1: a data dependency, so a graph runs each alltoall even on a rank that
     only sends (Horovod's ops are not stateful: Grappler prunes an unused one,
-    and a control dependency alone was measured not to keep it)."""
+    and a control dependency alone does not keep it)."""
     for a in anchors:
         shape = tf.concat([tf.shape(out)[:1], [0], tf.shape(out)[2:]], 0)
         out = tf.concat([out, tf.reshape(a[:0], shape)], 1)

@@ -22,7 +22,7 @@ Dense layer gmp would partition on) as *group-local*. The
   model group 0.
 
 Everything else (the convolutions before the region) is reduced over the
-world every step as before, so it stays exactly data parallel. With N > 1
+world every step, as without averaging, so it stays exactly data parallel. With N > 1
 training is **approximate** (not single-process training): between two
 averagings the groups' copies of the region drift apart, as in SplitBrain.
 Optimizer slots (momentum, Adam moments) of group-local variables stay local

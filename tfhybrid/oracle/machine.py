@@ -17,7 +17,7 @@ Each collective (and each peer-to-peer exchange) also pays ``latency``
 ring length (Horovod's negotiation between ranks, dispatch from the graph).
 It is 0 in the papers and for ParaDL's tiers; calibration fits it beside
 alpha and beta, and on an oversubscribed CPU node it dominates (lambda
-about 1 ms, alpha about 0.1 ms at 2 ranks).
+well above alpha).
 
 Approximations (what this model ignores): the collective algorithm switch
 (tree for small messages), link topology other than through tiers, external
@@ -101,9 +101,9 @@ class Machine:
             its spatial axes by a block grid (``s<ph>x<pw>``, trailing 1s
             dropped: ``s4`` is 4 ways along the first axis), timed at the split
             size by ``tfhybrid calibrate --model``. Small layers do not speed
-            up k times (on the 2-core box a 16-filter convolution split 4
-            ways by filters took 0.64-0.76 of its whole time, not 0.25; a
-            32-filter one on a quarter of its rows 0.30-0.33); without an
+            up k times (a small convolution split 4 ways by filters can take
+            well over half its whole time, not 0.25: per-op overheads do not
+            shrink with the split); without an
             entry the share is 1/k (f, c) or the block's fraction of the
             output (s).
         memory_bytes: Memory capacity of one rank (None: no memory limit).

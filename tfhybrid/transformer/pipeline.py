@@ -522,7 +522,7 @@ class PipelineModel(keras.Model):
         """Keras calls this eagerly, on every rank, at the end of ``evaluate`` and of each
         ``fit`` epoch: the metric states become the global batch's first (summed over
         the pipelines), so History, callbacks and ``evaluate`` see every data group's
-        rows (before, each pipeline logged its own in ``fit``)."""
+        rows, not only their own pipeline's."""
         if tf.executing_eagerly():
             self.sum_metric_states()
         return super()._get_metrics_result_or_logs(logs)

@@ -2,7 +2,7 @@
 
 ``gather`` rebuilds the original architecture from the Keras serialization
 that :func:`tfhybrid.transform` records. A model that Keras cannot rebuild
-from its serialization used to fail only there, after training. This module
+from its serialization would fail only there, after training. This module
 records the serialization together with the *live* Python objects the
 rebuild needs in this process, and checks every layer when the model is
 transformed:

@@ -16,9 +16,9 @@ interior op runs while the halo alltoall is in flight; the boundary strips
 are computed from the halo-extended input afterwards and everything is
 concatenated. Eagerly, ops run one at a time and overlap cannot help, so
 the single-op path is used. ``overlap=None`` (the default) overlaps only
-when a GPU is visible: measured with ``bench/spatial.py`` on CPU-only
-hosts, where ranks share the cores, the split into interior and boundary
-ops costs more than the hidden exchange saves (see ``bench/results``).
+when a GPU is visible: on CPU-only hosts, where ranks share the cores, the
+split into interior and boundary ops costs more than the hidden exchange
+saves (``bench/spatial.py`` compares the two).
 
 Also the shared base class :class:`SpatialMixin` of the spatial layers:
 split/group arguments, sub-group registration and the per-shape plans.

@@ -1,10 +1,11 @@
 """Global average and max pooling of spatial blocks, without gathering the volume.
 
 A classification or regression head on ``GlobalAveragePooling2D/3D`` (ResNet,
-CosmoFlow-like encoders) used to end the spatial region of ``s``/``ds`` with a
-:class:`~tfhybrid.layers.spatial.SpatialGather`: every rank all-gathered the
-whole feature map (p blocks) and kept it, and its gradient, for the backward
-pass, so a rank held p times its block at the region's end and sent p - 1
+CosmoFlow-like encoders) needs no
+:class:`~tfhybrid.layers.spatial.SpatialGather` at the end of the spatial
+region of ``s``/``ds``: a gather would make every rank all-gather the whole
+feature map (p blocks) and keep it, and its gradient, for the backward pass,
+so a rank would hold p times its block at the region's end and send p - 1
 blocks per step. The mean over the volume is the sum of the blocks' sums
 divided by the volume's voxel count, so each rank sums its block and one
 all-reduce of ``(batch, channels + 1)`` numbers (the sums and the block's
@@ -12,7 +13,7 @@ voxel count) gives every rank the whole volume's mean:
 :class:`SpatialGlobalAveragePooling2D` / :class:`SpatialGlobalAveragePooling3D`.
 
 The output is replicated (the same on every rank of the spatial group), as
-the gather's was; the layers after it run unchanged. Backward, the gradient
+a gather's would be; the layers after it run unchanged. Backward, the gradient
 of a replicated output is the same on every rank and passes to the block's
 sums unchanged (:func:`tfhybrid.comm.reduce`): each voxel of the block gets
 ``dy / count``, as in ``keras.layers.GlobalAveragePooling*`` on the whole

@@ -33,8 +33,8 @@ What it measures (rank 0 writes the file):
    estimates): the best block of 8 back-to-back forward+backward passes
    then a 1-item world allreduce on every rank, minus the allreduce alone,
    over rank 0's best block alone (calibrate_run.measure_contention; blocks
-   rather than single passes: 2.3-2.8 over four runs at 4 ranks on the
-   2-core box, against 2.9-4.5 with single passes); it replaces
+   rather than single passes, whose minima scatter more from run to run on
+   an oversubscribed node); it replaces
    the ``compute_slots`` estimate for the ranks per node it was measured at.
    It is measured for 2, 4, ... ranks computing at once (the others
    waiting) up to the ranks on the node: a pipeline's or layer
@@ -236,9 +236,10 @@ def _collective(kind, x, ranks, backend, n):
     Each kind, group size and message size has its own name, as each
     collective of a training step has: Horovod's response cache then skips
     the negotiation from the second call on, as it does from a step's second
-    call. One name for every size (each call a cache miss) cost 2-3x per
-    2-rank allreduce at 4 ranks on 2 cores (4.8 vs 2.0 ms at 4 KB, best of
-    12), and the oracle then predicted df and gmp at 4 ranks 40-50% slow.
+    call. One name for every size would make each call a cache miss, costing
+    a small allreduce several times its steady-state time on an
+    oversubscribed node, and the oracle would then predict strategies with
+    many small collectives (df, gmp) far too slow.
     """
     tag = f"{len(ranks)}.{n}"
     if kind == "allreduce":
@@ -305,8 +306,8 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4) -> list:
                     calls.append(lambda run=run, x=x: run(x).numpy())
         # every kind and size in turn, round after round (the same order on every
         # rank): outside load that comes and goes hits all of them alike instead
-        # of one size's whole series (a 9 ms minimum at 4 KB among 1-2 ms was seen
-        # with one series after the other at load 17)
+        # of one size's whole series (timed one series after the other, a load
+        # spike inflates one size's minimum several times over its neighbours')
         sync(backend)
         best = best_times_interleaved(calls, reps, before=lambda: sync(backend))
         samples += [(kind, g, nbytes, sec / chain) for (kind, nbytes), sec in zip(cases, best)]

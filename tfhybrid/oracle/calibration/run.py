@@ -73,8 +73,8 @@ def measure_layer_times(model, batches, reps=7):
         x = _inputs(model, b)
         calls += [lambda x=x: fwd(x).numpy(), lambda x=x: fwd_bwd(x)]
     # every size in turn, round after round: a burst of outside load then hits
-    # all sizes alike instead of tilting the line (an intercept of 6.6 ms, 20x
-    # the quiet one, came out of one-size-after-the-other timing at load 27)
+    # all sizes alike instead of tilting the line (timed one size after the
+    # other, a loaded node can give an intercept many times the quiet one)
     best = cal.best_times_interleaved(calls, reps)
     t_f, t_fb = best[0::2], best[1::2]
     (f0, f1), (fb0, fb1) = cal.fit_line(sizes, t_f), cal.fit_line(sizes, t_fb)
@@ -102,11 +102,10 @@ def layer_shares(model, names, batch, reps=7):
     The backward is what training runs: the input gradient only where the
     input depends on trainable weights (:func:`_inputs_needing_grad`). The
     first convolution of an image model never computes its input gradient
-    in training, and for 3 input channels that gradient costs ~5x its weight
-    gradient on this CPU (measured: 32x32x3 -> 16 filters, batch 32: forward
-    0.5 ms, + weight gradient 1.3 ms, + input gradient 6.1-8.5 ms); timing
-    it gave the first layer ~85% of the backward and starved the others
-    (f, s, p and c then split the wrong share of the step).
+    in training, and for 3 input channels that gradient can cost several
+    times its weight gradient on a CPU; timing it would give the first layer
+    most of the backward and starve the others (f, s, p and c would then
+    split the wrong share of the step).
     """
     tf = _tf()
     empty = tf.function(lambda a: a)
@@ -240,9 +239,9 @@ def measure_split_scales(model, names, batch, ks, reps=7, spatial_names=()) -> d
     of ``spatial_names`` (the spatial region) whole and on one block of each
     block grid of k ranks, less an empty traced call; ``share`` = split /
     whole, kept in [1/k, 1]. A k-way split of a small layer does not run k
-    times faster (16 filters of 3x3 on 32x32x3, batch 64, on the 2-core box:
-    split 4 ways by filters a share of 0.64-0.76 of its whole time, not 0.25;
-    on a quarter of its rows 0.27-0.33), and the strategies that
+    times faster (per-op overheads do not shrink with the split: a small
+    convolution split 4 ways by filters can keep well over half its whole
+    time, not 0.25), and the strategies that
     split it (f, c, df, gmp; s, ds) are priced with the measured share
     (:meth:`tfhybrid.oracle.machine.Machine.split_share`, ``spatial_share``)."""
     tf = _tf()
@@ -348,8 +347,7 @@ def measure_contention(model, batch, reps=20, block=8, active=None):
     alone; the two kinds of block alternate. Per pass, best block of ``max(reps // 2, 3)`` each: blocks
     of several passes let the OS scheduler share the cores over a longer
     window than one pass, which makes the ratio far steadier on an
-    oversubscribed node than single-pass minima (measured 2.9-4.5 between
-    runs with single passes on the 2-core box). With ``active`` = k only
+    oversubscribed node than single-pass minima. With ``active`` = k only
     ranks 0..k-1 compute in the "together" blocks while the others wait in
     the closing allreduce: the slowdown of k ranks sharing the node, which a
     pipeline or layer separation sees (their stages take turns).

@@ -3,7 +3,9 @@ gathered weights equal single-process training on the same global batches
 (1e-4 relative); evaluate and predict equal single-process too.
 
 -np 2: (n_c, n_f) = (1, 1); -np 4: (3, 1) and (2, 2). Models: a CNN with a big
-FC head (SplitBrain VGG in miniature) and a small residual CNN.
+FC head (SplitBrain VGG in miniature), a small residual CNN, and a CNN with
+BatchNormalization in both parts (moments of the whole global batch: at -np 4
+over 3 or 2 CONV workers, and over 2 FC workers).
 """
 import keras
 import numpy as np
@@ -37,6 +39,21 @@ def residual_cnn():
     return keras.Model(x, keras.layers.Dense(CLASSES, name="logits")(h), name="res_ls")
 
 
+def bn_cnn():
+    # No bias before a BatchNormalization: its gradient is zero up to rounding
+    # (~1e-8 here), so a relative comparison of it would compare noise.
+    x = keras.Input(IMG)
+    h = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, name="conv1")(x)
+    h = keras.layers.BatchNormalization(momentum=0.5, name="bn1")(h)
+    h = keras.layers.Activation("relu", name="relu1")(h)
+    h = keras.layers.MaxPooling2D(name="pool1")(h)
+    h = keras.layers.Flatten(name="flat")(h)
+    h = keras.layers.Dense(16, use_bias=False, name="fc0")(h)
+    h = keras.layers.BatchNormalization(momentum=0.5, name="fc_bn")(h)
+    h = keras.layers.Activation("relu", name="fc_relu")(h)
+    return keras.Model(x, keras.layers.Dense(CLASSES, name="logits")(h), name="bn_ls")
+
+
 def _fc_worker_values():
     return [1] if world_size() == 2 else [1, 2]
 
@@ -66,6 +83,33 @@ def test_ls_fit_evaluate_predict_equal_single_process(make):
         if pmodel.role == "CONV":
             np.testing.assert_allclose(pred, reference.predict(xl, batch_size=lb, verbose=0),
                                        rtol=1e-4, atol=1e-5)
+
+
+def test_ls_batch_norm_equals_single_process():
+    """BatchNormalization in the CONV part normalizes with the moments of the
+    whole global batch (synchronised over the CONV workers), in the FC part
+    with those of all FC workers' rows: after 3 SGD steps every weight,
+    moving mean/variance included, and the History's loss equal one process."""
+    tfhybrid.init()
+    x, y = data()
+    keras.utils.set_random_seed(3)
+    model = bn_cnn()
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    compile_sgd(reference, False)
+    want = reference.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0).history
+    for n_f in _fc_worker_values():
+        pmodel = tfhybrid.transform(model, "ls", fc_workers=n_f)
+        compile_sgd(pmodel, True)
+        lb = tfhybrid.data.local_batch_size(B, pmodel)
+        xl, yl = tfhybrid.data.shard((x, y), model=pmodel, batch_size=B)
+        got = pmodel.fit(xl, yl, batch_size=lb, epochs=1, shuffle=False, verbose=0).history
+        case = (pmodel.n_c, pmodel.n_f, pmodel.role)
+        assert abs(got["loss"][0] - want["loss"][0]) <= 1e-5 * abs(want["loss"][0]), \
+            (case, got, want)
+        assert abs(got["accuracy"][0] - want["accuracy"][0]) < 1e-6, (case, got, want)
+        check_gathered(pmodel, reference, case)
+        check_evaluate(pmodel, reference, x, y, xl, yl, lb)
 
 
 def test_ls_bad_input():

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Create the project's virtual environment (.venv) with the pinned stack:
-# TensorFlow 2.18.1 (CPU build, or the CUDA build on GPU nodes), Keras 3, numpy,
-# and horovod 0.28.1 built from source (Gloo; NCCL GPU operations on GPU nodes).
-# The horovod wheel is built once and cached outside the clone, keyed by the
-# horovod, TensorFlow and Python versions, the device and the controllers, so
-# later set-ups take seconds.
+# TensorFlow (CPU build, or the CUDA build on GPU nodes; version chosen by TFHYBRID_TF),
+# Keras 3, numpy, and horovod 0.28.1 built from its source distribution with the
+# project's patches (patches/horovod/*.patch, applied in name order; Gloo, plus NCCL
+# GPU operations on GPU nodes). The horovod wheel is built once and cached outside
+# the clone, keyed by the horovod, TensorFlow and Python versions, the device, the
+# controllers and the hash of the patch set, so later set-ups take seconds.
 #
 # Usage: scripts/setup_env.sh [--device cpu|gpu|auto] [--mpi] [--no-project] [--print-config]
-#   --device        cpu: tensorflow-cpu; gpu: tensorflow[and-cuda] (CUDA 12.5, cuDNN 9.3,
-#                   NCCL 2.21.5 from TensorFlow's pinned pip wheels) and horovod with
+#   --device        cpu: tensorflow-cpu; gpu: tensorflow[and-cuda] (the CUDA, cuDNN and
+#                   NCCL pip wheels that TensorFlow pins) and horovod with
 #                   HOROVOD_GPU_OPERATIONS=NCCL; auto (default): gpu when an NVIDIA
 #                   driver is present (nvidia-smi on PATH or /proc/driver/nvidia), else cpu.
 #                   The environment variable TFHYBRID_DEVICE sets the same.
@@ -16,13 +17,14 @@
 #                   Kubernetes MPI Operator). TFHYBRID_WITH_MPI=1 sets the same.
 #   --no-project    install the stack but not tfhybrid itself (Docker layer caching).
 #   --print-config  print what would be installed and the wheel cache used, then exit.
-# Other environment: PYTHON (interpreter), TFHYBRID_VENV (default .venv),
+# Other environment: TFHYBRID_TF (TensorFlow version: 2.18.1 (default), 2.20.0 or
+# 2.21.0; 2.21 means 2.21.0), PYTHON (interpreter), TFHYBRID_VENV (default .venv),
 # TFHYBRID_CACHE (default ~/.cache/tfhybrid), CUDA_HOME (gpu builds, default
 # /usr/local/cuda), HOROVOD_NCCL_HOME (default: the nvidia-nccl-cu12 wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '9,21p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '10,23p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "[setup] error: $*" >&2; exit 2; }
 
 DEVICE=${TFHYBRID_DEVICE:-auto}
@@ -55,8 +57,29 @@ case "$WITH_MPI" in 0|1) ;; *) die "TFHYBRID_WITH_MPI=$WITH_MPI: expected 0 or 1
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 VENV=${TFHYBRID_VENV:-.venv}
-TF_VERSION=2.18.1
+# TensorFlow versions horovod 0.28.1 builds against with patches/horovod/ applied
+# (docs/horovod-patches.md; 2.19 is not one: its XLA headers need LLVM headers
+# the wheel does not ship); the first is the default.
+SUPPORTED_TF="2.18.1 2.20.0 2.21.0"
+TF_VERSION=${TFHYBRID_TF:-${SUPPORTED_TF%% *}}
+for v in $SUPPORTED_TF; do      # 2.21 names the supported 2.21.x
+  [ "$TF_VERSION" = "${v%.*}" ] && TF_VERSION=$v
+done
+case " $SUPPORTED_TF " in
+  *" $TF_VERSION "*) ;;
+  *) die "TFHYBRID_TF=$TF_VERSION is not a supported TensorFlow version; choose one of: ${SUPPORTED_TF// /, } (e.g. TFHYBRID_TF=2.21.0), or unset it for the default ${SUPPORTED_TF%% *}" ;;
+esac
 HVD_VERSION=0.28.1
+# The project's horovod patches, applied to the sdist in name order; their names and
+# contents key the wheel cache.
+PATCH_DIR=patches/horovod
+PATCHES=()
+for p in "$PATCH_DIR"/*.patch; do [ -f "$p" ] && PATCHES+=("$p"); done
+if [ ${#PATCHES[@]} -gt 0 ]; then
+  PATCH_HASH=$(for p in "${PATCHES[@]}"; do basename "$p"; cat "$p"; done | sha256sum | cut -c1-12)
+else
+  PATCH_HASH=none
+fi
 if [ "$DEVICE" = gpu ]; then
   TF_REQ="tensorflow[and-cuda]==$TF_VERSION"; TF_OTHER=tensorflow-cpu
 else
@@ -66,15 +89,9 @@ CONTROLLERS=gloo
 [ "$WITH_MPI" = 1 ] && CONTROLLERS=gloo-mpi
 PYTAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 CACHE=${TFHYBRID_CACHE:-$HOME/.cache/tfhybrid}
-WHEEL_DIR="$CACHE/wheels/horovod-$HVD_VERSION-tf$TF_VERSION-$PYTAG-$DEVICE-$CONTROLLERS"
-# Wheels cached before the key named the device were CPU + Gloo builds: reuse them.
-LEGACY_WHEEL_DIR="$CACHE/wheels/horovod-$HVD_VERSION-tf$TF_VERSION-$PYTAG-gloo"
-if [ "$DEVICE-$CONTROLLERS" = cpu-gloo ] && ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1 \
-   && ls "$LEGACY_WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
-  WHEEL_DIR=$LEGACY_WHEEL_DIR
-fi
+WHEEL_DIR="$CACHE/wheels/horovod-$HVD_VERSION-tf$TF_VERSION-$PYTAG-$DEVICE-$CONTROLLERS-patches-$PATCH_HASH"
 STAMP="$VENV/.tfhybrid-setup"
-SIG="tf=$TF_VERSION hvd=$HVD_VERSION py=$PYTAG device=$DEVICE controllers=$CONTROLLERS project=$INSTALL_PROJECT req=$(cat requirements.txt setup.py | cksum | cut -d' ' -f1)"
+SIG="tf=$TF_VERSION hvd=$HVD_VERSION patches=$PATCH_HASH py=$PYTAG device=$DEVICE controllers=$CONTROLLERS project=$INSTALL_PROJECT req=$(cat requirements.txt setup.py | cksum | cut -d' ' -f1)"
 
 say() { echo "[setup] $*"; }
 # pip on some machines warns about unreachable local indexes: keep the log readable.
@@ -83,6 +100,8 @@ quiet() { "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 if [ "$PRINT_ONLY" = 1 ]; then
   echo "device=$DEVICE ($DEVICE_WHY)"
   echo "tensorflow=$TF_REQ"
+  echo "tf_version=$TF_VERSION ($([ -n "${TFHYBRID_TF:-}" ] && echo "TFHYBRID_TF" || echo "default"); supported: ${SUPPORTED_TF// /, })"
+  echo "patches=$PATCH_HASH ($([ ${#PATCHES[@]} -gt 0 ] && basename -a "${PATCHES[@]}" | paste -sd, - || echo "none in $PATCH_DIR"))"
   echo "horovod=$HVD_VERSION controllers=$CONTROLLERS gpu_operations=$([ "$DEVICE" = gpu ] && echo NCCL || echo none)"
   echo "python=$PY ($PYTAG) venv=$VENV"
   echo "wheel_dir=$WHEEL_DIR"
@@ -133,7 +152,7 @@ if [ "$DEVICE" = gpu ]; then
     NCCL_INC=$NCCL_DIR/include; NCCL_LIB=$NCCL_DIR/lib
     [ -e "$NCCL_LIB/libnccl.so" ] || ln -s libnccl.so.2 "$NCCL_LIB/libnccl.so"
   fi
-  [ -f "$NCCL_INC/nccl.h" ] || die "nccl.h not found in $NCCL_INC; set HOROVOD_NCCL_HOME to an NCCL 2.21 install"
+  [ -f "$NCCL_INC/nccl.h" ] || die "nccl.h not found in $NCCL_INC; set HOROVOD_NCCL_HOME to an NCCL 2 install (the version tensorflow[and-cuda] pins)"
   HVD_ENV+=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED HOROVOD_CUDA_HOME="$CUDA_DIR"
             HOROVOD_NCCL_INCLUDE="$NCCL_INC" HOROVOD_NCCL_LIB="$NCCL_LIB"
             LDFLAGS="-Wl,-rpath,$NCCL_LIB ${LDFLAGS:-}")
@@ -143,13 +162,35 @@ fi
 
 if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   say "no cached horovod wheel in $WHEEL_DIR"
-  say "building horovod==$HVD_VERSION ($DEVICE, $CONTROLLERS) against TensorFlow $TF_VERSION (4-6 minutes on 2 cores)"
+  command -v patch >/dev/null 2>&1 || die "applying $PATCH_DIR needs the 'patch' program; install it (apt-get install patch, or build-essential)"
+  tmp=$(mktemp -d)
+  SDIST_DIR="$CACHE/sdist"
+  SDIST="$SDIST_DIR/horovod-$HVD_VERSION.tar.gz"
+  if [ ! -f "$SDIST" ]; then
+    say "downloading the horovod==$HVD_VERSION source distribution"
+    mkdir -p "$SDIST_DIR"
+    quiet "$VPY" -m pip download -q --no-binary :all: --no-deps --no-build-isolation \
+      "horovod==$HVD_VERSION" -d "$tmp/sdist" || die "could not download the horovod==$HVD_VERSION sdist from the package index"
+    mv "$tmp/sdist/horovod-$HVD_VERSION.tar.gz" "$SDIST"
+  fi
+  mkdir -p "$tmp/src"
+  tar -xzf "$SDIST" -C "$tmp/src"
+  SRC="$tmp/src/horovod-$HVD_VERSION"
+  [ -f "$SRC/setup.py" ] || die "$SDIST did not unpack to horovod-$HVD_VERSION/setup.py"
+  for p in "${PATCHES[@]}"; do
+    if ! patch -d "$SRC" -p1 --forward --batch --dry-run < "$p" > "$tmp/patch.log" 2>&1; then
+      cat "$tmp/patch.log" >&2
+      die "patch $p does not apply to the horovod $HVD_VERSION sdist (after the patches before it in name order); fix or regenerate it against the sdist tree (diff -u a/<path> b/<path>, applied with patch -p1)"
+    fi
+    patch -d "$SRC" -p1 --forward --batch --silent < "$p"
+    say "applied $(basename "$p")"
+  done
+  say "building horovod==$HVD_VERSION ($DEVICE, $CONTROLLERS, patches $PATCH_HASH) against TensorFlow $TF_VERSION (4-6 minutes on 2 cores)"
   say "  ${HVD_ENV[*]}"
   mkdir -p "$WHEEL_DIR"
-  tmp=$(mktemp -d)
   ( env "${HVD_ENV[@]}" MAKEFLAGS="-j$(nproc)" \
     "$VPY" -m pip wheel --no-build-isolation --no-deps --no-cache-dir \
-      "horovod==$HVD_VERSION" -w "$tmp" ) > "$tmp/build.log" 2>&1 &
+      "$SRC" -w "$tmp" ) > "$tmp/build.log" 2>&1 &
   pid=$!
   start=$(date +%s)
   while kill -0 $pid 2>/dev/null; do
@@ -162,6 +203,7 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
     exit 1
   fi
   mv "$tmp"/horovod-*.whl "$WHEEL_DIR"/
+  rm -rf "$tmp"
   say "cached $(ls "$WHEEL_DIR")"
 else
   say "using cached horovod wheel $(ls "$WHEEL_DIR"/horovod-*.whl)"

@@ -5,7 +5,11 @@ page       what it covers
 ========== ===========================================================================
 concepts   the process grid, layouts, the collective algebra, strategies, the
            transformer, the distributed optimizer, the oracle, guards and watchdog
+guide      what tfhybrid does with each part of a Keras workflow: saving, metrics,
+           losses, custom layers, input, guards, the watchdog, checkpoints, elastic
 launching  installing for CPU/GPU, horovodrun, Slurm, Kubernetes, GPU pinning
+multinode  jobs across machines: network interface, hosts files, SSH keys, where model
+           groups live, what a network fault looks like (watchdog, Gloo timeout), elastic
 timeline   Horovod's timeline (``--timeline-filename``) and tfhybrid's collective names
 ========== ===========================================================================
 
@@ -29,11 +33,12 @@ import re
 __all__ = ["PAGES", "path", "read", "anchors", "api_modules"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PAGES = ("concepts", "launching", "timeline")
+PAGES = ("concepts", "guide", "launching", "multinode", "timeline")
 
 
 def path(page: str = "concepts") -> str:
-    """Absolute path of a shipped page (``concepts``, ``launching`` or ``timeline``).
+    """Absolute path of a shipped page (``concepts``, ``guide``, ``launching``, ``multinode``
+    or ``timeline``).
 
     Raises:
         ValueError: for an unknown page, naming the pages there are.

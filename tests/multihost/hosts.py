@@ -32,7 +32,18 @@ environment works on each. Commands run *on* a host with :meth:`TestHosts.run`
 the launcher ``horovodrun`` on ``h1``.
 
 Faults: :meth:`TestHosts.cut` drops all of a host's traffic on ``eth0`` (an
-``nft`` table inside the host's namespace), :meth:`TestHosts.restore` lifts it.
+``nft`` table inside the host's namespace), :meth:`TestHosts.restore` lifts it;
+:meth:`TestHosts.limit` rate-limits what a host sends (``tc ... tbf``; the
+kernel here has no ``netem``), :meth:`TestHosts.unlimit` lifts it;
+:meth:`TestHosts.stop_sshd` / :meth:`TestHosts.start_sshd` take a host's SSH
+server away and back.
+
+In pytest: the session fixture ``hosts`` (tests/multihost/conftest.py) makes
+``h1`` and ``h2`` once per session and removes them at the end, asserting
+that nothing is left; :func:`jobs.launch` runs ``horovodrun -H h1:k,h2:k
+--network-interface eth0`` on ``h1``. What users meet on real clusters (and
+what these hosts reproduce) is described in ``python -m tfhybrid.docs
+multinode``.
 
 CLI (root)::
 
@@ -385,6 +396,29 @@ class TestHosts:
         """Lift :meth:`cut` on ``name``."""
         _sh("ip", "netns", "exec", f"{PREFIX}-{name}", "nft", "delete", "table", "inet", FAULT_TABLE,
             check=False)
+
+    def limit(self, name, rate="1mbit"):
+        """Limit what ``name`` sends on its interface to ``rate`` (a tbf qdisc;
+        this kernel has no netem)."""
+        _sh("ip", "netns", "exec", f"{PREFIX}-{name}", "tc", "qdisc", "replace", "dev", IFACE,
+            "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "400ms")
+
+    def unlimit(self, name):
+        """Lift :meth:`limit` on ``name``."""
+        _sh("ip", "netns", "exec", f"{PREFIX}-{name}", "tc", "qdisc", "del", "dev", IFACE, "root",
+            check=False)
+
+    def stop_sshd(self, name):
+        """End the sshd of ``name`` (the host stays: its network namespace is
+        named). Commands cannot run on it until :meth:`start_sshd`."""
+        proc = self._sshd.pop(name)
+        proc.terminate()
+        proc.wait(timeout=10)
+
+    def start_sshd(self, name):
+        """Start the sshd of ``name`` again after :meth:`stop_sshd`."""
+        self._sshd[name] = self._start_sshd(name, False)
+        self._wait_for_login()
 
 
 def main(argv=None):

@@ -35,8 +35,7 @@ class Run:
         return f"Run(rc={self.rc}, seconds={self.seconds:.1f}, out=...{self.out[-4000:]})"
 
 
-def launch(hosts, script, slots, args=(), timeout=600, env=None):
-    """``horovodrun`` on h1 over the test hosts, ``slots`` ranks on each."""
+def _job(hosts, script, slots, args, env):
     py = python()
     hvdrun = str(Path(py).parent / "horovodrun")
     spec = ",".join(f"{name}:{slots}" for name in hosts.names)
@@ -45,10 +44,24 @@ def launch(hosts, script, slots, args=(), timeout=600, env=None):
            py, str(script), *map(str, args)]
     run_env = dict(os.environ, TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="2",
                    OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=str(ROOT))
+                   PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(script).parent)]))
     for key in ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"):
         run_env.pop(key, None)
     run_env.update(env or {})
+    return cmd, run_env, spec
+
+
+def start(hosts, script, slots, args=(), env=None):
+    """Like :func:`launch` without waiting: a Popen on h1 (stdout and stderr
+    merged, text lines), for tests that act while the job runs."""
+    cmd, run_env, _ = _job(hosts, script, slots, args, env)
+    return subprocess.Popen(hosts.command(hosts.names[0], cmd), cwd=ROOT, env=run_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1)
+
+
+def launch(hosts, script, slots, args=(), timeout=600, env=None):
+    """``horovodrun`` on h1 over the test hosts, ``slots`` ranks on each."""
+    cmd, run_env, spec = _job(hosts, script, slots, args, env)
     start = time.time()
     try:
         proc = hosts.run(hosts.names[0], cmd, timeout=timeout, cwd=ROOT, env=run_env)
@@ -72,6 +85,7 @@ def run_plain(script, args=(), timeout=600):
     for key in list(env):
         if key.startswith("HOROVOD_"):
             env.pop(key)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(Path(script).parent)])
     proc = subprocess.run([python(), str(script), *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     return Run(proc.returncode, proc.stdout + proc.stderr, 0.0)

@@ -5,9 +5,10 @@ multi-host tests (tests/multihost/test_across_hosts.py).
     horovodrun --gloo -np 4 -H h1:2,h2:2 --network-interface eth0 \\
         python strategies_script.py OUT d df
 
-Each strategy trains the same model from the same initial weights on the same
-global batches (2 epochs of 4 steps); every rank prints ``RESULT {json}`` with
-its host, and rank 0 (or the plain process) writes the gathered plain model's
+Each strategy (default: all of ``d f c s df ds gmp p ls``) trains the same
+model from the same initial weights on the same global batches (2 epochs of 4
+steps) and evaluates it on the training set; every rank prints ``RESULT
+{json}`` with its host, the loss history and the evaluated loss, and rank 0 (or the plain process) writes the gathered plain model's
 weights to ``OUT/weights_<strategy>.npz``, compared by the test with the
 plain process's.
 """
@@ -20,8 +21,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-OUT = sys.argv[1]
-STRATEGIES = sys.argv[2:] or ["d", "df"]
+# strategy:model_parallel. At 2 hosts x 2 ranks the model groups of 2 live inside
+# a host (consecutive ranks) and those of 4 (f, c, s: the whole world) span both.
+ALL = ["d:1", "f:4", "c:4", "s:4", "df:2", "ds:2", "gmp:2", "p:2", "ls:2"]
 DIST = int(os.environ.get("HOROVOD_SIZE", "1")) > 1    # under horovodrun; else plain Keras
 if DIST:
     import tfhybrid
@@ -31,7 +33,7 @@ BATCH, EPOCHS, ROWS = 16, 2, 64
 
 def make_model():
     keras.utils.set_random_seed(3)
-    inputs = keras.Input((8, 8, 2), name="image")
+    inputs = keras.Input((8, 8, 4), name="image")
     x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv1")(inputs)
     x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv2")(x)
     x = keras.layers.MaxPooling2D(2, name="pool")(x)
@@ -41,14 +43,14 @@ def make_model():
     return keras.Model(inputs, outputs, name="small_cnn")
 
 
-def data():
+def data(rows=ROWS):
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((ROWS, 8, 8, 2)).astype("float32")
-    y = (np.argmax(x.reshape(ROWS, -1)[:, :4], axis=1)).astype("int64")
+    x = rng.standard_normal((rows, 8, 8, 4)).astype("float32")
+    y = (np.argmax(x.reshape(rows, -1)[:, :4], axis=1)).astype("int64")
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
 
 
-def run(strategy):
+def run(strategy, out):
     model = make_model()
     optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
     train = data()
@@ -56,20 +58,39 @@ def run(strategy):
         model = tfhybrid.transform(model, strategy=strategy)
         optimizer = tfhybrid.DistributedOptimizer(optimizer)
         train = tfhybrid.data.shard(train, model=model)
+        described = tfhybrid.describe(model, batch_size=BATCH, print_fn=None)
+        if tfhybrid.is_root():
+            print(f"DESCRIBE {strategy} {described.text.splitlines()[-1]}", flush=True)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(train, epochs=EPOCHS, verbose=0, shuffle=False,
                         callbacks=tfhybrid.callbacks.standard() if DIST else None)
+    test = tfhybrid.data.shard(data(), model=model) if DIST else data()
+    evaluated = model.evaluate(test, verbose=0, return_dict=True)
     full = tfhybrid.gather(model) if DIST else model
     print("RESULT " + json.dumps({
         "rank": tfhybrid.rank() if DIST else 0, "host": socket.gethostname(),
-        "strategy": strategy, "loss": [float(v) for v in history.history["loss"]]}), flush=True)
+        "strategy": strategy, "loss": [float(v) for v in history.history["loss"]],
+        "evaluate": float(evaluated["loss"])}), flush=True)
     if not DIST or tfhybrid.is_root():
-        np.savez(os.path.join(OUT, f"weights_{strategy}.npz"),
+        np.savez(os.path.join(out, f"weights_{strategy}.npz"),
                  **{w.path: w.numpy() for w in full.weights})
 
 
-if DIST:
-    tfhybrid.init(model_parallel=2)
-for name in STRATEGIES:
-    run(name)
+def main():
+    out, specs = sys.argv[1], sys.argv[2:] or ALL
+    for spec in specs:
+        name, _, mp = spec.partition(":")
+        if DIST:
+            mp = min(int(mp or 1), int(os.environ["HOROVOD_SIZE"]))
+            if not tfhybrid.is_initialized():
+                tfhybrid.init(model_parallel=mp)
+            elif tfhybrid.grid().model_size != mp:
+                tfhybrid.runtime.reform(mp)
+            if tfhybrid.is_root():    # where the model groups live (tested across hosts)
+                print(f"PLACEMENT {name} {tfhybrid.runtime.placement()}", flush=True)
+        run(name, out)
+
+
+if __name__ == "__main__":
+    main()

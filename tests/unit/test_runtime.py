@@ -67,3 +67,18 @@ def test_rank_and_size_like_horovod():
     tfhybrid.init(model_parallel=1)
     assert (tfhybrid.rank(), tfhybrid.size()) == (0, 1)
     assert {"rank", "size"} <= set(tfhybrid.__all__)
+
+
+def test_hosts_and_placement(monkeypatch):
+    from tfhybrid import runtime
+    from tfhybrid.process_grid import ProcessGrid
+
+    tfhybrid.init(model_parallel=1)
+    import socket
+    assert tfhybrid.runtime.hosts() == (socket.gethostname(),)
+    monkeypatch.setitem(runtime._STATE, "hosts", ("h1", "h1", "h2", "h2"))
+    assert runtime.placement(ProcessGrid(4, 0, 2)) == \
+        "Model groups by host: 0 [0, 1] h1; 1 [2, 3] h2"
+    assert runtime.placement(ProcessGrid(4, 0, 4)) == \
+        "Model groups by host: 0 [0, 1, 2, 3] h1+h2 (spans hosts)"
+    assert runtime.placement(ProcessGrid(2, 0, 2)) == ""     # another world: unknown

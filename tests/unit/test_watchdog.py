@@ -202,3 +202,35 @@ def test_callback_step_is_owned_by_the_loop_calling_the_callback_list():
         assert act.owner == (threading.get_ident(), loop)
         callbacks.on_train_batch_end(0)
     cb.on_train_end()
+
+
+def test_silent_peers_are_probed_and_named():
+    """The ranks whose liveness listener does not accept a connection are
+    named with their host; a listening rank is not."""
+    import socket
+    port = watchdog.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()                      # nothing listens there: the rank is gone
+    w = Watchdog()
+    w.configure(seconds=10, rank=0, size=4, env={})
+    w.peers = ((0, "a", "127.0.0.1", port), (1, "a", "127.0.0.1", port),
+               (2, "b", "127.0.0.1", dead_port), (3, "b", "127.0.0.1", dead_port))
+    silent = w.silent_peers(timeout=2)
+    assert silent == [(2, "b", "127.0.0.1"), (3, "b", "127.0.0.1")]
+    token = w.begin("collective", "x", op="allreduce", ranks=(0, 1, 2, 3))
+    act = w._active[token]
+    text = w.message(act, 12, 10.0, silent)
+    assert ". Silent: ranks 2, 3 on host b (127.0.0.1) answer no connection within 2 s" in text
+    assert "\n" not in text
+    w.peers = ((0, "a", "127.0.0.1", port), (1, "a", "127.0.0.1", port))
+    assert w.silent_peers(timeout=2) == []
+    assert "Silent" not in w.message(act, 12, 10.0, w.silent_peers(timeout=2))
+    w.end(token)
+
+
+def test_route_address():
+    assert watchdog.route_address({}) is None
+    assert watchdog.route_address({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+                                   "HOROVOD_GLOO_RENDEZVOUS_PORT": "1234"}) == "127.0.0.1"

@@ -1,0 +1,707 @@
+"""Performance on a real wire: 2 test hosts x 1 rank joined by a link of set rate.
+
+Run as root on one machine (the ranks need the Horovod with tfhybrid's Gloo
+interface patch, see tests/multihost/conftest.py)::
+
+    /tmp/venv-mh/bin/python bench/wire.py [--quick] [--rates 100mbit 1gbit unlimited]
+
+The driver makes two test hosts (tests/multihost/hosts.py: network
+namespaces on a bridge, sshd in each), and launches ``horovodrun --gloo -H
+h1:1,h2:1 --network-interface eth0`` from h1 twice:
+
+1. ``tfhybrid calibrate --model <oracle model>`` at the first rate (the link's
+   latency and bandwidth into a machine file), then ``tfhybrid plan`` on it;
+2. the measuring job (``--worker``): each rank pins itself to one core
+   (rank r on core r) and shapes its own host's egress (``tc qdisc replace dev
+   eth0 root tbf rate R``: each direction of the link is shaped once); the
+   contenders below take turns in every round and at every rate (rounds x
+   rates x contenders), so outside load on this shared machine hits all alike.
+
+Per model (a small CNN with a large dense head; a VGG-like conv stack at
+32x32 input) and rate, in a GradientTape step traced with ``tf.function``:
+
+- ``after``: ``DistributedOptimizer`` with one bucket (the default 25 MiB
+  holds every gradient): the reduction starts when back-propagation ends;
+- ``bucket <size>``: buckets of that size, reduced during back-propagation;
+- ``compute``: the plain optimizer (no communication);
+- ``comm``: the one-bucket reduction alone (T_comm), ``comm fp16`` likewise
+  with ``compression="fp16"``; ``fp16``: the default step with fp16.
+
+Overlap: hidden = (compute + comm - step) / min(compute, comm) (1: the
+shorter of the two is wholly hidden, 0: none). Fusion: each bucket size's
+step against the best. Bytes: the interface's ``tx_bytes`` (TCP/IP headers
+included) per step, against the ring minimum 2(p-1)/p |W|. Compression: fp16's
+bytes and step against fp32. Oracle: every strategy of
+bench/oracle_accuracy.py built by ``tfhybrid.transform`` and timed the same
+way at the calibrated rate, against the prediction on the calibrated machine
+file; bytes per step against :func:`tfhybrid.describe`'s analytic volume; the
+strategy ``plan`` ranks first against the measured fastest.
+
+Writes bench/results/wire.json and wire.md (the tables); ``--repredict``
+reports the last run's measurements again. The last line printed is
+``WIRE overlap_hidden=.. fusion_default_vs_best=.. bytes_vs_ring=..
+fp16_speedup=.. oracle_mean=.. oracle_worst=.. pick=ok|miss``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+IFACE = "eth0"
+DEFAULT_BUCKET = 25 * 2**20
+BUCKETS = (256 * 2**10, 2**20, 4 * 2**20)          # the sweep, besides the default
+RATES = ("100mbit", "1gbit", "unlimited")
+STRATEGIES_FULL = ("d", "f", "c", "s", "df", "ds", "gmp", "p", "ls")
+STRATEGIES_QUICK = ("d", "f", "df", "gmp", "s")
+
+
+# -- pure helpers (tests/unit/test_bench_wire.py) ------------------------------------------
+
+def rate_bits(rate):
+    """Bits per second of a tc rate ("100mbit", "1gbit", "500kbit"); None for "unlimited"."""
+    text = str(rate).strip().lower()
+    if text in ("unlimited", "none", "0"):
+        return None
+    units = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            number = text[: -len(unit)]
+            try:
+                value = float(number)
+            except ValueError:
+                break
+            if value > 0:
+                return int(value * scale)
+            break
+    raise ValueError(f"link rate {rate!r}: expected a tc rate such as 100mbit or 1gbit, "
+                     "or 'unlimited'")
+
+
+def tc_argv(rate, dev=IFACE, tc="tc"):
+    """argv shaping ``dev``'s egress to ``rate`` with tbf (or removing the shaping).
+
+    The burst is at least 256 kbit and at least 10 ms at the rate: a tbf bucket
+    smaller than rate/HZ caps the rate below what was asked."""
+    bits = rate_bits(rate)
+    if bits is None:
+        return [tc, "qdisc", "del", "dev", dev, "root"]
+    burst = max(256_000, bits // 100)
+    return [tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", str(rate),
+            "burst", f"{burst // 1000}kbit", "latency", "50ms"]
+
+
+def parse_proc_net_dev(text, dev=IFACE):
+    """(rx_bytes, tx_bytes) of ``dev`` from /proc/net/dev text."""
+    for line in text.splitlines():
+        if ":" not in line:
+            continue
+        name, rest = line.split(":", 1)
+        if name.strip() == dev:
+            fields = rest.split()
+            return int(fields[0]), int(fields[8])
+    raise ValueError(f"interface {dev!r} not in /proc/net/dev")
+
+
+def tx_bytes(dev=IFACE, sys_root="/sys/class/net", proc="/proc/net/dev"):
+    """Bytes ``dev`` has sent: /sys/class/net/<dev>/statistics/tx_bytes, else /proc/net/dev."""
+    path = Path(sys_root) / dev / "statistics" / "tx_bytes"
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return parse_proc_net_dev(Path(proc).read_text(), dev)[1]
+
+
+def ring_minimum(param_bytes, p):
+    """Bytes each rank sends in a ring allreduce of ``param_bytes``: 2(p-1)/p |W|."""
+    return 2 * (p - 1) / p * param_bytes
+
+
+def hidden_fraction(compute, comm, step):
+    """Lee et al.'s overlap as the share of the shorter part hidden:
+    (compute + comm - step) / min(compute, comm); nan if either is not positive."""
+    if not (compute > 0 and comm > 0):
+        return float("nan")
+    return (compute + comm - step) / min(compute, comm)
+
+
+def accuracy(predicted, measured):
+    """1 - |predicted - measured| / measured (bench/oracle_accuracy.py's measure)."""
+    return 1.0 - abs(predicted - measured) / measured
+
+
+def typical(samples, per_round):
+    """The median over rounds of each round's best step (per-step samples, in order)."""
+    best = [min(samples[i:i + per_round]) for i in range(0, len(samples), per_round)]
+    return statistics.median(best)
+
+
+def pick_ok(predicted, measured, tolerance=0.10):
+    """Whether the strategy predicted fastest is within ``tolerance`` of the measured
+    fastest (over the strategies both hold)."""
+    common = [s for s in predicted if s in measured]
+    if not common:
+        return False
+    first = min(common, key=lambda s: predicted[s])
+    return measured[first] <= (1 + tolerance) * min(measured[s] for s in common)
+
+
+def plan_order(plan_json):
+    """Feasible strategies of ``tfhybrid plan --json`` output, ranked first to last,
+    with their predicted seconds: [(name, total_s)]."""
+    out = []
+    for row in plan_json.get("predictions", []):
+        total = row.get("total_s")
+        if row.get("feasible", True) and total is not None and math.isfinite(total):
+            out.append((row["strategy"], float(total)))
+    return out
+
+
+def wire_line(overlap_hidden, fusion_default_vs_best, bytes_vs_ring, fp16_speedup,
+              oracle_mean, oracle_worst, pick):
+    """The bench's last line."""
+    def num(x):
+        return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+    pick_text = pick if isinstance(pick, str) else ("ok" if pick else "miss")
+    return (f"WIRE overlap_hidden={num(overlap_hidden)} "
+            f"fusion_default_vs_best={num(fusion_default_vs_best)} "
+            f"bytes_vs_ring={num(bytes_vs_ring)} fp16_speedup={num(fp16_speedup)} "
+            f"oracle_mean={num(oracle_mean)} oracle_worst={num(oracle_worst)} pick={pick_text}")
+
+
+def bucket_label(nbytes):
+    if nbytes >= 2**20:
+        return f"bucket {nbytes / 2**20:g}MiB"
+    return f"bucket {nbytes / 2**10:g}KiB"
+
+
+def summarise_rate(t, b, param_bytes, p, buckets=BUCKETS):
+    """Per (model, rate): ``t`` {contender: step s}, ``b`` {contender: tx bytes/step}.
+
+    The bucketed contender with the best step is the overlap case."""
+    sweep = {"default": t["after"], **{bucket_label(n): t[bucket_label(n)] for n in buckets}}
+    best_name = min(sweep, key=sweep.get)
+    bucketed = min((bucket_label(n) for n in buckets), key=lambda k: t[k])
+    comm, comm16 = t["comm"], t.get("comm fp16")
+    out = {
+        "step_s": t, "tx_bytes_per_step": b,
+        "comm_over_compute": comm / t["compute"] if t["compute"] > 0 else float("nan"),
+        "hidden": {k: hidden_fraction(t["compute"], comm, t[k])
+                   for k in ("after", *(bucket_label(n) for n in buckets))},
+        "overlap_case": bucketed,
+        "overlap_hidden": hidden_fraction(t["compute"], comm, t[bucketed]),
+        "fusion_best": best_name,
+        "fusion_default_vs_best": sweep["default"] / sweep[best_name],
+        "ring_min_bytes": ring_minimum(param_bytes, p),
+        "bytes_vs_ring": b["after"] / ring_minimum(param_bytes, p) if b.get("after") else None,
+    }
+    if "fp16" in t:
+        out["fp16_speedup"] = t["after"] / t["fp16"]
+        out["fp16_cut_of_comm"] = (t["after"] - t["fp16"]) / comm if comm > 0 else float("nan")
+        out["fp16_bytes_ratio"] = b["fp16"] / b["after"] if b.get("after") else None
+        out["fp16_comm_ratio"] = comm16 / comm if comm16 else None
+    return out
+
+
+# -- the ranks ---------------------------------------------------------------------------
+
+def _pin():
+    """Rank r on core r (modulo the cores), before TensorFlow starts its threads."""
+    rank = int(os.environ.get("HOROVOD_RANK", 0))
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    return cores[rank % len(cores)]
+
+
+def _tc_binary():
+    import shutil  # noqa: WPS433
+    return shutil.which("tc") or "/usr/sbin/tc"
+
+
+def set_rate(rate):
+    """Shape this host's egress (run by each rank on its own host)."""
+    out = subprocess.run(tc_argv(rate, tc=_tc_binary()), capture_output=True, text=True)
+    if out.returncode != 0 and rate_bits(rate) is not None:
+        raise RuntimeError(f"tc on {os.uname().nodename}: {out.stderr.strip()}")
+
+
+def make_cnn_head():
+    """A small CNN with a large dense head: 32x32x3 -> 2 convs -> Dense(256) -> 10
+    (the dense head holds 99% of the 0.53M weights)."""
+    import keras  # noqa: WPS433
+    L = keras.layers
+    inp = keras.Input((32, 32, 3), name="image")
+    x = L.Conv2D(16, 3, padding="same", activation="relu", name="conv1")(inp)
+    x = L.MaxPooling2D(2, name="pool1")(x)
+    x = L.Conv2D(32, 3, padding="same", activation="relu", name="conv2")(x)
+    x = L.MaxPooling2D(2, name="pool2")(x)
+    x = L.Flatten(name="flatten")(x)
+    x = L.Dense(256, activation="relu", name="fc1")(x)
+    out = L.Dense(10, name="fc2")(x)
+    return keras.Model(inp, out, name="wire_cnn_head")
+
+
+def make_vgg():
+    """A VGG-like conv stack at 32x32 input (0.42M weights, most in the convolutions)."""
+    import keras  # noqa: WPS433
+    L = keras.layers
+    inp = keras.Input((32, 32, 3), name="image")
+    x = inp
+    for i, (filters, convs) in enumerate(((32, 2), (64, 2), (128, 2))):
+        for j in range(convs):
+            x = L.Conv2D(filters, 3, padding="same", activation="relu",
+                         name=f"conv{i + 1}_{j + 1}")(x)
+        x = L.MaxPooling2D(2, name=f"pool{i + 1}")(x)
+    x = L.Flatten(name="flatten")(x)
+    x = L.Dense(64, activation="relu", name="fc1")(x)
+    out = L.Dense(10, name="fc2")(x)
+    return keras.Model(inp, out, name="wire_vgg")
+
+
+MODELS = {"cnn_head": make_cnn_head, "vgg": make_vgg}
+
+
+def _contenders(make, local_batch, buckets):
+    """{name: step callable} of one model, and its parameter bytes."""
+    import keras  # noqa: WPS433
+    import numpy as np  # noqa: WPS433
+    import tensorflow as tf  # noqa: WPS433
+    import tfhybrid  # noqa: WPS433
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.default_rng(int(os.environ.get("HOROVOD_RANK", 0)))
+    x = tf.constant(rng.standard_normal((local_batch, 32, 32, 3)).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, local_batch).astype("int32"))
+
+    def train_step(optimizer):
+        keras.utils.set_random_seed(0)
+        model = make()
+
+        @tf.function(jit_compile=False)
+        def step():
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+            return loss
+        return model, step
+
+    def dist(name, **kw):    # distinct names: distinct collective names per contender
+        return tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01), name=name, **kw)
+
+    steps = {}
+    after_opt = dist("wire_after", bucket_bytes=DEFAULT_BUCKET)
+    model, steps["after"] = train_step(after_opt)
+    for nbytes in buckets:
+        steps[bucket_label(nbytes)] = train_step(dist(f"wire_b{nbytes}", bucket_bytes=nbytes))[1]
+    steps["compute"] = train_step(keras.optimizers.SGD(0.01))[1]
+    fp16_opt = dist("wire_fp16", compression="fp16")
+    steps["fp16"] = train_step(fp16_opt)[1]
+    ones = [tf.ones_like(v) for v in model.trainable_variables]
+    for name, opt in (("comm", after_opt), ("comm fp16", fp16_opt)):
+        steps[name] = tf.function(
+            lambda opt=opt: opt.reduce_gradients(ones, model.trainable_variables))
+    for fn in steps.values():      # trace, and build the optimizers' slots
+        fn()
+        fn()
+    param_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    return steps, param_bytes
+
+
+def _timed_steps(fn, n, barrier):
+    """n step times and the bytes eth0 sent over them."""
+    barrier()
+    b0, times = tx_bytes(), []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    barrier()
+    return times, tx_bytes() - b0
+
+
+def _oracle_part(args, say, barrier, set_all_rates):
+    """Every strategy at the calibrated rate, as bench/oracle_accuracy.py builds and
+    times them, plus the bytes each step puts on the wire and describe's volume."""
+    import bench.oracle_accuracy as oa  # noqa: WPS433
+    import tfhybrid  # noqa: WPS433
+    from tfhybrid.comm import backend  # noqa: WPS433
+    oa.make_model, oa.MODEL_PATH = make_cnn_head, args.oracle_model
+    set_all_rates(args.rates[0])
+    n = backend.size()
+    steps = oa._build_steps(list(args.strategies), n, args.batch, args.machine)
+    steps.pop("serial", None)
+    say(f"oracle: built {list(steps)} at {args.rates[0]}")
+    times, _ = oa._interleaved(steps, args.rounds, args.steps, say)
+    out = {}
+    for name, (step, info) in steps.items():
+        oa._use_grid(info.get("model_parallel"))
+        barrier()
+        _, nbytes = _timed_steps(step, args.steps, barrier)
+        described = None
+        model = getattr(step, "model", None)
+        try:
+            described = tfhybrid.describe(model, batch_size=args.batch, print_fn=None).comm_bytes
+        except Exception as err:  # noqa: BLE001 - a strategy describe cannot read: say so
+            described = f"{type(err).__name__}: {str(err)[:120]}"
+        phases = None
+        if name not in ("ls", "p"):     # Profile's per-phase measurement
+            from tfhybrid.profiling import measure_phases  # noqa: WPS433
+            phases = measure_phases(model, step.local_batch, reps=3)
+        out[name] = dict(info, seconds=typical(times[name], args.steps),
+                         best_s=min(times[name]), tx_bytes_per_step=nbytes / args.steps,
+                         describe_bytes=described, phases=phases)
+    return out
+
+
+def worker(args):
+    core = _pin()
+    os.environ["DP_BENCH_SKIP_MWMS"] = "1"      # bench.dp: no MWMS server at import
+    sys.path.insert(0, str(ROOT))
+    import bench.dp as dp  # noqa: WPS433  (its barrier)
+    import tensorflow as tf  # noqa: WPS433
+    import tfhybrid  # noqa: WPS433
+    from tfhybrid.comm import backend  # noqa: WPS433
+    tfhybrid.init()
+    rank, size = backend.rank(), backend.size()
+    say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+    say(f"{size} ranks; rank 0 on {os.uname().nodename} core {core}")
+
+    def set_all_rates(rate):
+        dp.barrier()
+        set_rate(rate)
+        dp.barrier()
+
+    res = {"world_size": size, "rates": args.rates, "rounds": args.rounds,
+           "steps": args.steps, "batch": args.batch, "models": {}}
+    if args.models:
+        local = args.batch // size
+        built = {m: _contenders(MODELS[m], local, BUCKETS) for m in args.models}
+        say(f"traced {sum(len(s) for s, _ in built.values())} contenders")
+        times = {(m, r, k): [] for m, (s, _) in built.items() for r in args.rates for k in s}
+        sent = {key: [] for key in times}
+        for rnd in range(args.rounds):
+            for rate in args.rates:
+                set_all_rates(rate)
+                for m, (steps, _) in built.items():
+                    for k, fn in steps.items():
+                        t, nb = _timed_steps(fn, args.steps, dp.barrier)
+                        times[(m, rate, k)] += t
+                        sent[(m, rate, k)].append(nb / args.steps)
+            say(f"round {rnd + 1}/{args.rounds} done")
+        for m, (steps, param_bytes) in built.items():
+            res["models"][m] = {"param_bytes": param_bytes, "rates": {}}
+            for rate in args.rates:
+                t = {k: typical(times[(m, rate, k)], args.steps) for k in steps}
+                b = {k: statistics.median(sent[(m, rate, k)]) for k in steps}
+                # bytes: the mean over the ranks of what each one's interface sent
+                b = dict(zip(b, backend.allreduce(
+                    tf.constant([b[k] for k in b], tf.float64), tuple(range(size)),
+                    "wire.bytes").numpy().tolist()))
+                b = {k: v / size for k, v in b.items()}
+                res["models"][m]["rates"][rate] = summarise_rate(t, b, param_bytes, size)
+    if args.strategies:
+        res["oracle"] = _oracle_part(args, say, dp.barrier, set_all_rates)
+    set_all_rates("unlimited")
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+
+
+# -- the driver ----------------------------------------------------------------------------
+
+def _jobs():
+    # hosts of our own (tfhwire-*): hosts.py's cleanup() removes every host of its prefix,
+    # and other runs (the multi-host tests) use the default one on this machine
+    os.environ.setdefault("TFHYBRID_TEST_HOSTS_PREFIX", "tfhwire")
+    sys.path.insert(0, str(ROOT / "tests" / "multihost"))
+    import hosts as hosts_mod  # noqa: WPS433
+    import jobs  # noqa: WPS433
+    return hosts_mod, jobs
+
+
+def _launch(hosts, jobs, script, args, timeout, log):
+    """jobs.launch, once more if ssh to a test host was refused at the key exchange
+    (sshd under load on this shared machine: ``kex_exchange_identification``)."""
+    run = jobs.launch(hosts, script, 1, args=args, timeout=timeout)
+    if run.rc != 0 and "kex_exchange_identification" in run.out:
+        log("ssh to a test host was reset at the key exchange; launching once more")
+        time.sleep(5)
+        run = jobs.launch(hosts, script, 1, args=args, timeout=timeout)
+    return run
+
+
+def _shape_hosts(hosts, rate):
+    """Shape every test host's egress (``ip netns exec <host's namespace> tc ...``)."""
+    prefix = _jobs()[0].PREFIX
+    for name in hosts.names:
+        out = subprocess.run(["ip", "netns", "exec", f"{prefix}-{name}",
+                              *tc_argv(rate)], capture_output=True, text=True)
+        if out.returncode != 0 and rate_bits(rate) is not None:
+            raise RuntimeError(f"tc on {name}: {out.stderr.strip()}")
+
+
+def _calibrate_and_plan(hosts, jobs, args, log):
+    """``tfhybrid calibrate`` across the hosts at the first rate; ``tfhybrid plan`` on it."""
+    py = jobs.python()
+    import tfhybrid  # noqa: F401,WPS433  (the model file needs keras; the driver has it)
+    make_cnn_head().save(args.oracle_model)
+    _shape_hosts(hosts, args.rates[0])
+    # each rank pinned to one core as in the measuring job (wire.py --pin-exec)
+    cal = [__file__, "--pin-exec", py, "-m", "tfhybrid", "calibrate", "-o", args.machine,
+           "--model", args.oracle_model, "--batch", str(args.batch // 2)]
+    cal += ["--max-bytes", str(4 << 20), "--sizes", "4", "--reps", "3"] if args.quick else []
+    t0 = time.time()
+    run = _launch(hosts, jobs, cal[0], cal[1:], args.timeout, log)
+    (RESULTS / "wire_calibrate.log").write_text(run.out)
+    if run.rc != 0:
+        raise RuntimeError(f"calibrate across the hosts failed: {run.out[-3000:]}")
+    log(f"calibrated across the hosts at {args.rates[0]} in {time.time() - t0:.0f} s")
+    plan_json = RESULTS / "wire_plan.json"
+    strategies = ",".join(args.strategies)
+    out = subprocess.run([py, "-m", "tfhybrid", "plan", args.oracle_model, "--np", "2",
+                          "--batch", str(args.batch), "--machine", args.machine,
+                          "--strategies", strategies, "--json", str(plan_json)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                                  PYTHONPATH=str(ROOT)))
+    if out.returncode != 0:
+        raise RuntimeError(f"tfhybrid plan failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+    log(out.stdout.strip())
+    return json.loads(plan_json.read_text())
+
+
+def _oracle_rows(measured, args, plan):
+    """Per strategy: measured, predicted (the calibrated machine, options as built),
+    plan's own prediction, accuracy, phases and bytes."""
+    sys.path.insert(0, str(ROOT))
+    import bench.oracle_accuracy as oa  # noqa: WPS433
+    oa.make_model, oa.MODEL_PATH = make_cnn_head, args.oracle_model
+    plan_pred = dict(plan_order(plan))
+    rows = {}
+    for name, m in measured.items():
+        pred = oa._predict(args.machine, name, 2, args.batch, m.get("model_parallel"))
+        comm = sum(pred.comm_s.values())
+        rows[name] = {"measured_s": m["seconds"], "best_s": m["best_s"],
+                      "predicted_s": pred.total_s, "plan_s": plan_pred.get(name),
+                      "pred_compute_s": pred.compute_s, "pred_comm_s": comm,
+                      "comm_share": comm / pred.total_s if pred.total_s else None,
+                      "accuracy": accuracy(pred.total_s, m["seconds"]),
+                      "tx_bytes_per_step": m["tx_bytes_per_step"],
+                      "describe_bytes": m["describe_bytes"],
+                      "phase_accuracy": oa._phase_accuracy(m.get("phases"), pred)}
+        d = m["describe_bytes"]
+        rows[name]["bytes_vs_describe"] = (m["tx_bytes_per_step"] / d
+                                           if isinstance(d, (int, float)) and d else None)
+    return rows
+
+
+def _table(res, args):
+    lines = []
+    for m, mres in res.get("models", {}).items():
+        rates = list(mres["rates"])
+        names = list(next(iter(mres["rates"].values()))["step_s"])
+        lines += [f"\n{m}: |W| = {mres['param_bytes']:,} B, 2 hosts x 1 rank, batch "
+                  f"{args.batch}; step ms (median over rounds of each round's best) per rate",
+                  "| contender | " + " | ".join(rates) + " | tx B/step @" + rates[0] + " |",
+                  "|---|" + "---:|" * (len(rates) + 1)]
+        for k in names:
+            lines.append(f"| {k} | " + " | ".join(
+                f"{mres['rates'][r]['step_s'][k] * 1e3:.1f}" for r in rates)
+                + f" | {mres['rates'][rates[0]]['tx_bytes_per_step'][k]:,.0f} |")
+        for label, key, fmt in (("comm/compute", "comm_over_compute", "{:.2f}"),
+                                ("hidden (best bucketed)", "overlap_hidden", "{:.2f}"),
+                                ("hidden (one bucket, after)", None, "{:.2f}"),
+                                ("default / best bucket size", "fusion_default_vs_best",
+                                 "{:.3f}"),
+                                ("bytes / ring minimum", "bytes_vs_ring", "{:.3f}"),
+                                ("fp16 speed-up (step fp32 / fp16)", "fp16_speedup", "{:.3f}"),
+                                ("fp16 step cut / comm time", "fp16_cut_of_comm", "{:.2f}"),
+                                ("fp16 bytes / fp32 bytes", "fp16_bytes_ratio", "{:.3f}")):
+            vals = []
+            for r in rates:
+                v = (mres["rates"][r]["hidden"].get("after") if key is None
+                     else mres["rates"][r].get(key))
+                vals.append("-" if v is None else fmt.format(v))
+            lines.append(f"| {label} | " + " | ".join(vals) + " | |")
+    rows = res.get("oracle_rows")
+    if rows:
+        lines += [f"\noracle at {args.rates[0]} (machine file from `tfhybrid calibrate` across "
+                  "the hosts): ms", "| strategy | measured | predicted | plan | accuracy | "
+                  "comm share (pred) | tx B/step | describe B | tx/describe |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for s, r in rows.items():
+            d = r["describe_bytes"]
+            lines.append(
+                f"| {s} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | "
+                + (f"{r['plan_s'] * 1e3:.1f}" if r["plan_s"] else "-")
+                + f" | {r['accuracy']:.3f} | {r['comm_share'] or 0:.2f} | "
+                f"{r['tx_bytes_per_step']:,.0f} | "
+                + (f"{d:,}" if isinstance(d, int) else str(d)[:40]) + " | "
+                + (f"{r['bytes_vs_describe']:.3f}" if r["bytes_vs_describe"] else "-") + " |")
+        for s, r in rows.items():
+            if r["phase_accuracy"]:
+                lines.append(f"- {s} phases ms measured/predicted: " + "; ".join(
+                    f"{k} {a * 1e3:.1f}/{b * 1e3:.1f}" for k, (a, b, _) in
+                    r["phase_accuracy"].items()))
+    return "\n".join(lines)
+
+
+def headline(res):
+    """The WIRE line's numbers from the whole result."""
+    overlap, fusion, ring, fp16 = float("nan"), float("nan"), float("nan"), float("nan")
+    cases = [(m, r, v) for m, mres in res.get("models", {}).items()
+             for r, v in mres["rates"].items()]
+    if cases:
+        # overlap: the case whose communication is closest to its compute
+        m, r, v = min(cases, key=lambda c: abs(math.log(max(c[2]["comm_over_compute"], 1e-9))))
+        overlap = v["overlap_hidden"]
+        fusion = max(v["fusion_default_vs_best"] for _, _, v in cases)
+        ring_cases = [v["bytes_vs_ring"] for _, _, v in cases if v.get("bytes_vs_ring")]
+        ring = statistics.median(ring_cases) if ring_cases else float("nan")
+        slow = [v for _, r, v in cases if r == res["rates"][0] and "fp16_speedup" in v]
+        fp16 = statistics.median(v["fp16_speedup"] for v in slow) if slow else float("nan")
+    rows = res.get("oracle_rows") or {}
+    acc = {s: r["accuracy"] for s, r in rows.items()}
+    mean = statistics.mean(acc.values()) if acc else float("nan")
+    worst = min(acc.values()) if acc else float("nan")
+    measured = {s: r["measured_s"] for s, r in rows.items()}
+    plan_pred = {s: r["plan_s"] for s, r in rows.items() if r.get("plan_s") is not None}
+    pick = "ok" if plan_pred and pick_ok(plan_pred, measured) else "miss"
+    return wire_line(overlap, fusion, ring, fp16, mean, worst, pick)
+
+
+def _last_meta():
+    """date, machine, cores, rates of the last run (``--repredict``)."""
+    try:
+        last = json.loads((RESULTS / "wire.json").read_text())
+    except (OSError, ValueError):
+        last = {}
+    return {k: last.get(k) for k in ("date", "machine", "cores", "rates", "load_average_start")}
+
+
+def driver(args):
+    if args.repredict:
+        return report(args, json.loads((RESULTS / "wire_measured.json").read_text()),
+                      json.loads((RESULTS / "wire_plan.json").read_text()),
+                      _last_meta())
+    if os.geteuid() != 0:
+        sys.exit("bench/wire.py makes test hosts (network namespaces, sshd): run it as root")
+    hosts_mod, jobs = _jobs()
+    reason = hosts_mod.unavailable_reason()
+    if reason:
+        sys.exit(f"cannot make test hosts: {reason}")
+    if jobs.PATCH not in jobs.horovod_patches():
+        sys.exit(f"{jobs.python()}: this Horovod lacks tfhybrid's patch {jobs.PATCH}; run the "
+                 "driver with the patched build's python (scripts/setup_env.sh builds it)")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+
+    def log(s):
+        print(f"[{time.time() - t_start:6.0f} s] {s}", flush=True)
+    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": os.uname().nodename,
+           "cores": os.cpu_count(), "load_average_start": os.getloadavg(),
+           "rates": args.rates}
+    with hosts_mod.TestHosts(2) as hosts:
+        log(f"hosts {hosts.names} up")
+        plan = None
+        if args.strategies:
+            plan = _calibrate_and_plan(hosts, jobs, args, log)
+            res["plan"] = plan_order(plan)
+        _shape_hosts(hosts, "unlimited")
+        out = RESULTS / "wire_measured.json"
+        out.unlink(missing_ok=True)
+        wargs = ["--worker", "--out", out, "--rounds", args.rounds, "--steps", args.steps,
+                 "--batch", args.batch, "--rates", *args.rates,
+                 "--models", *(args.models or ["none"]),
+                 "--strategies", *(args.strategies or ["none"]),
+                 "--machine", args.machine, "--oracle-model", args.oracle_model]
+        t0 = time.time()
+        run = _launch(hosts, jobs, Path(__file__), wargs, args.timeout, log)
+        for line in run.out.splitlines():
+            if "[0]<stdout>" in line:
+                log(line.split(">:", 1)[-1].strip())
+        if run.rc != 0 or not out.exists():
+            raise SystemExit(f"the measuring job failed (exit {run.rc}): {run.out[-4000:]}")
+        log(f"measured in {time.time() - t0:.0f} s")
+    return report(args, json.loads(out.read_text()), plan, res)
+
+
+def report(args, measured, plan, res):
+    """The tables, bench/results/wire.json and the WIRE line."""
+    res.update(measured)
+    if plan is not None and res.get("oracle"):
+        res["oracle_rows"] = _oracle_rows(res["oracle"], args, plan)
+    res["load_average_end"] = os.getloadavg()
+    text = _table(res, args)
+    print(text)
+    line = headline(res)
+    res["wire"] = line
+    (RESULTS / "wire.json").write_text(json.dumps(res, indent=1, default=str))
+    (RESULTS / "wire.md").write_text(
+        f"{res.get('date')}, {res.get('machine')} ({res.get('cores')} cores, load "
+        f"{os.getloadavg()[0]:.1f}), rates {' '.join(args.rates)}, rounds {args.rounds} x "
+        f"{args.steps} steps\n{text}\n\n`{line}`\n")
+    print(f"wrote {RESULTS / 'wire.json'}; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
+    print(line)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="100 Mbit/s and unlimited, the VGG-like model, 2 rounds of 3 steps, "
+                    "strategies d f df gmp s, a short calibration")
+    ap.add_argument("--rates", nargs="+", help=f"tc rates (default {' '.join(RATES)}); "
+                    "the first is the one calibrated and the oracle's")
+    ap.add_argument("--models", nargs="+", help=f"of {sorted(MODELS)} (none: skip)")
+    ap.add_argument("--strategies", nargs="+", help="oracle strategies (none: skip)")
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--steps", type=int, help="steps per contender per round")
+    ap.add_argument("--batch", type=int, default=32, help="global batch")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per horovodrun job")
+    ap.add_argument("--machine", default=str(RESULTS / "wire_machine.json"))
+    ap.add_argument("--oracle-model", default=str(RESULTS / "wire_cnn_head.keras"))
+    ap.add_argument("--repredict", action="store_true",
+                    help="report the last run's measurements again (no hosts, no jobs)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.rates = args.rates or (["100mbit", "unlimited"] if args.quick else list(RATES))
+    for r in args.rates:
+        rate_bits(r)
+    args.models = args.models or (["vgg"] if args.quick else sorted(MODELS))
+    args.strategies = args.strategies or list(STRATEGIES_QUICK if args.quick
+                                              else STRATEGIES_FULL)
+    args.models = [m for m in args.models if m != "none"]
+    args.strategies = [s for s in args.strategies if s != "none"]
+    bad = [m for m in args.models if m not in MODELS]
+    if bad:
+        ap.error(f"--models {bad}: expected names of {sorted(MODELS)} or none")
+    args.rounds = args.rounds or (2 if args.quick else 5)
+    args.steps = args.steps or (3 if args.quick else 5)
+    return args
+
+
+def main(argv=None):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--pin-exec"]:     # a rank of another program, pinned as the bench's
+        _pin()
+        os.execv(argv[1], argv[1:])
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""bench/wire.py's pure parts: counters, rates, the formulas and the WIRE line."""
+import importlib.util
+import math
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def wire():
+    spec = importlib.util.spec_from_file_location("wire", os.path.join(ROOT, "bench", "wire.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PROC_NET_DEV = """\
+Inter-|   Receive                                                |  Transmit
+ face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
+    lo:    1234      10    0    0    0     0          0         0     1234      10    0    0    0     0       0          0
+  eth0: 9876543    7000    0    0    0     0          0         0  5555555    6000    0    0    0     0       0          0
+"""
+
+
+def test_proc_net_dev_is_parsed(wire):
+    assert wire.parse_proc_net_dev(PROC_NET_DEV, "eth0") == (9876543, 5555555)
+    assert wire.parse_proc_net_dev(PROC_NET_DEV, "lo") == (1234, 1234)
+    with pytest.raises(ValueError, match="eth1"):
+        wire.parse_proc_net_dev(PROC_NET_DEV, "eth1")
+
+
+def test_tx_bytes_reads_sysfs_then_proc(wire, tmp_path):
+    stats = tmp_path / "sys" / "eth0" / "statistics"
+    stats.mkdir(parents=True)
+    (stats / "tx_bytes").write_text("424242\n")
+    proc = tmp_path / "dev"
+    proc.write_text(PROC_NET_DEV)
+    assert wire.tx_bytes("eth0", tmp_path / "sys", proc) == 424242
+    (stats / "tx_bytes").unlink()
+    assert wire.tx_bytes("eth0", tmp_path / "sys", proc) == 5555555
+
+
+def test_rates_and_tc_argv(wire):
+    assert wire.rate_bits("100mbit") == 10**8
+    assert wire.rate_bits("1gbit") == 10**9
+    assert wire.rate_bits("unlimited") is None
+    for bad in ("fast", "100", "-1mbit", "mbit"):
+        with pytest.raises(ValueError, match="tc rate"):
+            wire.rate_bits(bad)
+    argv = wire.tc_argv("100mbit")
+    assert argv[:7] == ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf"]
+    assert argv[argv.index("rate") + 1] == "100mbit"
+    assert argv[argv.index("burst") + 1] == "1000kbit"     # 10 ms at 100 Mbit/s
+    assert wire.tc_argv("1mbit")[wire.tc_argv("1mbit").index("burst") + 1] == "256kbit"
+    assert wire.tc_argv("unlimited") == ["tc", "qdisc", "del", "dev", "eth0", "root"]
+
+
+def test_formulas(wire):
+    assert wire.ring_minimum(1000, 2) == 1000
+    assert wire.ring_minimum(1000, 4) == 1500
+    # compute 0.3, comm 0.1: a step of 0.3 hides all of comm, 0.4 none of it
+    assert wire.hidden_fraction(0.3, 0.1, 0.3) == pytest.approx(1.0)
+    assert wire.hidden_fraction(0.3, 0.1, 0.4) == pytest.approx(0.0)
+    assert wire.hidden_fraction(0.3, 0.1, 0.35) == pytest.approx(0.5)
+    assert math.isnan(wire.hidden_fraction(0.0, 0.1, 0.1))
+    assert wire.accuracy(0.9, 1.0) == pytest.approx(0.9)
+    assert wire.accuracy(1.1, 1.0) == pytest.approx(0.9)
+    assert wire.typical([3, 1, 2, 5, 4, 6, 9, 8, 7], 3) == 4
+
+
+def test_pick_and_plan_order(wire):
+    plan = {"predictions": [
+        {"strategy": "d", "total_s": 0.1, "feasible": True},
+        {"strategy": "f", "total_s": 0.2, "feasible": True},
+        {"strategy": "c", "total_s": None, "feasible": True},
+        {"strategy": "s", "total_s": 0.05, "feasible": False}]}
+    assert wire.plan_order(plan) == [("d", 0.1), ("f", 0.2)]
+    pred = dict(wire.plan_order(plan))
+    assert wire.pick_ok(pred, {"d": 1.05, "f": 1.0})
+    assert not wire.pick_ok(pred, {"d": 1.2, "f": 1.0})
+    assert not wire.pick_ok(pred, {"x": 1.0})
+
+
+def test_summarise_rate(wire):
+    lab = wire.bucket_label
+    t = {"after": 0.5, lab(256 * 2**10): 0.45, lab(2**20): 0.40, lab(4 * 2**20): 0.48,
+         "compute": 0.3, "comm": 0.2, "fp16": 0.4, "comm fp16": 0.1}
+    b = {k: 1000.0 for k in t}
+    b["after"], b["fp16"] = 2040.0, 1020.0
+    r = wire.summarise_rate(t, b, param_bytes=2000, p=2)
+    assert r["overlap_case"] == "bucket 1MiB"
+    assert r["overlap_hidden"] == pytest.approx((0.3 + 0.2 - 0.4) / 0.2)
+    assert r["hidden"]["after"] == pytest.approx(0.0)
+    assert r["fusion_best"] == "bucket 1MiB"
+    assert r["fusion_default_vs_best"] == pytest.approx(0.5 / 0.4)
+    assert r["bytes_vs_ring"] == pytest.approx(1.02)
+    assert r["fp16_speedup"] == pytest.approx(1.25)
+    assert r["fp16_cut_of_comm"] == pytest.approx(0.5)
+    assert r["fp16_bytes_ratio"] == pytest.approx(0.5)
+
+
+def test_wire_line(wire):
+    line = wire.wire_line(0.61234, 1.02, 1.031, 1.5, 0.95, 0.9, True)
+    assert line == ("WIRE overlap_hidden=0.612 fusion_default_vs_best=1.020 bytes_vs_ring=1.031 "
+                    "fp16_speedup=1.500 oracle_mean=0.950 oracle_worst=0.900 pick=ok")
+    assert wire.wire_line(float("nan"), 1, 1, 1, None, 1, False).split()[1] == "overlap_hidden=nan"
+    assert wire.wire_line(1, 1, 1, 1, 1, 1, "miss").endswith("pick=miss")
+
+
+def test_headline_from_results(wire):
+    lab = wire.bucket_label
+    t = {"after": 0.5, lab(256 * 2**10): 0.45, lab(2**20): 0.40, lab(4 * 2**20): 0.48,
+         "compute": 0.3, "comm": 0.2, "fp16": 0.4, "comm fp16": 0.1}
+    b = {k: 2040.0 for k in t}
+    rate = wire.summarise_rate(t, b, 2000, 2)
+    res = {"rates": ["100mbit"], "models": {"m": {"rates": {"100mbit": rate}}},
+           "oracle_rows": {"d": {"accuracy": 0.9, "measured_s": 1.0, "plan_s": 0.1},
+                           "f": {"accuracy": 1.0, "measured_s": 2.0, "plan_s": 0.2}}}
+    line = wire.headline(res)
+    assert line.startswith("WIRE overlap_hidden=0.500 fusion_default_vs_best=1.250 "
+                           "bytes_vs_ring=1.020 fp16_speedup=1.250 oracle_mean=0.950 "
+                           "oracle_worst=0.900 pick=ok")

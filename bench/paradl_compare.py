@@ -28,9 +28,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tfhybrid.oracle import predict  # noqa: E402
-from tfhybrid.oracle.machine import Tier  # noqa: E402
-from tfhybrid.oracle.paradl_io import (apply_lc, parse_summary, read_lc, read_net,  # noqa: E402
+from tfhybrid.oracle import predict
+from tfhybrid.oracle.machine import Tier
+from tfhybrid.oracle.paradl_io import (apply_lc, parse_summary, read_lc, read_net,
                                        read_plat)
 
 MODELS = {"vgg": "VGG_ImageNet_profall.net_sc", "alexnet": "ALEXNET_ImageNet_profall.net_sc",

@@ -46,13 +46,13 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import tfhybrid  # noqa: E402
-from tfhybrid.comm import backend, halo  # noqa: E402
-from tfhybrid.layers import SpatialConv2D, SpatialConv3D  # noqa: E402
+import tfhybrid
+from tfhybrid.comm import backend, halo
+from tfhybrid.layers import SpatialConv2D, SpatialConv3D
 
 ROUNDS, ITERS, WARMUP = int(os.environ.get("BENCH_ROUNDS", 7)), 3, 2
 RESULTS = pathlib.Path(__file__).parent / "results" / "spatial.json"

@@ -30,13 +30,13 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
 
-import tfhybrid  # noqa: E402
-from tfhybrid.cli import plan_text  # noqa: E402
+import tfhybrid
+from tfhybrid.cli import plan_text
 
 FLAGS = flags.FLAGS
 DATASETS = ("synthetic", "cifar10", "folder")

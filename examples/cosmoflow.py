@@ -29,10 +29,10 @@ from absl import app, flags
 import common
 from common import FLAGS
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import tfhybrid  # noqa: E402
+import tfhybrid
 
 common.define_volume_flags("2**levels * ranks")
 flags.DEFINE_integer("channels", 4, "input channels (CosmoFlow: 4 redshifts)")

@@ -28,9 +28,9 @@ from absl import app, flags
 import common
 from common import FLAGS, say
 
-import keras  # noqa: E402
+import keras
 
-import tfhybrid  # noqa: E402
+import tfhybrid
 
 flags.DEFINE_integer("model_parallel", 2, "ranks per model group (domain / model split)")
 flags.DEFINE_integer("image_size", 64, "input height and width")

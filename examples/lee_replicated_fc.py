@@ -24,10 +24,10 @@ from absl import app, flags
 import common
 from common import FLAGS, say
 
-import keras  # noqa: E402
+import keras
 
-import tfhybrid  # noqa: E402
-from tfhybrid.oracle import machine as oracle_machine, predict  # noqa: E402
+import tfhybrid
+from tfhybrid.oracle import machine as oracle_machine, predict
 
 flags.DEFINE_integer("replicate_fc", 2, "F: Dense layers (from the input) whose gradients are "
                      "computed replicated")

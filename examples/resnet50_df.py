@@ -23,10 +23,10 @@ from absl import app, flags
 import common
 from common import FLAGS, say
 
-import keras  # noqa: E402
+import keras
 
-import tfhybrid  # noqa: E402
-from tfhybrid.layout import layout_of  # noqa: E402
+import tfhybrid
+from tfhybrid.layout import layout_of
 
 flags.DEFINE_integer("model_parallel", 2, "ranks per model group (filter split)")
 flags.DEFINE_integer("image_size", 32, "input height and width (ImageNet: 224)")

@@ -23,11 +23,11 @@ from absl import app, flags
 import common
 from common import FLAGS, say
 
-import keras  # noqa: E402  (after common, which quiets TensorFlow)
+import keras
 
-import tfhybrid  # noqa: E402
-from tfhybrid.layout import layout_of  # noqa: E402
-from tfhybrid.oracle import machine as oracle_machine, predict  # noqa: E402
+import tfhybrid
+from tfhybrid.layout import layout_of
+from tfhybrid.oracle import machine as oracle_machine, predict
 
 # (not --mp: horovodrun would take it for an abbreviation of its own --mpi options)
 flags.DEFINE_list("mp_sizes", [], "MP (model-parallel group) sizes to run, e.g. 1,2 "

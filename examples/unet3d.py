@@ -30,10 +30,10 @@ from absl import app, flags
 import common
 from common import FLAGS
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import tfhybrid  # noqa: E402
+import tfhybrid
 
 common.define_volume_flags("2**depth * ranks")
 flags.DEFINE_integer("filters", 4, "filters of the first level (doubled per level)")

@@ -20,6 +20,48 @@ from tfhybrid.runtime import (grid, init, is_initialized, is_root, local_rank, r
 
 __version__ = "0.1.0"
 
+
+def _register_hooks():
+    """Provide the calls that lower levels make into higher ones (see
+    :mod:`tfhybrid.hooks`); each imports its module on first use, so ``import
+    tfhybrid`` stays free of TensorFlow."""
+    from tfhybrid import hooks
+
+    def collective(op, name, ranks):       # comm.backend: an eager collective runs
+        from tfhybrid import watchdog
+        return watchdog.collective(op, name, ranks)
+
+    def traced(op, name, ranks=None):       # comm.backend: a collective was traced
+        from tfhybrid import watchdog
+        return watchdog.traced(op, name, ranks)
+
+    def horovod_restarted():                # comm.backend: hvd.init ran again
+        from tfhybrid import exit_barrier
+        exit_barrier.reinstall()
+
+    def current_grid():                     # comm.primitives: the grid of tfhybrid.init
+        from tfhybrid import runtime
+        return runtime.current_grid()
+
+    def install(model, part=False):         # transformer.api: compile/fit/... guarded
+        from tfhybrid import guards
+        return guards.install(model, part=part)
+
+    def agree_on_root(variables, name):     # optimizer.distributed: replicas start equal
+        from tfhybrid import callbacks
+        return callbacks.agree_on_root(variables, name)
+
+    def as_functional(model, flatten=False):   # oracle.profile: nested models inlined
+        from tfhybrid.transformer.graph import as_functional
+        return as_functional(model, flatten=flatten)
+
+    for function in (collective, traced, horovod_restarted, current_grid, install,
+                     agree_on_root, as_functional):
+        hooks.register(function.__name__, function)
+
+
+_register_hooks()
+
 # Everything below needs TensorFlow/Keras; it is imported on first use, so the
 # pure modules (tfhybrid.process_grid, tfhybrid.spatial_geometry,
 # tfhybrid.oracle.formulas, tfhybrid.oracle.machine) import without them.

@@ -104,9 +104,9 @@ def _split_output(model, path):
     flags = getattr(model, "_tfhybrid_split_outputs", ())
     if not any(flags):
         return False
-    from tfhybrid.layers.spatial.output import _output_index
+    from tfhybrid.layers.spatial.output import output_index
 
-    index = _output_index(model, path)
+    index = output_index(model, path)
     return index is None or (index < len(flags) and flags[index])
 
 

@@ -675,5 +675,7 @@ def standard(root_rank: int = 0, warmup_steps: int = 0, target_lr: float | None 
     return callbacks
 
 
-from tfhybrid.checkpoint import Checkpoint  # noqa: E402  (tfhybrid.callbacks.Checkpoint)
-from tfhybrid.profiling import Profile  # noqa: E402  (tfhybrid.callbacks.Profile)
+
+
+from tfhybrid.checkpoint import Checkpoint  # noqa: E402, F401  (tfhybrid.callbacks.Checkpoint)
+from tfhybrid.profiling import Profile  # noqa: E402, F401  (tfhybrid.callbacks.Profile)

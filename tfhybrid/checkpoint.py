@@ -38,6 +38,8 @@ import keras
 import numpy as np
 
 from tfhybrid import runtime
+from tfhybrid.optimizer.slots import inner as _inner, keras_optimizer, set_step_count
+from tfhybrid.optimizer.slots import slot_names as _slot_names, slots_of, step_count
 from tfhybrid.watchdog import collective_api
 
 SIDE_SUFFIX = ".state.npz"
@@ -45,39 +47,6 @@ FORMAT = 1
 
 
 # -- optimizer slots ---------------------------------------------------------
-
-def _inner(optimizer):
-    """The Keras optimizer holding the slots (inside a DistributedOptimizer)."""
-    return getattr(optimizer, "inner_optimizer", optimizer)
-
-
-def keras_optimizer(optimizer):
-    """The Keras optimizer inside the DistributedOptimizer and LossScaleOptimizer
-    (mixed_float16) wrappers: the one that counts the applied steps (a
-    LossScaleOptimizer's ``iterations`` is its inner optimizer's) and holds
-    ``exclude_from_weight_decay``'s settings."""
-    while hasattr(optimizer, "inner_optimizer"):
-        optimizer = optimizer.inner_optimizer
-    return optimizer
-
-
-def step_count(optimizer) -> int:
-    """The optimizer's count of applied gradients (Keras' ``_iterations``).
-
-    With ``gradient_accumulation_steps=k``, Keras' ``iterations`` is that
-    count floor-divided by k, a read-only tensor: a checkpoint records (and
-    restores into) the raw count, so a resume keeps the position inside an
-    accumulation cycle (the accumulators are saved as the slot
-    ``gradient_accumulator``)."""
-    inner = keras_optimizer(optimizer)
-    return int(getattr(inner, "_iterations", inner.iterations).numpy())
-
-
-def set_step_count(optimizer, count: int) -> None:
-    """Set what :func:`step_count` reads."""
-    inner = keras_optimizer(optimizer)
-    getattr(inner, "_iterations", inner.iterations).assign(count)
-
 
 def _counter_variables(optimizer) -> dict:
     """The optimizer's scalar state a checkpoint records beside its slots:
@@ -110,51 +79,12 @@ def set_optimizer_counters(optimizer, counters) -> None:
             variables[name].assign(value)
 
 
-def slots_of(optimizer, variables) -> list:
-    """Per variable of ``variables``, ``{slot name: optimizer variable}``.
-
-    Uses the slot -> variable links of :mod:`tfhybrid.optimizer.slots`
-    (recorded while the optimizer built, else made here from Keras' slot
-    names); a slot's name is its Keras name without its variable's prefix
-    (``"momentum"``, ``"velocity"``), so slots of different models and
-    world sizes line up by name.
-    """
-    from tfhybrid.layout import slot_owner
-    from tfhybrid.optimizer.slots import link_slots, slot_prefix
-
-    slots = list(_inner(optimizer).variables)
-    if optimizer is not _inner(optimizer):   # DistributedOptimizer's own per-variable state:
-        seen = {id(s) for s in slots}          # backward_passes_per_step accumulators,
-        slots += [s for s in optimizer.variables if id(s) not in seen]   # delayed FC grads
-    link_slots(slots, variables)
-    index = {id(v): i for i, v in enumerate(variables)}
-    out = [dict() for _ in variables]
-    for slot in slots:
-        owner = slot_owner(slot)
-        i = index.get(id(owner))
-        if i is None or tuple(slot.shape) != tuple(owner.shape):
-            continue
-        prefix = slot_prefix(owner)
-        if slot.name.startswith(prefix):
-            out[i][slot.name[len(prefix):]] = slot
-    return out
-
-
 def _saved_values(optimizer, variables) -> dict:
     """``{id(slot): value}`` where a checkpoint records a slot other than its
     live value: DistributedOptimizer's backward_passes_per_step accumulators,
     averaged over the replicas (see ``saved_accumulators``). Collective when
     there are such accumulators."""
     return getattr(optimizer, "saved_accumulators", lambda variables: {})(variables)
-
-
-def _slot_names(slots):
-    names = []
-    for per_var in slots:
-        for name in per_var:
-            if name not in names:
-                names.append(name)
-    return names
 
 
 def gather_optimizer_state(model) -> dict:
@@ -616,7 +546,7 @@ def _compile_from(model, meta, where):
     try:
         inner = keras.saving.deserialize_keras_object(config["optimizer"])
         loss = keras.saving.deserialize_keras_object(config["loss"])
-    except Exception as e:  # noqa: BLE001 - an unregistered custom loss or optimizer
+    except Exception as e:
         raise ValueError(
             f"Checkpoint {where!r} was compiled with a loss or optimizer that does not "
             f"deserialize here ({type(e).__name__}: {e}). Pass it: tfhybrid.load(path, "

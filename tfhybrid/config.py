@@ -28,7 +28,11 @@ class Config:
             shorter shutdown, so Config refuses it).
         gloo_timeout_seconds: How long a Gloo collective may wait for a peer
             (HOROVOD_GLOO_TIMEOUT_SECONDS; Horovod's default of 30 s is shorter
-            than one slow rank's eager step on a loaded machine).
+            than one slow rank's eager step on a loaded machine). Keep it above
+            the watchdog's bound (the defaults are, for steps under a minute):
+            then a node lost from the network is reported by the watchdog,
+            naming the silent ranks and their hosts, before Gloo times out
+            (``python -m tfhybrid.docs multinode``).
         elastic_gloo_timeout_seconds: The Gloo timeout in elastic runs
             (``horovodrun --min-np``, which exports HOROVOD_ELASTIC=1) instead
             of ``gloo_timeout_seconds``: it bounds how long a survivor takes

@@ -131,9 +131,7 @@ def _unequal_allowed(model):
     That needs the guards, one row block per rank group of plain layers, and a
     model group whose ranks feed the same rows (or a model group of one).
     """
-    from tfhybrid.guards import _config
-
-    if not _config().guards:
+    if not runtime.config_or_default().guards:
         return False, ("blocks of unequal rows are weighed by the guards, which are off "
                        "(Config(guards=False))")
     if model is None:

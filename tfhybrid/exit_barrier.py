@@ -84,7 +84,7 @@ def _wrap_exit():
     """Record a non-zero ``sys.exit`` status (atexit cannot see the exit code)."""
     original = sys.exit
 
-    def exit(status=None):  # noqa: A001 (same name as the function it wraps)
+    def exit(status=None):
         if status not in (None, 0):
             _STATE["failed"] = True
         original(status)

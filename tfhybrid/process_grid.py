@@ -165,7 +165,7 @@ class ProcessGrid:
                 f"Received: grid shape {shape} (product {math.prod(shape)}) for a "
                 f"model group of size {self.model_size}; the product must equal "
                 f"model_parallel.")
-        coords = _unravel(self.model_rank, shape)
+        coords = unravel(self.model_rank, shape)
         base = self.data_rank * self.model_size
         out = []
         for axis, name in enumerate(names):
@@ -173,7 +173,7 @@ class ProcessGrid:
             for i in range(shape[axis]):
                 c = list(coords)
                 c[axis] = i
-                members.append(base + _ravel(c, shape))
+                members.append(base + ravel(c, shape))
             out.append(Group(name, tuple(members), coords[axis]))
         return tuple(out)
 
@@ -189,7 +189,8 @@ class ProcessGrid:
         return tuple(result)
 
 
-def _unravel(index, shape):
+def unravel(index, shape):
+    """The coordinates of ``index`` in a row-major grid of ``shape`` (last axis fastest)."""
     coords = []
     for s in reversed(shape):
         coords.append(index % s)
@@ -197,7 +198,8 @@ def _unravel(index, shape):
     return tuple(reversed(coords))
 
 
-def _ravel(coords, shape):
+def ravel(coords, shape):
+    """The row-major index of ``coords`` in a grid of ``shape`` (inverse of :func:`unravel`)."""
     index = 0
     for c, s in zip(coords, shape):
         index = index * s + c

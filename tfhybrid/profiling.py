@@ -257,14 +257,14 @@ def _options_as_built(strategy, model, grid):
     layers the group cannot split as replicated (a model that transform built
     has every other such layer split or replicated); p its micro-batches; ls
     its FC workers."""
-    from tfhybrid.oracle.api import _grid_options  # noqa: WPS433
+    from tfhybrid.oracle.api import grid_options  # noqa: WPS433
 
     if strategy == "p":
         return {"segments": getattr(model, "micro_batches", None)} \
             if grid.model_size == grid.size else None
     if strategy == "ls":
         return {"n_f": getattr(model, "n_f", None)} if grid.model_size == 1 else None
-    opts = _grid_options(grid.size, grid.model_size).get(strategy)
+    opts = grid_options(grid.size, grid.model_size).get(strategy)
     if opts is None:
         return None
     opts = dict(opts)

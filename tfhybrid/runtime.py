@@ -9,7 +9,7 @@ from tfhybrid import errors
 from tfhybrid.config import Config
 from tfhybrid.process_grid import ProcessGrid
 
-_STATE = {"grid": None, "args": None, "config": None}
+_STATE = {"grid": None, "args": None, "config": None, "hosts": None}
 
 
 def init(model_parallel: int = 1, config: Config | None = None) -> ProcessGrid:
@@ -18,6 +18,13 @@ def init(model_parallel: int = 1, config: Config | None = None) -> ProcessGrid:
     Call once on every rank, before building models. Consecutive ranks form a
     model group (model-fastest layout); one Horovod process set is registered
     per model group and per data group, identically on every rank.
+
+    Placement across hosts: ``horovodrun -H a:4,b:4`` (and Slurm, MPI) give
+    consecutive ranks to the same host, so when ``model_parallel`` divides the
+    ranks per host every model group lives inside one host and only the data
+    groups' gradient reductions cross the network (as ParaDL and GPipe place
+    them). ``init`` gathers every rank's host name (:func:`hosts`);
+    :func:`tfhybrid.describe` prints where each model group lives.
 
     Args:
         model_parallel: Size of a model group (p_model). Must divide the
@@ -56,15 +63,68 @@ def init(model_parallel: int = 1, config: Config | None = None) -> ProcessGrid:
     size, rank, _ = backend.init(groups=_launched_groups(backend.launched_size(), model_parallel))
     grid = ProcessGrid(size=size, rank=rank, model_parallel=model_parallel)
     backend.register_groups(grid.all_groups())
-    from tfhybrid import guards   # an unseeded shuffle built after init agrees on every rank
-    guards.set_consistent_seed()
+    set_consistent_seed()   # an unseeded shuffle built after init agrees on every rank
     if size > 1:   # no rank's exit may remove the process sets under the others
         from tfhybrid import exit_barrier
         exit_barrier.install()
     from tfhybrid import watchdog
+    _STATE["hosts"] = _gather_hosts(backend, watchdog, rank, size)
     watchdog.start(config, rank=rank, size=size)
     _STATE.update(grid=grid, args=args, config=config)
     return grid
+
+
+def _gather_hosts(backend, watchdog, rank, size):
+    """Every rank's host name (one world allgather of 256 bytes), and for the
+    watchdog each rank's address and liveness port (see tfhybrid.watchdog)."""
+    import json
+    import socket
+
+    host = socket.gethostname()
+    if size == 1:
+        return (host,)
+    port = watchdog.listen()
+    addr = watchdog.route_address()
+    payload = json.dumps([host[:120], addr, port], separators=(",", ":")).encode()
+    rows = [json.loads(b) for b in backend.allgather_bytes(payload)]
+    watchdog.set_peers((r, h, a, p) for r, (h, a, p) in enumerate(rows))
+    return tuple(h for h, _, _ in rows)
+
+
+def hosts() -> tuple:
+    """The host name (``socket.gethostname()``) of every rank, indexed by
+    global rank, gathered by :func:`init`; ``(this host,)`` when running alone.
+
+    Model groups are consecutive ranks (see :mod:`tfhybrid.process_grid`), and
+    ``horovodrun -H a:4,b:4`` gives ranks 0-3 to ``a`` and 4-7 to ``b``, so
+    with ``model_parallel`` dividing the slots per host every model group
+    lives inside one host; :func:`tfhybrid.describe` prints where each group
+    lives.
+
+    Raises:
+        RuntimeError: when launched on several processes before :func:`init`.
+    """
+    current_grid()
+    if _STATE.get("hosts") is None:
+        import socket
+        return (socket.gethostname(),)
+    return _STATE["hosts"]
+
+
+def placement(grid=None) -> str:
+    """One line naming the hosts each model group of ``grid`` (default: this
+    job's) lives on, e.g. ``Model groups by host: 0 [0, 1] h1; 1 [2, 3] h2``."""
+    grid = grid or current_grid()
+    names = hosts()
+    if len(names) != grid.size:
+        return ""
+    parts = []
+    for d in range(grid.data_size):
+        ranks = grid.model_group_ranks(d)
+        where = list(dict.fromkeys(names[r] for r in ranks))
+        parts.append(f"{d} {list(ranks)} {'+'.join(where)}"
+                     + (" (spans hosts)" if len(where) > 1 else ""))
+    return "Model groups by host: " + "; ".join(parts)
 
 
 # Where each launcher announces a process's rank among the processes of its
@@ -228,6 +288,12 @@ def current_config() -> Config:
     return _STATE["config"] or Config()
 
 
+def config_or_default() -> Config:
+    """The :class:`tfhybrid.Config` given to :func:`init`, or a default one
+    (also before :func:`init`, without its "not initialised" error)."""
+    return _STATE.get("config") or Config()
+
+
 def is_initialized() -> bool:
     return _STATE["grid"] is not None
 
@@ -276,3 +342,19 @@ def size() -> int:
         RuntimeError: when launched on several processes before :func:`init`.
     """
     return current_grid().size
+
+
+def set_consistent_seed():
+    """Set TensorFlow's global seed to one broadcast from rank 0, unless the
+    script set one (collective; called by :func:`tfhybrid.init`)."""
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    from tfhybrid.comm import backend
+
+    if backend.size() == 1 or context.global_seed() is not None:
+        return
+    seed = tf.constant([np.random.SeedSequence().entropy % (2**31 - 1)], tf.int64)
+    seed = int(backend.broadcast(seed, 0, tuple(range(backend.size())), "guard.seed").numpy()[0])
+    tf.random.set_seed(seed)

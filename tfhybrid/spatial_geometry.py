@@ -28,7 +28,7 @@ import dataclasses
 import math
 from typing import Optional, Sequence, Tuple
 
-from tfhybrid.process_grid import Group, _ravel, _unravel
+from tfhybrid.process_grid import Group, ravel, unravel
 
 SPATIAL_AXES = {2: ("height", "width"), 3: ("depth", "height", "width")}
 
@@ -302,14 +302,14 @@ def factor_group(group: Group, shape: Sequence[int], names: Sequence[str]) -> Tu
         >>> [(s.ranks, s.index) for s in factor_group(g, (2, 2), ("h", "w"))]
         [((5, 7), 1), ((6, 7), 1)]
     """
-    coords = _unravel(group.index, shape)
+    coords = unravel(group.index, shape)
     out = []
     for axis, name in enumerate(names):
         members = []
         for j in range(shape[axis]):
             c = list(coords)
             c[axis] = j
-            members.append(group.ranks[_ravel(c, shape)])
+            members.append(group.ranks[ravel(c, shape)])
         out.append(Group(name, tuple(members), coords[axis]))
     return tuple(out)
 

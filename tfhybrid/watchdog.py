@@ -24,6 +24,14 @@ how long, the likely causes and how to change the bound), waits
 process with exit code :data:`EXIT_CODE`; ``horovodrun`` then tears the job
 down.
 
+Silent peers: :func:`tfhybrid.init` gathers every rank's host, an address on
+the route to the launcher's rendezvous server and the port of a small TCP
+listener this module runs (:func:`listen`, answering nothing: a completed
+connection is the answer). When the watchdog fires it first probes every
+other rank (:data:`PROBE_SECONDS`) and names those that do not answer with
+their hosts: a host cut off from the network, a crashed host or a killed
+process, instead of a rank that merely diverged.
+
 The bound: ``Config(watchdog_seconds=S)`` or the environment variable
 ``TFHYBRID_WATCHDOG_SECONDS=S`` (which wins; ``0`` or ``off`` turns the
 watchdog off) fix it; by default it is
@@ -40,6 +48,7 @@ import functools
 import itertools
 import math
 import os
+import socket
 import statistics
 import sys
 import threading
@@ -57,6 +66,8 @@ STEP_FACTOR = 10.0
 POLL_SECONDS = 1.0
 #: After printing, wait this long before exiting so other hung ranks print too.
 GRACE_SECONDS = 3.0
+#: How long the probe of the other ranks waits for each of them (seconds).
+PROBE_SECONDS = 2.0
 #: Exit code of a process the watchdog ends (as timeout(1)).
 EXIT_CODE = 124
 _OFF = ("0", "off", "false", "no", "none", "disable", "disabled")
@@ -156,6 +167,7 @@ class Watchdog:
         self.grace = GRACE_SECONDS
         self._thread = None
         self._fired = False
+        self.peers = ()              # (rank, host, address, port) of every rank, from init
         self.exit = os._exit         # replaced by tests
 
     # -- configuration ---------------------------------------------------
@@ -250,8 +262,43 @@ class Watchdog:
                 worst = (act, waited, bound)
         return worst
 
-    def message(self, act, waited, bound) -> str:
-        """The one-paragraph report printed when ``act`` expired."""
+    def silent_peers(self, timeout=PROBE_SECONDS):
+        """The ``(rank, host, address)`` of the other ranks whose listener does
+        not accept a TCP connection within ``timeout`` (probed in parallel);
+        empty when every rank answers or the peers are unknown."""
+        peers = [p for p in self.peers if p[0] != self.rank and p[2] and p[3]]
+        answered = set()
+
+        def probe(peer):
+            try:
+                with socket.create_connection((peer[2], peer[3]), timeout=timeout):
+                    answered.add(peer[0])
+            except OSError:
+                pass
+
+        threads = [threading.Thread(target=probe, args=(p,), daemon=True) for p in peers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout + 1.0)
+        return [(r, host, addr) for r, host, addr, _ in peers if r not in answered]
+
+    def _silent_text(self, silent):
+        if not silent:
+            return ""
+        by_host = {}
+        for r, host, addr in silent:
+            by_host.setdefault((host, addr), []).append(r)
+        names = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} on host "
+                          f"{host} ({addr})" for (host, addr), rs in by_host.items())
+        verb = "answer" if len(silent) > 1 else "answers"
+        return (f" Silent: {names} {verb} no connection within {PROBE_SECONDS:g} s: that host "
+                "is cut off from the network or down, or those processes are gone (see "
+                "python -m tfhybrid.docs multinode).")
+
+    def message(self, act, waited, bound, silent=()) -> str:
+        """The one-paragraph report printed when ``act`` expired (``silent``:
+        :meth:`silent_peers`)."""
         with self._lock:
             others = [a for a in self._active.values() if a is not act]
             traced, count = list(self._traced), self._traced_count
@@ -261,7 +308,7 @@ class Watchdog:
             text += ", inside " + ", ".join(a.describe() for a in others)
         elif self._last_done and act.kind == "collective":
             text += f", after {self._last_done}"
-        text += "."
+        text += "." + self._silent_text(silent)
         if act.kind != "collective" and not any(a.kind == "collective" for a in others):
             if traced:
                 text += (f" It runs traced collectives (invisible one by one); the last "
@@ -291,7 +338,11 @@ class Watchdog:
         if self._fired:
             return
         self._fired = True
-        msg = self.message(act, waited, bound)
+        try:
+            silent = self.silent_peers()
+        except Exception:  # noqa: BLE001 (the report must be printed whatever the probe does)
+            silent = ()
+        msg = self.message(act, waited, bound, silent)
         try:
             os.write(2, ("\n" + msg + "\n").encode(errors="replace"))
         except OSError:
@@ -320,6 +371,55 @@ _WATCHDOG = Watchdog()
 def get() -> Watchdog:
     """The process's :class:`Watchdog`."""
     return _WATCHDOG
+
+
+_LISTENER = {"socket": None}
+
+
+def listen():
+    """Start (once) the liveness listener: a daemon thread accepting TCP
+    connections on an ephemeral port of every address and closing them.
+    Returns the port, or None when no socket can be opened."""
+    if _LISTENER["socket"] is None:
+        try:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("0.0.0.0", 0))
+            sock.listen(64)
+        except OSError:
+            return None
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = sock.accept()
+                    conn.close()
+                except OSError:
+                    return
+
+        threading.Thread(target=serve, name="tfhybrid-watchdog-listener", daemon=True).start()
+        _LISTENER["socket"] = sock
+    return _LISTENER["socket"].getsockname()[1]
+
+
+def route_address(environ=None):
+    """This host's address on the route to the launcher's rendezvous server
+    (``HOROVOD_GLOO_RENDEZVOUS_ADDR``; no packet is sent), the address other
+    ranks reach this one at; None outside a ``horovodrun --gloo`` job."""
+    env = os.environ if environ is None else environ
+    target = env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    if not target:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((target, int(env.get("HOROVOD_GLOO_RENDEZVOUS_PORT") or 9)))
+            return sock.getsockname()[0]
+    except (OSError, ValueError):
+        return None
+
+
+def set_peers(peers):
+    """Record ``(rank, host, address, port)`` of every rank (from :func:`tfhybrid.init`)."""
+    _WATCHDOG.peers = tuple(tuple(p) for p in peers)
 
 
 def start(config=None, rank=0, size=1):

@@ -1,4 +1,4 @@
-"""Issue 13, item 7: ranks that diverge end the job (tfhybrid.watchdog), timed from the fault.
+"""Ranks that diverge end the job (tfhybrid.watchdog), timed from the fault.
 
 Every run of ``tests/user_scripts/hang_divergence.py`` is launched at once
 (one thread per job) so the jobs cost about their longest one instead of their
@@ -28,7 +28,7 @@ from tests.integration.userscripts import launch, results
 
 SCRIPT = "hang_divergence.py"
 SHORT = 30.0        # the short bound of the per-case runs
-MARGIN = 20.0       # poll (1 s) + grace (3 s) + horovodrun teardown, on a loaded 2-core box
+MARGIN = 20.0       # poll (1 s) + grace (3 s) + horovodrun teardown, on a loaded node
 DEFAULT_TARGET = 120.0
 NO_OVERRIDE = {"TFHYBRID_WATCHDOG_SECONDS": ""}
 

@@ -23,12 +23,12 @@ os.environ.setdefault("TFHYBRID_WATCHDOG_SECONDS", "600")
 # Collectives are the same at any cycle time; the integration tests run users'
 # scripts at Horovod's default.
 os.environ.setdefault("HOROVOD_CYCLE_TIME", "5")
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import tensorflow as tf
 
-import tfhybrid  # noqa: E402
-import tiers  # noqa: E402
-from tfhybrid.comm import backend  # noqa: E402
+import tfhybrid
+import tiers
+from tfhybrid.comm import backend
 
 # What the imports made lives for the whole session: out of the collector's
 # sight, so the full collections below walk only what the tests made.
@@ -89,7 +89,7 @@ def _same_keras_names_on_every_rank(request):
 
 def _forget_traced_custom_gradients():
     from tensorflow.python.framework import ops
-    registry = ops._gradient_registry._registry      # noqa: SLF001 (no public API)
+    registry = ops._gradient_registry._registry
     for name in [n for n in registry if n.startswith("CustomGradient-")]:
         del registry[name]
 

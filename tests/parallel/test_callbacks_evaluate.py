@@ -87,7 +87,7 @@ def test_fit_validation_metrics_are_global(grid_of):
     import tensorflow as tf
 
     from conftest import rng
-    grid = grid_of(1)
+    grid_of(1)
     keras.utils.set_random_seed(4)
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, name="fc")])
     x, y = randn((32, 5), "val-x"), rng("val-y").integers(0, 3, 32)

@@ -19,7 +19,7 @@ def _callbacks():
 
 @pytest.mark.parametrize("strategy,mp", [("d", 1), ("df", 2)])
 def test_schedule_optimizer_with_warmup_matches_single_process(grid_of, strategy, mp):
-    grid = grid_of(mp)
+    grid_of(mp)
     keras.utils.set_random_seed(1)
     inputs = keras.Input((5,))
     hidden = keras.layers.Dense(8, activation="tanh", name="fc1")(inputs)

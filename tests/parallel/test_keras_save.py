@@ -8,7 +8,6 @@ this rank's shards (before: every rank wrote the same file, whichever came
 last won, and the file needed this grid to load).
 """
 import os
-import tempfile
 
 import keras
 import numpy as np

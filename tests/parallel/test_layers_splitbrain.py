@@ -14,7 +14,7 @@ from tfhybrid.layers import ModuloInverseLayer, ModuloLayer, ShardLayer
 
 from conftest import model_parallel_values, randn
 from layers_testing import FWD, GRAD, block, check_save_load, rank_path, value_and_grads
-from splitbrain_net import B, CLASSES, IMG, LOSS, PG, R, global_batch, splitbrain_model
+from splitbrain_net import LOSS, global_batch, splitbrain_model
 
 MPS = model_parallel_values()
 PG, R = "replicated_partial_grad", "replicated"

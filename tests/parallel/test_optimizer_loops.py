@@ -15,7 +15,7 @@ import tfhybrid
 from tfhybrid.layout import VariableLayout, set_layout
 
 from conftest import all_model_parallel_values, randn
-from test_optimizer_fit import (GLOBAL_BATCH, LOSS, STEPS, assert_weights_close, global_dataset,
+from test_optimizer_fit import (GLOBAL_BATCH, LOSS, assert_weights_close, global_dataset,
                                 make_data, make_model, make_optimizer, reference_weights)
 
 SHAPES = [(3, 4), (5,), (2, 2, 2)]

@@ -197,7 +197,7 @@ def load_references(wanted):
             tmp = path.with_suffix(f".{os.getpid()}.npz")
             np.savez(tmp, **arrays)
             os.replace(tmp, path)
-        except Exception as err:   # reported after the all-reduce below
+        except Exception as err:  # noqa: BLE001 - reported after the all-reduce below
             error = err
     ready = backend.allreduce(tf.constant([0.0 if error else 1.0]), tuple(range(backend.size())),
                               "test_strategies_apps.reference_ready").numpy()[0]

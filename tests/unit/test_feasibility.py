@@ -7,9 +7,9 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tfhybrid  # noqa: E402
-from tfhybrid.oracle import rank  # noqa: E402
-from tfhybrid.transformer.feasibility import check_predictions, refusal  # noqa: E402
+import tfhybrid
+from tfhybrid.oracle import rank
+from tfhybrid.transformer.feasibility import check_predictions, refusal
 
 MACHINE = {"alpha": 1e-5, "beta": 1e-9, "flop_rate": 1e10}
 

@@ -10,8 +10,8 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tfhybrid  # noqa: E402
-from tfhybrid import layers as L  # noqa: E402
+import tfhybrid
+from tfhybrid import layers as L
 
 COUNTERPARTS = [
     (L.SpatialMaxPooling2D, keras.layers.MaxPooling2D(3, strides=2, padding="same"), (8, 8, 2)),

@@ -7,8 +7,8 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tfhybrid.transformer.graph import as_functional, describe_graph  # noqa: E402
-from tfhybrid.transformer.pipeline import balance, cut_positions, plan_stages  # noqa: E402
+from tfhybrid.transformer.graph import as_functional, describe_graph
+from tfhybrid.transformer.pipeline import balance, cut_positions, plan_stages
 
 
 def residual(blocks=2):

@@ -2,7 +2,6 @@
 they make (one process, each block built in turn), and the errors."""
 import os
 
-import numpy as np
 import pytest
 import tensorflow as tf
 

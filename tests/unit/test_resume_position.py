@@ -12,7 +12,7 @@ import tensorflow as tf
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tfhybrid  # noqa: E402
+import tfhybrid
 
 BATCH, STEPS = 4, 4
 

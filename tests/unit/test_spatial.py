@@ -11,13 +11,13 @@ import tensorflow as tf
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tfhybrid.process_grid import Group, ProcessGrid  # noqa: E402
-from tfhybrid.layers import (SpatialAveragePooling2D, SpatialAveragePooling3D,  # noqa: E402
+from tfhybrid.process_grid import Group, ProcessGrid
+from tfhybrid.layers import (SpatialAveragePooling2D, SpatialAveragePooling3D,
                              SpatialConv2D, SpatialConv3D, SpatialGather,
                              SpatialMaxPooling2D, SpatialMaxPooling3D, SpatialScatter)
-from tfhybrid import spatial_geometry as sp  # noqa: E402
-from tfhybrid.layout import layout_of  # noqa: E402
-from keras.src.ops.operation_utils import compute_conv_output_shape  # noqa: E402
+from tfhybrid import spatial_geometry as sp
+from tfhybrid.layout import layout_of
+from keras.src.ops.operation_utils import compute_conv_output_shape
 
 
 # -- geometry ------------------------------------------------------------------------

@@ -6,7 +6,6 @@ dilation that ``block_conv_possible`` accepts; and it refuses the geometries
 whose block padding differs from the rows a rank needs. The exchange itself
 and the gradients are checked under horovodrun (tests/parallel/test_spatial_conv*.py).
 """
-import itertools
 import os
 
 import numpy as np
@@ -15,11 +14,11 @@ import tensorflow as tf
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from keras import ops  # noqa: E402
+from keras import ops
 
-from tfhybrid import spatial_geometry as sp  # noqa: E402
-from tfhybrid.comm import halo  # noqa: E402
-from tfhybrid.layers.spatial import core  # noqa: E402
+from tfhybrid import spatial_geometry as sp
+from tfhybrid.comm import halo
+from tfhybrid.layers.spatial import core
 
 
 def _plans(sizes, grid, index, window, stride, padding):

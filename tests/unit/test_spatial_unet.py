@@ -24,7 +24,7 @@ from tfhybrid.transformer.options import make_options
 from test_transform_planner import plan_of
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "parallel"))
-from unet_models import unet  # noqa: E402
+from unet_models import unet
 
 
 def _blockwise_transpose(layer, x, parts):

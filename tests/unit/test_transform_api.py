@@ -5,14 +5,13 @@ import os
 import subprocess
 import sys
 
-import keras
 import numpy as np
 import pytest
 
 from tfhybrid.transformer import describe, gather, transform
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_transform_planner import cnn  # noqa: E402
+from test_transform_planner import cnn
 
 
 @pytest.mark.parametrize("strategy", ["d", "f", "c", "s", "df", "ds", "gmp"])

@@ -22,7 +22,7 @@ from tfhybrid.transformer.options import make_options
 from tfhybrid.transformer.planner import make_plan
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_transform_planner import cnn  # noqa: E402
+from test_transform_planner import cnn
 
 
 def plan_of(model, strategy, size=4, m=4, **options):

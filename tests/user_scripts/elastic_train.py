@@ -16,12 +16,12 @@ import os
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import tfhybrid  # noqa: E402
-import tfhybrid.elastic  # noqa: E402
+import tfhybrid
+import tfhybrid.elastic
 
 B = 12      # divisible by 4, 3 and 2 workers
 

@@ -33,11 +33,11 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import tfhybrid  # noqa: E402
+import tfhybrid
 
 CASES = ("extra_collective", "stop_one_rank", "terminate_nan", "layer_names", "save_on_root",
          "evaluate_on_root", "call_on_root", "slow_rank", "none")

@@ -27,10 +27,10 @@ if "--dynamic-first" in sys.argv:
 if "--max-restarts" in sys.argv:
     os.environ["TFHYBRID_STATIC_RESTARTS"] = sys.argv[sys.argv.index("--max-restarts") + 1]
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
-import tfhybrid  # noqa: E402
-from tfhybrid.comm import backend  # noqa: E402
+import tfhybrid
+from tfhybrid.comm import backend
 
 grid = tfhybrid.init(model_parallel=2)
 rank = tfhybrid.rank()

@@ -17,11 +17,11 @@ import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import tensorflow as tf
 
-import tfhybrid  # noqa: E402
-from resume import GLOBAL_BATCH, compared, data, loss, make_model, optimizer  # noqa: E402
+import tfhybrid
+from resume import GLOBAL_BATCH, compared, data, loss, make_model, optimizer
 
 STEPS_PER_EPOCH, EPOCHS = 4, 2
 

@@ -20,10 +20,10 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import keras  # noqa: E402
+import keras
 
-import tfhybrid  # noqa: E402
-from safe_common import data, dataset, loss, make_model, max_rel, reference_fit, report  # noqa: E402
+import tfhybrid
+from safe_common import data, dataset, loss, make_model, max_rel, reference_fit, report
 
 GLOBAL_BATCH, EPOCHS, PRETRAINED_SEED = 16, 2, 7
 OPTIONS = {"gmp": {"ccr_threshold": 0}}

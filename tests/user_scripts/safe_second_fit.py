@@ -19,10 +19,10 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import keras  # noqa: E402
+import keras
 
-import tfhybrid  # noqa: E402
-from safe_common import (data, dataset, loss, max_rel, rank0_pretrained_model,  # noqa: E402
+import tfhybrid
+from safe_common import (data, dataset, loss, max_rel, rank0_pretrained_model,
                          reference_fit, report, slot_blocks_max_rel)
 
 GLOBAL_BATCH, PRETRAINED_SEED = 16, 11

@@ -18,12 +18,12 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import tfhybrid  # noqa: E402
-from tfhybrid.comm import backend  # noqa: E402
+import tfhybrid
+from tfhybrid.comm import backend
 
 L = keras.layers
 

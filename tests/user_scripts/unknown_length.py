@@ -21,9 +21,9 @@ import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
 FEATURES, CLASSES, ROWS, FILES = 12, 4, 128, 4
 BATCH, EPOCHS = 32, 3      # 4 training steps per epoch

@@ -70,7 +70,7 @@ import weakref
 import tensorflow as tf
 
 from tfhybrid import errors
-from tfhybrid import watchdog
+from tfhybrid import hooks
 
 _LOCK = threading.Lock()
 _STATE = {"hvd": None, "mpi_ops": None, "initialized": False, "sets": {}, "over_world": False,
@@ -211,8 +211,7 @@ def _exit_barrier_last():
     barrier (handlers run last-registered first), so a rank ending its script
     took its process sets from ranks still in a collective. Register the
     barrier again, after it (a no-op unless ``tfhybrid.init`` installed it)."""
-    from tfhybrid import exit_barrier   # pure Python; no import cycle at load
-    exit_barrier.reinstall()
+    hooks.call("horovod_restarted")    # tfhybrid.exit_barrier.reinstall
 
 
 def _groups_over_world_env() -> bool:
@@ -278,6 +277,26 @@ def register_groups(groups):
             _STATE["sets"][ranks] = None
             continue
         _STATE["sets"][ranks] = hvd.add_process_set(list(ranks))
+
+
+def allgather_bytes(payload: bytes, width: int = 256) -> list:
+    """Every rank's ``payload`` in rank order: one world allgather of ``width``
+    bytes (``tfhybrid.init`` gathers each rank's host with it). ``payload``
+    must not contain NUL bytes; a single process returns ``[payload]``.
+
+    Raises:
+        ValueError: when ``payload`` is longer than ``width`` bytes.
+    """
+    payload = bytes(payload)
+    if len(payload) > width:
+        raise ValueError(f"Received {len(payload)} bytes for allgather_bytes; expected at most "
+                         f"{width}.")
+    if _STATE["hvd"] is None or size() == 1:
+        return [payload]
+    row = tf.constant([list(payload.ljust(width, b"\0"))], dtype=tf.uint8)
+    world = tuple(range(size()))
+    out = allgather(row, world, "init.hosts").numpy()
+    return [bytes(r).rstrip(b"\0") for r in out]
 
 
 def process_set_mode() -> str:
@@ -378,11 +397,11 @@ def _watched(op, name, ranks, run, inputs=(), splits=None):
         _RECORDERS[-1].append((op, name, tuple(ranks), tuple(inputs), splits))
     if tf.executing_eagerly():
         try:
-            with watchdog.collective(op, name, ranks):
+            with hooks.call("collective", op, name, ranks):   # tfhybrid.watchdog
                 return run(name)
         except tf.errors.OpError as err:
             raise _explained(err, op, name) from err
-    watchdog.traced(op, name, ranks)
+    hooks.call("traced", op, name, ranks)
     return run(name)
 
 
@@ -687,7 +706,7 @@ def join():
     hvd = _hvd()
     if hvd is None:
         return 0
-    with watchdog.collective("join", "join", tuple(range(size()))):
+    with hooks.call("collective", "join", "join", tuple(range(size()))):
         return hvd.join()
 
 

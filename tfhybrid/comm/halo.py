@@ -14,7 +14,7 @@ import collections
 import tensorflow as tf
 
 from tfhybrid.comm import backend
-from tfhybrid.process_grid import _ravel, _unravel
+from tfhybrid.process_grid import ravel, unravel
 from tfhybrid.comm.primitives import (_axis, _inverse, _perm_to_front, _with_axis_size,
                                       resolve_group)
 
@@ -269,7 +269,7 @@ def block_neighbours(index, shape, widths, sending=False):
     ``lo`` rows before (``o = -1``) / ``hi`` rows after (``o = +1``); sent, the
     ``lo`` last rows towards ``+1`` / the ``hi`` first rows towards ``-1``.
     """
-    coords = _unravel(index, shape)
+    coords = unravel(index, shape)
     out = []
     for o in _offsets(len(shape)):
         if not any(o):
@@ -282,7 +282,7 @@ def block_neighbours(index, shape, widths, sending=False):
         else:
             ok = all((v != -1 or lo > 0) and (v != 1 or hi > 0) for v, (lo, hi) in zip(o, widths))
         if ok:
-            out.append((o, _ravel(c, shape)))
+            out.append((o, ravel(c, shape)))
     return out
 
 

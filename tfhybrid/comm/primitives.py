@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfhybrid import errors, runtime
+from tfhybrid import errors, hooks
 from tfhybrid.comm import backend
 from tfhybrid.process_grid import Group
 
@@ -44,7 +44,7 @@ def resolve_group(group) -> Group:
     if isinstance(group, Group):
         return group
     if isinstance(group, str):
-        return runtime.current_grid().group(group)
+        return hooks.call("current_grid").group(group)
     raise TypeError(f"Received an invalid `group`: {group!r}; expected 'model', 'data', "
                     "'world' or a tfhybrid.process_grid.Group.")
 

@@ -36,7 +36,7 @@ from tfhybrid.layout import VariableLayout, set_layout
 _PACKAGE = "tfhybrid"
 
 
-def _allreduce_sum(x, group, name):
+def allreduce_sum(x, group, name):
     """All-reduce (sum) whose backward is also an all-reduce (sum).
 
     Right for a value every rank feeds into its *own* loss: the gradient of
@@ -160,7 +160,7 @@ class SyncBatchNormalization(NoXLA, keras.layers.BatchNormalization):
 
     def _sum(self, x, what):
         for g in self._resolved_groups():
-            x = _allreduce_sum(x, g, collective_base(f"{self.name}.{what}.{g.name}"))
+            x = allreduce_sum(x, g, collective_base(f"{self.name}.{what}.{g.name}"))
         return x
 
     def _moments(self, inputs, mask):

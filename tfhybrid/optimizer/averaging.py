@@ -33,7 +33,7 @@ and Horovod; the rest is pure Python.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 from tfhybrid.layout import layout_of
 from tfhybrid.process_grid import ProcessGrid
@@ -160,39 +160,3 @@ def _nbytes(variable):
 
     dtype = getattr(variable.dtype, "name", variable.dtype)
     return int(np.prod(tuple(variable.shape))) * np.dtype(str(dtype)).itemsize
-
-
-def periodic_layers(plan, graph, ccr_threshold) -> Tuple[str, ...]:
-    """Names of the layers whose variables gmp averages periodically.
-
-    The layers of the model-parallel region (their input holds the group's
-    rows); without one (``mp=1``), the first Dense layer whose CCR reaches
-    ``ccr_threshold`` and every layer that reads its output, directly or not.
-    """
-    region = tuple(n.name for n in plan.nodes if n.inputs and n.inputs[0].grouped)
-    if region or plan.context.model_size > 1:
-        return region
-    from tfhybrid.oracle import formulas
-
-    tainted, names = set(), []
-    for node in graph.nodes:
-        first = not tainted and node.cls == "Dense" and formulas.splitbrain_partitions(
-            formulas.splitbrain_ccr(node.in_channels or 0, node.attr("units") or 0),
-            ccr_threshold)
-        if first or any(t in tainted for t in node.inputs):
-            tainted.add(node.output)
-            names.append(node.name)
-    return tuple(names)
-
-
-def mark_model(model, names, every: int, method: str) -> int:
-    """Mark the trainable variables of ``model``'s layers ``names`` (found inside
-    ModuloLayer bodies too); returns the number marked."""
-    from tfhybrid.transformer.rewrite import find_layer
-
-    marked = 0
-    for name in names:
-        for v in find_layer(model, name).trainable_variables:
-            mark_periodic(v, every, method)
-            marked += 1
-    return marked

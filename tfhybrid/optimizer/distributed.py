@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.utils import tracking
 
-from tfhybrid import runtime
+from tfhybrid import hooks, runtime
 from tfhybrid.comm import backend
 from tfhybrid.layout import layout_of
 from tfhybrid.optimizer import clipping
@@ -215,12 +215,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         each rank's own random weights: take rank 0's once, at the first
         ``apply`` (a collective: every rank trains; not at ``build``, which
         ``keras.saving.load_model`` on rank 0 alone also calls), and say so."""
-        from tfhybrid.callbacks import agree_on_root
-
         if self.replicas_checked:
             return
         self.replicas_checked = True
-        if agree_on_root(var_list, f"{self.name}.initial") and runtime.is_root():
+        agreed = hooks.call("agree_on_root", var_list, f"{self.name}.initial")  # callbacks
+        if agreed and runtime.is_root():
             warnings.warn(
                 "tfhybrid: the model's weights differed between ranks at the "
                 "DistributedOptimizer's first step (each rank initialised its own); they "

@@ -84,3 +84,73 @@ def link_slots(optimizer_variables, model_variables):
         set_slot_of(slot, (shaped or same)[0])
         linked += 1
     return linked
+
+
+def inner(optimizer):
+    """The Keras optimizer holding the slots (inside a DistributedOptimizer)."""
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+def keras_optimizer(optimizer):
+    """The Keras optimizer inside the DistributedOptimizer and LossScaleOptimizer
+    (mixed_float16) wrappers: the one that counts the applied steps (a
+    LossScaleOptimizer's ``iterations`` is its inner optimizer's) and holds
+    ``exclude_from_weight_decay``'s settings."""
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def step_count(optimizer) -> int:
+    """The optimizer's count of applied gradients (Keras' ``_iterations``).
+
+    With ``gradient_accumulation_steps=k``, Keras' ``iterations`` is that
+    count floor-divided by k, a read-only tensor: a checkpoint records (and
+    restores into) the raw count, so a resume keeps the position inside an
+    accumulation cycle (the accumulators are saved as the slot
+    ``gradient_accumulator``)."""
+    inner = keras_optimizer(optimizer)
+    return int(getattr(inner, "_iterations", inner.iterations).numpy())
+
+
+def set_step_count(optimizer, count: int) -> None:
+    """Set what :func:`step_count` reads."""
+    inner = keras_optimizer(optimizer)
+    getattr(inner, "_iterations", inner.iterations).assign(count)
+
+
+def slots_of(optimizer, variables) -> list:
+    """Per variable of ``variables``, ``{slot name: optimizer variable}``.
+
+    Uses the slot -> variable links of :mod:`tfhybrid.optimizer.slots`
+    (recorded while the optimizer built, else made here from Keras' slot
+    names); a slot's name is its Keras name without its variable's prefix
+    (``"momentum"``, ``"velocity"``), so slots of different models and
+    world sizes line up by name.
+    """
+    slots = list(inner(optimizer).variables)
+    if optimizer is not inner(optimizer):   # DistributedOptimizer's own per-variable state:
+        seen = {id(s) for s in slots}          # backward_passes_per_step accumulators,
+        slots += [s for s in optimizer.variables if id(s) not in seen]   # delayed FC grads
+    link_slots(slots, variables)
+    index = {id(v): i for i, v in enumerate(variables)}
+    out = [dict() for _ in variables]
+    for slot in slots:
+        owner = slot_owner(slot)
+        i = index.get(id(owner))
+        if i is None or tuple(slot.shape) != tuple(owner.shape):
+            continue
+        prefix = slot_prefix(owner)
+        if slot.name.startswith(prefix):
+            out[i][slot.name[len(prefix):]] = slot
+    return out
+
+
+def slot_names(slots):
+    """The slot names of ``slots`` (as :func:`slots_of` returns), each once, in order of appearance."""
+    names = []
+    for per_var in slots:
+        for name in per_var:
+            if name not in names:
+                names.append(name)
+    return names

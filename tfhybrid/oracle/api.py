@@ -95,7 +95,7 @@ def predict(model_or_profile, strategy: str, p: int, batch_size: int, machine,
     return STRATEGIES[strategy](ctx, p, **strategy_options)
 
 
-def _grid_options(p, model_parallel):
+def grid_options(p, model_parallel):
     """Candidate (strategy, options) pairs compatible with a fixed model-group size."""
     k = model_parallel
     if k is None:
@@ -140,7 +140,7 @@ def rank(model_or_profile, p: int, batch_size: int, machine, strategies=None,
     if unknown:
         raise ValueError(f"Received unknown strategies {unknown}; expected names from "
                          f"{STRATEGY_NAMES}.")
-    cands = _grid_options(p, model_parallel)
+    cands = grid_options(p, model_parallel)
     names = [s for s in (strategies or STRATEGY_NAMES) if s in cands]
     prof = _as_profile(model_or_profile)
     mach = as_machine(machine)

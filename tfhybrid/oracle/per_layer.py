@@ -55,7 +55,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from tfhybrid.oracle.machine import as_machine
-from tfhybrid.oracle.record import Context, divisors  # noqa: F401 (Context: tests, callers)
+from tfhybrid.oracle.record import Context, divisors
 from tfhybrid.oracle.strategies import halo_sent
 
 CHOICES = ("s", "f", "c", "replicate")

@@ -343,8 +343,8 @@ def profile(model) -> ModelProfile:
         raise ValueError(f"Model {model.name!r} is not built: create it with keras.Input(...) "
                          "or call it on a batch before profiling.")
     if any(isinstance(layer, keras.Model) for layer in model.layers):
-        from tfhybrid.transformer.graph import as_functional   # a base in transfer learning:
-        model = as_functional(model, flatten=True)             # its layers, as transform sees
+        from tfhybrid import hooks    # a base in transfer learning: its layers, as transform
+        model = hooks.call("as_functional", model, flatten=True)   # sees them (transformer.graph)
     rows = tuple(profile_layer(layer) for layer in model.layers
                  if layer.__class__.__name__ != "InputLayer")
     input_items = sum(_items(_shape_of(t)) for t in inputs)

@@ -8,13 +8,16 @@ on it what :func:`tfhybrid.gather`, :func:`tfhybrid.describe` and
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-from tfhybrid import runtime
+from tfhybrid import hooks, runtime
 from tfhybrid.layout import layout_of, set_layout
+from tfhybrid.optimizer import averaging
+from tfhybrid.oracle import formulas
 from tfhybrid.transformer.graph import as_functional, describe_graph, weighted_leaves
 from tfhybrid.transformer.options import make_options
 from tfhybrid.transformer.planner import make_plan
-from tfhybrid.transformer.rewrite import rewrite
+from tfhybrid.transformer.rewrite import find_layer, rewrite
 from tfhybrid.transformer.root_weights import root_weights
 from tfhybrid.transformer.source import record as record_source
 
@@ -110,15 +113,16 @@ def transform(model, strategy="d", **options):
     grid = runtime.current_grid()
     if opts.strategy in ("ls", "p"):
         _refuse_pairs_in_elastic_runs(opts.strategy)
-    from tfhybrid import guards   # compile wraps plain optimizers; fit checks consistency
+    # compile wraps plain optimizers; fit checks consistency: tfhybrid.guards.install
+    install = functools.partial(hooks.call, "install")
     if opts.strategy == "ls":     # ranks run different layers: tfhybrid/transformer/layer_separation.py
         from tfhybrid.transformer import layer_separation
-        return _compiled_like(model, guards.install(_remember_source(
+        return _compiled_like(model, install(_remember_source(
             model, layer_separation.build(model, grid, opts.fc_workers, opts.machine,
                                           opts.batch_size)), part=True))
     if opts.strategy == "p":      # pipeline stages: tfhybrid/transformer/pipeline.py
         from tfhybrid.transformer import pipeline
-        return _compiled_like(model, guards.install(_remember_source(
+        return _compiled_like(model, install(_remember_source(
             model, pipeline.build(model, grid, opts.stages, opts.micro_batches, opts.machine,
                                   getattr(opts, "batch_norm", "sync"))), part=True))
     functional = as_functional(model, flatten=True)     # nested models inlined
@@ -135,14 +139,13 @@ def transform(model, strategy="d", **options):
     if plan.batch_split == "data" and grid.model_size > 1:
         _reduce_replicas_over_data(new)
     if opts.strategy == "gmp" and opts.average_every > 1:   # SplitBrain §4 (approximate)
-        from tfhybrid.optimizer import averaging
-        averaging.mark_model(new, averaging.periodic_layers(plan, graph, opts.ccr_threshold),
-                             opts.average_every, opts.averaging)
+        mark_model(new, periodic_layers(plan, graph, opts.ccr_threshold),
+                   opts.average_every, opts.averaging)
     info = TransformInfo(plan, graph, source, grid, objects)
     info.auto = auto_choice
     object.__setattr__(new, INFO_ATTR, info)
     object.__setattr__(new, BATCH_SPLIT_ATTR, plan.batch_split)
-    return _compiled_like(model, guards.install(_remember_source(model, new)))
+    return _compiled_like(model, install(_remember_source(model, new)))
 
 
 def _remember_source(source, new):
@@ -187,7 +190,7 @@ def _compiled_like(source, new):
                 if hasattr(optimizer, name):      # not in the config; ids of source's
                     setattr(copy, name, getattr(optimizer, name))   # variables: translated
             optimizer = copy                      # at compile
-        except Exception as err:  # noqa: BLE001 - any optimizer that cannot be copied
+        except Exception as err:
             raise ValueError(
                 f"Model {source.name!r} was compiled and trained before tfhybrid.transform, "
                 f"and its optimizer ({type(optimizer).__name__}) cannot be copied for the "
@@ -243,3 +246,35 @@ def info_of(model) -> TransformInfo:
         raise ValueError(f"Received model {getattr(model, 'name', model)!r}, which was not "
                          "returned by tfhybrid.transform; pass the transformed model.")
     return info
+
+
+def periodic_layers(plan, graph, ccr_threshold) -> tuple:
+    """Names of the layers whose variables gmp averages periodically.
+
+    The layers of the model-parallel region (their input holds the group's
+    rows); without one (``mp=1``), the first Dense layer whose CCR reaches
+    ``ccr_threshold`` and every layer that reads its output, directly or not.
+    """
+    region = tuple(n.name for n in plan.nodes if n.inputs and n.inputs[0].grouped)
+    if region or plan.context.model_size > 1:
+        return region
+    tainted, names = set(), []
+    for node in graph.nodes:
+        first = not tainted and node.cls == "Dense" and formulas.splitbrain_partitions(
+            formulas.splitbrain_ccr(node.in_channels or 0, node.attr("units") or 0),
+            ccr_threshold)
+        if first or any(t in tainted for t in node.inputs):
+            tainted.add(node.output)
+            names.append(node.name)
+    return tuple(names)
+
+
+def mark_model(model, names, every: int, method: str) -> int:
+    """Mark the trainable variables of ``model``'s layers ``names`` (found inside
+    ModuloLayer bodies too); returns the number marked."""
+    marked = 0
+    for name in names:
+        for v in find_layer(model, name).trainable_variables:
+            averaging.mark_periodic(v, every, method)
+            marked += 1
+    return marked

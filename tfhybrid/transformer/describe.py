@@ -83,21 +83,43 @@ def describe(model, batch_size=None, print_fn=print) -> Description:
         >>> d = tfhybrid.describe(pmodel, batch_size=64)
         >>> d.param_bytes          # this rank's trainable parameter bytes
     """
+    if print_fn is not None and not callable(print_fn):
+        raise TypeError(f"Received an invalid `print_fn`: {print_fn!r}; expected a callable "
+                        "such as print, or None to print nothing.")
+    described = _describe(model, batch_size)
+    line = _placement_line(model)
+    if line:
+        described = dataclasses.replace(described, text=described.text + "\n" + line)
+    if print_fn is not None:
+        print_fn(described.text)
+    return described
+
+
+def _placement_line(model):
+    """Where each model group lives (multi-process jobs only)."""
+    from tfhybrid import runtime
+
+    if not runtime.is_initialized() or runtime.size() == 1:
+        return ""
+    from tfhybrid.transformer.api import INFO_ATTR
+
+    grid = getattr(getattr(model, INFO_ATTR, None), "grid", None)   # p and ls: the job's grid
+    return runtime.placement(grid if grid is not None and grid.size == runtime.size() else None)
+
+
+def _describe(model, batch_size):
     if hasattr(model, "fc_part") and hasattr(model, "bytes_moved"):   # ls: layer_separation.py
         from tfhybrid.transformer.layer_separation import describe_ls
-        return describe_ls(model, batch_size, print_fn, Description)
+        return describe_ls(model, batch_size, None, Description)
     if hasattr(model, "pipeline_state") and hasattr(model, "bytes_moved"):   # p: pipeline.py
         from tfhybrid.transformer.pipeline import describe_p
-        return describe_p(model, batch_size, print_fn, Description)
+        return describe_p(model, batch_size, None, Description)
     info = info_of(model)
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
             batch_size, int) or batch_size < 1):
         raise ValueError(f"Received an invalid value for `batch_size`: batch_size="
                          f"{batch_size!r}; expected the global batch size (a positive "
                          "integer) or None.")
-    if print_fn is not None and not callable(print_fn):
-        raise TypeError(f"Received an invalid `print_fn`: {print_fn!r}; expected a callable "
-                        "such as print, or None to print nothing.")
     plan, grid = info.plan, info.grid
     rows_per_rank = _rows(batch_size, plan, grid)
     modulo = _modulo(model)
@@ -126,8 +148,6 @@ def describe(model, batch_size=None, print_fn=print) -> Description:
         text += "\n" + note
     if getattr(info, "auto", None) is not None:   # strategy="auto": the choice and why
         text += "\n" + info.auto.summary()
-    if print_fn is not None:
-        print_fn(text)
     return Description(plan.strategy, tuple(out), total, comm, text, region)
 
 

@@ -24,6 +24,12 @@ mean over B; a CONV worker's gradient is its rows' part of its FC worker's
 gradient, so the sum over CONV workers divided by n_f is the single-process
 gradient.
 
+BatchNormalization normalizes with the moments of the whole global batch, as
+one process does: in the CONV part it is a SyncBatchNormalization over the
+CONV workers, in the FC part one over the FC workers (see
+:func:`synced_norms`); the moving statistics are then equal on the workers of
+a part, and the moments' backward all-reduce keeps the gradient scale above.
+
 Every rank holds the whole model (the part it does not run is frozen there
 and refreshed by :func:`tfhybrid.gather` and at checkpoints, Stanza §5.3);
 CONV workers update the loss tracker and compiled metrics on their own rows
@@ -421,7 +427,7 @@ class LayerSeparatedModel(keras.Model):
         variables = [v for v in self.metrics_variables]
         if not variables:
             return
-        from tfhybrid.guards import sum_variables
+        from tfhybrid.comm.variables import sum_variables
 
         sum_variables(variables, tuple(range(backend.size())), "ls.metric_states",
                       contribute=not self.is_fc)
@@ -529,7 +535,7 @@ class LayerSeparatedModel(keras.Model):
         Returns ``{"iterations", "slots": {name: [array per trainable weight of
         the plain model]}}`` like ``checkpoint.gather_optimizer_state``, or None.
         """
-        from tfhybrid.checkpoint import _inner, _slot_names, slots_of, step_count
+        from tfhybrid.optimizer.slots import inner as _inner, slot_names as _slot_names, slots_of, step_count
         self.check_trainable_unchanged()
         optimizer = getattr(self, "optimizer", None)
         if optimizer is None or not _inner(optimizer).built:   # ls applies the inner one
@@ -622,6 +628,43 @@ def step_bytes(model, n_c, n_f, local_batch, itemsize=4):
     return {"CONV": conv, "FC": fc, "params": {"conv": p_c, "fc": p_f, "cut_items": a}}
 
 
+def synced_norms(full, cut_name, conv_ranks, fc_ranks, rank):
+    """``full`` with each BatchNormalization synchronised over the ranks that run
+    its part: a SyncBatchNormalization over the CONV workers in the CONV part,
+    over the FC workers in the FC part (each FC worker holds its group's rows
+    only), so training normalizes with the moments of the whole global batch,
+    as one process does. A part run by one rank keeps plain BatchNormalization.
+
+    On the ranks that do not run a part, that part is frozen: its
+    BatchNormalization uses the moving statistics and issues no collective.
+    """
+    from tfhybrid.layers.sync_bn import SyncBatchNormalization
+    from tfhybrid.process_grid import Group
+
+    conv_names = {l.name for l in keras.Model(full.inputs,
+                                              full.get_layer(cut_name).output).layers}
+    sets = {}
+    for layer in full.layers:
+        if isinstance(layer, keras.layers.BatchNormalization) \
+                and not isinstance(layer, SyncBatchNormalization):
+            name, ranks = ("ls_conv", conv_ranks) if layer.name in conv_names \
+                else ("ls_fc", fc_ranks)
+            if len(ranks) > 1:
+                sets[layer.name] = Group(name, tuple(ranks),
+                                         ranks.index(rank) if rank in ranks else -1)
+    if not sets:
+        return full
+
+    def clone(layer):
+        if layer.name in sets:
+            return SyncBatchNormalization.from_layer(layer, groups=(sets[layer.name],))
+        return layer.__class__.from_config(layer.get_config())
+
+    synced = keras.models.clone_model(full, clone_function=clone)
+    synced.set_weights(full.get_weights())
+    return synced
+
+
 def build(model, grid, fc_workers=None, machine=None, batch_size=None):
     """The ``ls`` model of ``model`` for this rank (collective: registers the groups)."""
     from tfhybrid.transformer.graph import as_functional
@@ -636,6 +679,7 @@ def build(model, grid, fc_workers=None, machine=None, batch_size=None):
     _, cut_name = find_cut(full)                     # raises before any collective
     conv, fc, groups = roles(n_c, n_f)
     backend.register_groups([conv, fc] + list(groups))
+    full = synced_norms(full, cut_name, conv, fc, grid.rank)
     with root_weights(model):
         full.set_weights(functional.get_weights())
     finalize_states(full)       # an adapted Normalization's mean/variance

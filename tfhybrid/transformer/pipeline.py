@@ -532,7 +532,7 @@ class PipelineModel(keras.Model):
         pipeline holds the same states: the predictions are shared)."""
         variables = list(self.metrics_variables)
         if variables and len(self.spec.data_group) > 1:
-            from tfhybrid.guards import sum_variables
+            from tfhybrid.comm.variables import sum_variables
             sum_variables(variables, tuple(range(backend.size())), "p.metric_states",
                           contribute=self.spec.stage == 0)
 
@@ -594,7 +594,7 @@ class PipelineModel(keras.Model):
         """The optimizer state at full shapes for ``tfhybrid.save`` (collective): each
         stage's slots from its owner in pipeline 0. Returns ``{"iterations",
         "slots": {name: [array per trainable weight of the plain model]}}``, or None."""
-        from tfhybrid.checkpoint import _inner, _slot_names, slots_of, step_count
+        from tfhybrid.optimizer.slots import inner as _inner, slot_names as _slot_names, slots_of, step_count
         optimizer = getattr(self, "optimizer", None)
         if optimizer is None or not _inner(optimizer).built:
             return None

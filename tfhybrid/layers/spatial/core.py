@@ -30,7 +30,7 @@ import tensorflow as tf
 from tfhybrid import comm, runtime
 from tfhybrid import spatial_geometry as sp
 from tfhybrid.layers.no_xla import NoXLA
-from tfhybrid.layers.partitioned import deserialize_group, serialize_group  # noqa: F401
+from tfhybrid.layers.partitioned import deserialize_group, serialize_group
 from tfhybrid.process_grid import Group
 
 

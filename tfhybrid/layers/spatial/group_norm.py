@@ -18,7 +18,7 @@ from tfhybrid.comm import resolve_group
 from tfhybrid.layers.no_xla import NoXLA
 from tfhybrid.layers.partitioned import (collective_base, deserialize_group, layout_group,
                                          serialize_group)
-from tfhybrid.layers.sync_bn import _allreduce_sum
+from tfhybrid.layers.sync_bn import allreduce_sum
 from tfhybrid.layout import VariableLayout, set_layout
 
 _PACKAGE = "tfhybrid"
@@ -60,11 +60,11 @@ class SpatialGroupNormalization(NoXLA, keras.layers.GroupNormalization):
         group = resolve_group(self.group)
         base = collective_base(self.name)
         count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
-        total = _allreduce_sum(tf.reduce_sum(x, axes, keepdims=True), group, base + ".sum")
+        total = allreduce_sum(tf.reduce_sum(x, axes, keepdims=True), group, base + ".sum")
         count = count * group.size      # equal blocks
         mean = total / count
         sumsq = tf.reduce_sum(tf.square(x - mean), axes, keepdims=True)
-        variance = _allreduce_sum(sumsq, group, base + ".sumsq") / count
+        variance = allreduce_sum(sumsq, group, base + ".sumsq") / count
         broadcast = self._create_broadcast_shape(input_shape)
         inv = tf.math.rsqrt(variance + self.epsilon)
         if self.scale:

@@ -134,7 +134,9 @@ def _wrap_compiled_losses(model, flags):
         _wrap_flat_losses(model, compiled, flags)
 
 
-def _output_index(model, path):
+def output_index(model, path):
+    """The position among ``model``'s outputs of the output at loss-structure ``path``
+    (None when no output has that name)."""
     if not path:
         return 0
     head = path[0]
@@ -151,7 +153,7 @@ def _wrap_flat_losses(model, compiled, flags):
     grid = runtime.current_grid()
     k = grid.group("model").size
     for i, entry in enumerate(list(compiled._flat_losses)):
-        out = _output_index(model, entry.path)
+        out = output_index(model, entry.path)
         if out is None or out >= len(flags) or not flags[out]:
             continue
         fn = entry.loss
@@ -402,9 +404,9 @@ def split_outputs_of(model):
 
 def block_coords(spatial):
     """This rank's block coordinates in the model group's row-major block grid."""
-    from tfhybrid.process_grid import _unravel
+    from tfhybrid.process_grid import unravel
 
-    return _unravel(runtime.current_grid().model_rank, tuple(spatial))
+    return unravel(runtime.current_grid().model_rank, tuple(spatial))
 
 
 def label_block(t, spatial, what="labels"):
@@ -575,6 +577,6 @@ def whole_predictions(model, result):
 
 
 def _unravel_rank(rank, spatial):
-    from tfhybrid.process_grid import _unravel
+    from tfhybrid.process_grid import unravel
 
-    return _unravel(rank, tuple(spatial))
+    return unravel(rank, tuple(spatial))

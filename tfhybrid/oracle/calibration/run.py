@@ -190,7 +190,8 @@ def _block_rows(layer, axis, extent_out, parts, extent_in):
     out = -(-extent_out // parts)
     if window is None or str(cfg.get("padding", "valid")).lower() == "same":
         return -(-extent_in // parts)
-    at = (lambda v: v[axis] if isinstance(v, (list, tuple)) else v)
+    def at(v):
+        return v[axis] if isinstance(v, (list, tuple)) else v
     stride = at(cfg.get("strides") or window)
     dilation = at(cfg.get("dilation_rate", 1) or 1)
     return (out - 1) * stride + (at(window) - 1) * dilation + 1

@@ -88,8 +88,10 @@ def test_indivisible_dynamic_batch_raises_at_runtime_with_remainder_error(grid_o
         next(it)
 
 
-def test_uneven_last_batches_are_trimmed_alike_on_every_rank(grid_of):
-    """Default remainder='drop': rows // p per rank, the rest dropped, tiny batches skipped."""
+def test_uneven_batches_keep_every_row_and_skip_tiny_ones_alike_on_every_rank(grid_of):
+    """Default remainder='drop': a batch of r rows gives rank i r // p rows, plus one
+    for the first r % p ranks (every row kept); a batch of fewer rows than ranks is
+    skipped on every rank, and rank 0 says so."""
     grid = grid_of(1)
     p = grid.size
     if p == 1:
@@ -107,14 +109,14 @@ def test_uneven_last_batches_are_trimmed_alike_on_every_rank(grid_of):
     assert len(got) == 2                                     # the batch of p-1 rows is skipped
     said = " ".join(str(w.message) for w in caught)
     if grid.rank == 0:
-        assert f"dropped 1 of the {4 * p + 1} rows" in said
+        assert "dropped" not in said
         assert f"skipped a global batch of {p - 1} rows" in said
     else:
         assert "tfhybrid.data.shard" not in said
     for batch, size, start in zip(got, sizes, starts):
-        local = size // p
-        np.testing.assert_array_equal(batch, x[start + grid.rank * local:
-                                                start + (grid.rank + 1) * local])
+        local, extra = size // p, size % p
+        first = start + grid.rank * local + min(grid.rank, extra)
+        np.testing.assert_array_equal(batch, x[first:first + local + (grid.rank < extra)])
     backend.barrier()
 
 

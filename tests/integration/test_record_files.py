@@ -11,7 +11,7 @@ documents), at 2 and 4 processes. Three launches: the plain process, np=2, np=4.
 """
 import pytest
 
-from userscripts import launch, results
+from userscripts import full_tier, launch, results
 
 CASES = {2: ["d:4"], 4: ["d:4", "df:4", "d:2"]}
 
@@ -23,7 +23,7 @@ def plain():
     return {r["files"]: r for r in results(run)}
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=[n if n == 2 else pytest.param(n, marks=full_tier) for n in sorted(CASES)])
 def launched(request):
     np_ = request.param
     run = launch("record_files.py", np=np_, args=CASES[np_], timeout=300)

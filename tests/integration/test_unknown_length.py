@@ -21,7 +21,7 @@ own grid): five launches in all.
 """
 import pytest
 
-from userscripts import launch, results
+from userscripts import full_tier, launch, results
 
 REL = 2e-5      # float32 sums over different block orders
 
@@ -55,7 +55,7 @@ def unknown_plain():
     return found["plain"][0]
 
 
-@pytest.mark.parametrize("np_", [2, 4])
+@pytest.mark.parametrize("np_", [2, pytest.param(4, marks=full_tier)])
 def test_unknown_length_fit_validation_evaluate(unknown_plain, np_):
     found = _by_strategy(launch("unknown_length.py", np=np_, args=["d", "df"], timeout=300))
     for strategy in ("d", "df"):
@@ -70,7 +70,7 @@ def odd_plain():
     return _by_strategy(launch("odd_batch.py", np=1, args=["plain"], timeout=240))["plain"][0]
 
 
-@pytest.mark.parametrize("np_, strategies", [(2, ["d", "gmp"]), (4, ["df"])])
+@pytest.mark.parametrize("np_, strategies", [(2, ["d", "gmp"]), pytest.param(4, ["df"], marks=full_tier)])
 def test_odd_global_batch(odd_plain, np_, strategies):
     found = _by_strategy(launch("odd_batch.py", np=np_, args=strategies, timeout=300))
     for strategy in strategies:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from userscripts import launch, results
+from userscripts import FULL_TIER, full_tier, launch, results
 
 # float32 tolerance: the distributed runs add the same numbers in another order
 # (the gradient allreduce, blocks of split layers, the metric states' sums)
@@ -46,12 +46,19 @@ REFERENCES = {
 }
 
 
+#: The scripts the core tier (make test) runs; make test-full runs every script.
+CORE = {"multi_output.py", "custom_layer_replicated.py", "batch_sizes.py", "validation_split.py",
+        "plateau_early_stop.py", "resume_plain.py"}
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     root = tmp_path_factory.mktemp("catalogue_np1")
     pool = ThreadPoolExecutor(max_workers=1)
     jobs = {}
     for script, args in REFERENCES.items():
+        if not FULL_TIER and script not in CORE:
+            continue
         out = root / Path(script).stem
         out.mkdir()
         jobs[script] = (out, pool.submit(launch, script, 1, [out, *args], 300))
@@ -141,6 +148,7 @@ def test_multi_output_model_every_output_metric_under_d_and_df(references, tmp_p
         assert_weights(out / f"weights_{strategy}.npz", ref_out / f"weights_{strategy}.npz")
 
 
+@full_tier
 def test_multi_input_model_under_gmp(references, tmp_path):
     ref_out, ref = reference(references, "multi_input.py")
     out, found, _ = distributed(tmp_path, "multi_input.py")
@@ -148,6 +156,7 @@ def test_multi_input_model_under_gmp(references, tmp_path):
     assert_weights(out / "weights.npz", ref_out / "weights.npz")
 
 
+@full_tier
 def test_custom_layer_without_weights_under_df(references, tmp_path):
     ref_out, ref = reference(references, "custom_layer_no_weights.py")
     out, found, _ = distributed(tmp_path, "custom_layer_no_weights.py")
@@ -155,7 +164,7 @@ def test_custom_layer_without_weights_under_df(references, tmp_path):
     assert_weights(out / "weights.npz", ref_out / "weights.npz")
 
 
-@pytest.mark.parametrize("np_", [2, 4])
+@pytest.mark.parametrize("np_", [2, pytest.param(4, marks=full_tier)])
 def test_custom_layer_with_weights_replicated_under_df(references, tmp_path, np_):
     ref_out, ref = reference(references, "custom_layer_replicated.py")
     out, found, _ = distributed(tmp_path, "custom_layer_replicated.py", np=np_)
@@ -165,6 +174,7 @@ def test_custom_layer_with_weights_replicated_under_df(references, tmp_path, np_
     assert_weights(out / "weights.npz", ref_out / "weights.npz")
 
 
+@full_tier
 def test_mixed_float16_under_df(references, tmp_path):
     """Loose comparison, with the reason: under ``mixed_float16`` the layers
     compute in float16 (10-bit mantissa: one rounding is up to 2**-11 = 4.9e-4
@@ -198,6 +208,7 @@ def _jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@full_tier
 def test_callbacks_that_write_files_write_one_process_numbers_once(references, tmp_path):
     ref_out, ref = reference(references, "callback_files.py")
     out, found, _ = distributed(tmp_path, "callback_files.py")
@@ -219,7 +230,7 @@ def test_callbacks_that_write_files_write_one_process_numbers_once(references, t
     assert all(r["tensorboard"] is None for r in found if r["rank"] != 0)
 
 
-@pytest.mark.parametrize("np_, strategy", [(2, "d"), (4, "df")])
+@pytest.mark.parametrize("np_, strategy", [(2, "d"), pytest.param(4, "df", marks=full_tier)])
 def test_unusual_batch_sizes(references, tmp_path, np_, strategy):
     """Global batches of 6 rows (blocks of 3: ``d`` at 2 ranks, ``df`` 2x2 at
     4) with a last batch of 4, from a dataset and from whole arrays; a global
@@ -257,6 +268,7 @@ def test_validation_split_on_numpy_arrays(references, tmp_path):
         assert not any("validation_split" in w for w in r["warnings"]), r
 
 
+@full_tier
 def test_class_weight_and_sample_weight(references, tmp_path):
     ref_out, ref = reference(references, "class_sample_weights.py")
     out, found, _ = distributed(tmp_path, "class_sample_weights.py")
@@ -275,6 +287,7 @@ def test_reduce_lr_on_plateau_and_early_stopping_stop_at_the_same_epoch(referenc
     assert_weights(out / "weights.npz", ref_out / "weights.npz")
 
 
+@full_tier
 def test_predict_on_arrays_and_datasets(references, tmp_path):
     """Whole inputs: every rank returns one process's predictions of every
     row. A sharded dataset: each rank returns its block of every batch."""
@@ -294,6 +307,7 @@ def test_predict_on_arrays_and_datasets(references, tmp_path):
                                        atol=1e-6, err_msg=f"{r['strategy']} rank {r['rank']}")
 
 
+@full_tier
 def test_plain_optimizer_with_a_schedule_compiled_after_transform(references, tmp_path):
     ref_out, ref = reference(references, "plain_optimizer_schedule.py")
     out, found, _ = distributed(tmp_path, "plain_optimizer_schedule.py")

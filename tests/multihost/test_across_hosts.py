@@ -16,6 +16,7 @@ With a stock Horovod the training tests skip (conftest.py says why) and
 :func:`test_stock_horovod_is_refused` runs instead.
 """
 import json
+import os
 import re
 import textwrap
 
@@ -23,6 +24,10 @@ import numpy as np
 import pytest
 
 from jobs import ROOT, launch, run_plain
+
+# The full tier (make test-full, TFHYBRID_TEST_FULL=1) runs every case; make test a core.
+full_tier = pytest.mark.skipif(os.environ.get("TFHYBRID_TEST_FULL") != "1",
+                               reason="full tier (make test-full)")
 
 HERE = ROOT / "tests" / "multihost"
 SCRIPT = HERE / "strategies_script.py"
@@ -67,7 +72,7 @@ def assert_weights_like(got, expected, strategy, rtol=1e-4, atol_of_scale=1e-5):
                                    err_msg=f"{strategy}: {key}")
 
 
-@pytest.mark.parametrize("slots", [1, 2], ids=["2x1", "2x2"])
+@pytest.mark.parametrize("slots", [pytest.param(1, marks=full_tier), 2], ids=["2x1", "2x2"])
 def test_strategies_equal_one_process(slots, needs_patch, hosts, reference, tmp_path):
     weights, plain = reference
     run = launch(hosts, SCRIPT, slots, args=[tmp_path, *SPECS[slots]], timeout=1200)
@@ -92,6 +97,7 @@ def test_strategies_equal_one_process(slots, needs_patch, hosts, reference, tmp_
         assert f"DESCRIBE {strategy} {line}\n" in run.out, (strategy, line, run)
 
 
+@full_tier
 def test_quick_start_across_hosts(needs_patch, hosts):
     """The README quick start (examples/train_digits.py, strategy df with model
     groups of 2) at 2 hosts x 1 rank: its model group spans the hosts."""

@@ -20,6 +20,10 @@ class ConsistencyError(RuntimeError):
     """Ranks that must agree (rows fed, replicated weights, model structure) do not."""
 
 
+# Its public name: tracebacks and pickles say tfhybrid.guards.ConsistencyError, as users catch it.
+ConsistencyError.__module__ = "tfhybrid.guards"
+
+
 def _config():
     return runtime.config_or_default()
 

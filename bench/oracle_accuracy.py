@@ -137,7 +137,7 @@ def _tfhybrid_step(name, mp, opts, batch):
     # collective names derive from layer/variable names and must match
     keras.backend.clear_session()
     keras.utils.set_random_seed(0)
-    from tfhybrid.transformer import transform  # noqa: WPS433 (tfhybrid.transform may be the module)
+    from tfhybrid.compose import transform
     pm = transform(make_model(), strategy=name, **opts)
     _compile(pm, tfhybrid.DistributedOptimizer(keras.optimizers.SGD(0.01)))
     x, y = tfhybrid.data.shard(_data(batch), model=pm, batch_size=batch)

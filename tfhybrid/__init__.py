@@ -43,10 +43,6 @@ def _register_hooks():
         from tfhybrid import runtime
         return runtime.current_grid()
 
-    def install(model, part=False):         # transformer.api: compile/fit/... guarded
-        from tfhybrid import guards
-        return guards.install(model, part=part)
-
     def agree_on_root(variables, name):     # optimizer.distributed: replicas start equal
         from tfhybrid import callbacks
         return callbacks.agree_on_root(variables, name)
@@ -55,7 +51,7 @@ def _register_hooks():
         from tfhybrid.transformer.graph import as_functional
         return as_functional(model, flatten=flatten)
 
-    for function in (collective, traced, horovod_restarted, current_grid, install,
+    for function in (collective, traced, horovod_restarted, current_grid,
                      agree_on_root, as_functional):
         hooks.register(function.__name__, function)
 
@@ -75,7 +71,7 @@ _LAZY = {
     "save": ("tfhybrid.checkpoint", "save"),
     "load": ("tfhybrid.checkpoint", "load"),
     "DistributedOptimizer": ("tfhybrid.optimizer", "DistributedOptimizer"),
-    "transform": ("tfhybrid.transformer", "transform"),
+    "transform": ("tfhybrid.compose", "transform"),
     "gather": ("tfhybrid.transformer", "gather"),
     "describe": ("tfhybrid.transformer", "describe"),
 }

@@ -41,6 +41,7 @@ from tfhybrid import runtime
 from tfhybrid.optimizer.slots import inner as _inner, keras_optimizer, set_step_count
 from tfhybrid.optimizer.slots import slot_names as _slot_names, slots_of, step_count
 from tfhybrid.watchdog import collective_api
+from tfhybrid.transformer.parts import PartModel, strategy_of
 
 SIDE_SUFFIX = ".state.npz"
 FORMAT = 1
@@ -251,13 +252,10 @@ def _exclude_again(model, optimizer, exclusions):
 
 
 def _meta(model, state, epoch, step, exclusions=None):
-    from tfhybrid.transformer.api import info_of
-
     grid = runtime.current_grid()
     return {
         "format": FORMAT,
-        "strategy": "ls" if hasattr(model, "layer_separation_state") else "p" if hasattr(
-            model, "pipeline_state") else info_of(model).plan.strategy,
+        "strategy": strategy_of(model),
         "world_size": grid.size,
         "model_parallel": grid.model_size,
         "epoch": epoch,
@@ -391,10 +389,10 @@ def save(model, path, epoch: int | None = None, step: int | None = None,
                          "writer, rank 0).")
     path = _check_path(path)
     full = gather(model)   # ls: also copies the FC workers' parameters to every CONV worker
-    ls = getattr(model, "layer_separation_state", None) or getattr(model, "pipeline_state", None)
-    state = ls() if ls is not None else gather_optimizer_state(model)   # ls / p: own gather
+    ls = isinstance(model, PartModel)
+    state = model.optimizer_state() if ls else gather_optimizer_state(model)   # p/ls: own
     rng = gather_rng_state(model)
-    exclusions = _part_exclusions(model) if ls is not None else None
+    exclusions = _part_exclusions(model) if ls else None
     # every rank returns once the files exist, or raises when rank 0 could not
     # write them (a layer Keras cannot serialise, a full disk)
     with backend.together(f"tfhybrid.save({path!r}) on rank 0"):
@@ -442,7 +440,7 @@ def _read_slots(path, meta):
 def _shard_like(full, values, strategy, options):
     """``values`` (one array per full trainable variable) laid out as
     ``transform(full, strategy, **options)`` lays out the weights."""
-    from tfhybrid.transformer.api import transform
+    from tfhybrid.compose import transform
 
     copy = keras.models.clone_model(full)
     for var, value in zip(copy.trainable_variables, values):
@@ -500,7 +498,7 @@ def load(path, strategy: str | None = None, compile: bool = True, custom_objects
 
 
 def _load(path, strategy, compile, options):
-    from tfhybrid.transformer.api import transform
+    from tfhybrid.compose import transform
 
     path = str(path)
     if os.path.isdir(path):
@@ -597,7 +595,7 @@ def read_meta(path) -> dict:
 
 
 def _load_sharded(directory, strategy, compile, options):
-    from tfhybrid.transformer.api import transform
+    from tfhybrid.compose import transform
 
     manifest = read_manifest(directory)
     grid = runtime.current_grid()

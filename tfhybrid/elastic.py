@@ -34,6 +34,8 @@ python train.py``)::
 """
 from __future__ import annotations
 
+import functools
+
 import keras
 
 from tfhybrid import runtime
@@ -70,6 +72,7 @@ class State:
         self.strategy, self.model_parallel, self.options = strategy, model_parallel, options
         self.model = None
         self.resets = 0
+        self._stale = False     # a reset happened and the model is the old grid's
         self._inner = backend.elastic_object_state(snapshot=None, epoch=0, batch=0)
         if 1 < model_parallel < backend.size() and not backend.groups_over_world():
             import warnings
@@ -94,6 +97,7 @@ class State:
 
     def on_reset(self):
         self.resets += 1
+        self._stale = True
         self._inner.on_reset()
 
     def restore(self):
@@ -128,10 +132,21 @@ class State:
         return _CommitCallback(self, every_n_steps)
 
     # -- re-formation -------------------------------------------------------
+    def _current(self):
+        """Rebuild for the new world after a reset that skipped :meth:`sync`.
+
+        When workers were only removed (a host left the discovery script's
+        list), Horovod's loop runs the training function again without
+        ``sync``: every survivor raised the interrupt in the same commit, so
+        all hold the same committed state. The model is still the old
+        grid's, though; rebuild it from that commit."""
+        if self._stale:
+            self._rebuild(self._inner.snapshot)
+
     def _rebuild(self, snapshot):
         from tfhybrid import checkpoint
         from tfhybrid.comm import backend
-        from tfhybrid.transformer.api import transform
+        from tfhybrid.compose import transform
 
         size = backend.size()
         mp = _model_parallel_for(size, self.model_parallel)
@@ -144,6 +159,7 @@ class State:
                 v.assign(value)
         self.model = transform(full, self.strategy, **self.options)
         self.compile_fn(self.model)
+        self._stale = False
         if snapshot is not None:
             slots = {name: {i: v for i, v in by_index.items() if v is not None}
                      for name, by_index in snapshot["slots"].items()}
@@ -178,7 +194,15 @@ class _CommitCallback(keras.callbacks.Callback):
 
 def run(func):
     """Decorate ``func(state)``: on a lost worker it is run again on the
-    survivors from the last commit (Horovod elastic's retry loop)."""
+    survivors from the last commit (Horovod elastic's retry loop); when
+    workers are added or removed (the host discovery script's list changed)
+    it is run again on the new workers from the commit that noticed it."""
     from tfhybrid.comm import backend
 
-    return backend.elastic_run(func)
+    @functools.wraps(func)
+    def on_current_grid(state, *args, **kwargs):
+        if isinstance(state, State):
+            state._current()
+        return func(state, *args, **kwargs)
+
+    return backend.elastic_run(on_current_grid)

@@ -2,8 +2,8 @@
 
 Modules import their own level or below (docs/ARCHITECTURE.md, checked by
 ``lint-imports``). Where a lower module must reach a higher one at run time (the
-backend telling the watchdog about an eager collective, ``transform`` handing its
-model to the guards), it calls a hook by name here and the higher level provides
+backend telling the watchdog about an eager collective, the optimizer asking the
+callbacks to agree on rank 0's values), it calls a hook by name here and the higher level provides
 the function: ``tfhybrid/__init__`` registers every hook when the package is
 imported, which Python does before importing any of its submodules.
 """

@@ -13,7 +13,8 @@ import numpy as np
 import tensorflow as tf
 
 import tfhybrid
-from tfhybrid.transformer import gather, transform
+from tfhybrid.compose import transform
+from tfhybrid.transformer import gather
 
 from conftest import reference_once
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import tfhybrid
-from tfhybrid.transformer import gather, transform
+from tfhybrid.compose import transform
+from tfhybrid.transformer import gather
 from tfhybrid.transformer.api import info_of
 
 from conftest import world_size

@@ -17,7 +17,8 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid.layers import (ChannelParallelConv3D, FilterParallelConv3D, SpatialConv3D,
                              SyncBatchNormalization)
-from tfhybrid.transformer import describe, gather, transform
+from tfhybrid.compose import transform
+from tfhybrid.transformer import describe, gather
 
 from conftest import model_parallel_values, randn, reference_once, world_size
 from layers_testing import (check_conv_stack, check_conv_to_layer, check_save_load,

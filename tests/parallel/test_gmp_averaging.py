@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import tfhybrid
 from tfhybrid.optimizer.averaging import periodic_of
-from tfhybrid.transformer import transform
+from tfhybrid.compose import transform
 from tfhybrid.transformer.rewrite import find_layer
 
 from conftest import world_size

@@ -22,7 +22,8 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid import comm
 from tfhybrid.layers import ModuloLayer
-from tfhybrid.transformer import describe, gather, transform
+from tfhybrid.compose import transform
+from tfhybrid.transformer import describe, gather
 
 from conftest import model_parallel_values, randn, world_size
 from layers_testing import FWD, GRAD, value_and_grads

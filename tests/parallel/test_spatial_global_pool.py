@@ -19,7 +19,8 @@ import tfhybrid
 from tfhybrid.layers import (SpatialGlobalAveragePooling2D, SpatialGlobalAveragePooling3D,
                              SpatialGlobalMaxPooling2D, SpatialGlobalMaxPooling3D,
                              SpatialScatter)
-from tfhybrid.transformer import describe, gather, transform
+from tfhybrid.compose import transform
+from tfhybrid.transformer import describe, gather
 
 from conftest import randn, reference_once, world_size
 from test_primitives import run as value_and_gradient

@@ -98,7 +98,8 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid.comm import backend
 from tfhybrid.layers import SpatialZeroPadding2D
-from tfhybrid.transformer import gather, transform
+from tfhybrid.compose import transform
+from tfhybrid.transformer import gather
 from tfhybrid.transformer.api import info_of
 
 from conftest import floatx, randn, rng, world_size

@@ -18,7 +18,8 @@ import tensorflow as tf
 
 import tfhybrid
 from tfhybrid.comm import backend
-from tfhybrid.transformer import describe, gather, transform
+from tfhybrid.compose import transform
+from tfhybrid.transformer import describe, gather
 
 from conftest import job_dir, randn, reference_once, rng, world_size
 

@@ -29,7 +29,8 @@ import tfhybrid
 from tfhybrid.layers import SpatialConv2D, SpatialConv2DTranspose, SpatialConv3DTranspose
 from tfhybrid.layers.spatial.output import label_block
 from tfhybrid.spatial_geometry import TransposeGeometry
-from tfhybrid.transformer import gather, transform
+from tfhybrid.compose import transform
+from tfhybrid.transformer import gather
 
 from conftest import randn, reference_once, rng, world_size
 from test_spatial_conv import check_against, grid_of_split, split_specs

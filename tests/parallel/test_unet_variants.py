@@ -33,7 +33,8 @@ import tensorflow as tf
 
 import tfhybrid
 from tfhybrid.layers.spatial.output import label_block
-from tfhybrid.transformer import gather, transform
+from tfhybrid.compose import transform
+from tfhybrid.transformer import gather
 
 from conftest import randn, reference_once, rng, world_size
 

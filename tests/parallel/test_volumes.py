@@ -18,7 +18,8 @@ import pytest
 import tensorflow as tf
 
 import tfhybrid
-from tfhybrid.transformer import gather, transform
+from tfhybrid.compose import transform
+from tfhybrid.transformer import gather
 
 from conftest import randn, reference_once, rng, world_size
 from unet_models import unet3d

@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from tfhybrid.transformer import describe, gather, transform
+from tfhybrid.compose import transform
+from tfhybrid.transformer import describe, gather
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_transform_planner import cnn

@@ -16,7 +16,7 @@ import keras
 import pytest
 
 from tfhybrid.process_grid import ProcessGrid
-from tfhybrid.transformer import transform
+from tfhybrid.compose import transform
 from tfhybrid.transformer.graph import as_functional, describe_graph
 from tfhybrid.transformer.options import make_options
 from tfhybrid.transformer.planner import make_plan

@@ -10,7 +10,8 @@ import pytest
 from tfhybrid.process_grid import ProcessGrid
 from tfhybrid.layers import SpatialCropping2D, SpatialCropping3D
 from tfhybrid.spatial_geometry import AxisGeometry, AxisPlan
-from tfhybrid.transformer import rules, transform
+from tfhybrid.compose import transform
+from tfhybrid.transformer import rules
 from tfhybrid.transformer.graph import as_functional, describe_graph
 from tfhybrid.transformer.options import make_options
 from tfhybrid.transformer.planner import make_plan

@@ -1,9 +1,17 @@
-""":func:`install`: ``compile``/``fit``/``evaluate``/``predict``/``summary`` of a
-transformed model, wrapped to run the guards."""
+"""The guarded model: ``compile``/``fit``/``evaluate``/``predict``/``summary`` of a
+transformed model, run with the guards.
+
+:func:`install` gives a transformed model a subclass of its own class (cached
+per class) whose methods run the guards around Keras' own: :class:`GuardedModel`
+for models built by the planner and rewriter, :class:`GuardedPartModel` for
+``p``/``ls`` models, whose ranks run different layers with their own train
+step. The subclass keeps the name and module of the model's class, so Keras
+serializes the model exactly as before; the per-model state (the checksum
+variables the traced steps update) is held in ``_tfhybrid_*`` attributes.
+"""
 from __future__ import annotations
 
 import inspect
-import types
 
 import keras
 import numpy as np
@@ -46,145 +54,46 @@ _SAVE_FIX = ("Use tfhybrid.save(model, path) on every rank (rank 0 writes a plai
              "per-rank files.")
 
 
-def install(model, part=False):
-    """Make transformed ``model``'s compile/fit/evaluate/predict run the guards.
 
-    Instance-level wrappers (the class and serialization are unchanged);
-    idempotent.
+def _base(model):
+    """The model's own class, whose methods the guarded ones wrap."""
+    return type(model)._tfhybrid_base
 
-    ``part=True``: a model whose ranks run different layers with their own
-    train step and reductions (``p``, ``ls``): the ranks' structures and
-    weights differ by design, so the consistency checks, the optimizer
-    wrapping and the lean train function are not installed; fit, evaluate
-    and predict still get the watchdog and the collective-call hints, fit its
-    ``ModelCheckpoint`` and ``shuffle`` handling, and Keras' save/load refuse
-    with the tfhybrid way to do it.
-    """
-    if getattr(model, "_tfhybrid_guarded", False):
-        return model
-    cls = type(model)
-    checksum = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="tfhybrid_batch_checksum")
-    # True before the steps whose batch the GuardCallback compares (set by it):
-    # the traced step skips the checksum's work on the other steps.
-    due = tf.Variable(True, trainable=False, name="tfhybrid_batch_checksum_due")
-    # True before the steps whose weights the GuardCallback compares: the traced
-    # step gathers the checksums itself (gather_step_sums)
-    weights_due = tf.Variable(False, trainable=False, name="tfhybrid_weight_checksums_due")
-    # True for the first step of an evaluate whose rows are compared (EvaluateRows)
-    evaluate_due = tf.Variable(False, trainable=False, name="tfhybrid_evaluate_checksum_due")
-    # ranks of a row-block group feeding the very same rows (batch_losses' sum)
-    copies = tf.Variable(1.0, trainable=False, name="tfhybrid_row_copies")
-    # set by fit's start check when the ranks' blocks of a step may hold unequal
-    # rows: train_step then weighs each block by its rows (batch_losses)
-    weighting = tf.Variable(False, trainable=False, name="tfhybrid_row_weighting")
 
-    def compile(self, *args, **kwargs):
-        bound = inspect.signature(cls.compile).bind(self, *args, **kwargs)
-        bound.arguments["optimizer"] = _wrap_optimizer(bound.arguments.get("optimizer",
-                                                                            "rmsprop"))
-        follow_source_flags(self)
-        carry_weight_decay_exclusions(self, bound.arguments["optimizer"])
-        if _loss_scale_inside(self, bound.arguments["optimizer"],
-                              bound.arguments.get("auto_scale_loss", True)):
-            bound.arguments["auto_scale_loss"] = False     # done: no second LossScaleOptimizer
-        return cls.compile(*bound.args, **bound.kwargs)
+def _state(model, name):
+    """One of the per-model variables :func:`install` creates."""
+    return object.__getattribute__(model, f"_tfhybrid_{name}")
 
-    def part_compile(self, *args, **kwargs):
-        # p/ls apply their own optimizer step (no wrapping), but Horovod's Keras
-        # optimizer fails inside their step as it does in Keras'.
-        bound = inspect.signature(cls.compile).bind(self, *args, **kwargs)
-        optimizer = bound.arguments.get("optimizer")
-        refuse_horovod_optimizer(optimizer)
-        from tfhybrid.optimizer import DistributedOptimizer
 
-        if isinstance(optimizer, DistributedOptimizer):
-            refuse_part_options(optimizer, "ls" if hasattr(self, "fc_part") else "p")
-        follow_source_flags(self)
-        if optimizer is not None and not isinstance(optimizer, str):
-            carry_weight_decay_exclusions(self, optimizer)
-        return cls.compile(*bound.args, **bound.kwargs)
+def _refusing_shards(name, problem, fix):
+    """Keras' ``name`` unchanged on a model of plain layers; on split layers a
+    ValueError naming ``problem`` and ``fix`` instead of one rank's shards."""
+    def method(self, *args, **kwargs):
+        if _holds_shards(self):
+            raise ValueError(f"model.{name}() {problem.format(self.name)} {fix}")
+        return getattr(_base(self), name)(self, *args, **kwargs)
+    method.__name__ = name
+    return method
 
-    keras_compute_loss = model.compute_loss     # a split-output wrapper, or Keras'
 
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        loss = keras_compute_loss(x, y, y_pred, sample_weight, training=training)
-        return batch_losses.whole_regularization(self, loss)
+class _GuardedMethods:
+    """What every guarded model runs: fit, evaluate and predict with the watchdog,
+    the start checks and the collective-call hints; Keras' save/load refusing
+    with the tfhybrid way to do it."""
 
-    def train_step(self, data):
-        data = full_labels_to_blocks(self, data)     # fit(x, y) with whole-volume labels
-        batch_losses.wrap(self)                      # reduction="sum" losses: x row blocks
-        batch_losses.wrap_metrics(self)              # batch-level metric functions: whole
-        # Only where ranks of a model group must feed the same rows (nothing to
-        # compare otherwise: pure data parallelism, one process), and only on
-        # the steps the GuardCallback checks.
-        with after_reading(data):
-            if _config().guards and _batch_checksummed(self):
-                # split labels (per-voxel outputs under s/ds) differ within a model group
-                split = (any(getattr(self, "_tfhybrid_split_outputs", ()))
-                         and isinstance(data, tuple))
-                rows = data[0] if split else data
-                checksum.assign(tf.cond(due, lambda: batch_checksum(rows), checksum.read_value))
-            with batch_losses.weighted_rows(self, batch_losses.rows_factor(self, data,
-                                                                            weighting)):
-                logs = cls.train_step(self, data)
-            if _config().guards and runtime.current_grid().size > 1:
-                gather_step_sums(self, checksum, weights_due)
-        return logs
-
-    def test_step(self, data):
-        batch_losses.wrap(self)
-        batch_losses.wrap_metrics(self)
-        data = full_labels_to_blocks(self, data)
-        with after_reading(data):
-            if _config().guards and _data_replicas_checked(self):     # EvaluateRows' batch
-                split = (any(getattr(self, "_tfhybrid_split_outputs", ()))
-                         and isinstance(data, tuple))
-                rows = data[0] if split else data
-                checksum.assign(tf.cond(evaluate_due, lambda: batch_checksum(rows),
-                                        checksum.read_value))
-            with batch_losses.weighted_rows(self, batch_losses.rows_factor(self, data,
-                                                                            weighting)):
-                return cls.test_step(self, data)
-
-    def part_step(keras_step):
-        """p/ls: the batch checksum of the steps :class:`PartRows` compares."""
-        def step(self, data):
-            with after_reading(data):
-                rows = part_rows(self) if _config().guards else None
-                if rows is not None:
-                    position = tf.constant(rows[0], tf.int32)
-                    checksum.assign(tf.cond(due, lambda: batch_checksum(data, position),
-                                            checksum.read_value))
-                return keras_step(self, data)
-        return step
+    _tfhybrid_base = None      # the model's own class (set on each guarded subclass)
+    _tfhybrid_part = False
 
     def fit(self, *args, **kwargs):
+        cls, part = _base(self), self._tfhybrid_part
         bound = _keras_signature(cls.fit).bind(self, *args, **kwargs)
         _keras_checkpoints(self, bound)          # may raise: before any collective
         _keras_backups(self, bound)              # may raise: before any collective
         _quiet_shuffle(bound)
         object.__setattr__(self, "_tfhybrid_broadcast_in_fit", False)   # set by the callback
-        extra = _watchdog_callbacks()
-        config = _config()
         object.__setattr__(self, "_tfhybrid_start_check", None)
         object.__setattr__(self, "_tfhybrid_validation_copies", None)
-        if config.guards and runtime.current_grid().size > 1 and not part:   # 1 process: no peers
-            set_row_copies(self, 1)      # until the inputs are compared
-            check = StartCheck(self, planned_steps(bound.arguments, "steps_per_epoch"),
-                               _fit_fingerprints(bound.arguments),
-                               local_blocks(bound.arguments))
-            if _broadcasts(bound.arguments.get("callbacks")):
-                # rides in the broadcast callback's allgather, before its broadcasts
-                # (the GuardCallback runs it if that callback does not)
-                object.__setattr__(self, "_tfhybrid_start_check", check)
-            else:       # before the first collective of the fit
-                check.run_alone()
-            step_sums_variable(self)
-            extra.append(GuardCallback(checksum, config.guard_every_steps, due, weights_due))
-        if config.guards and runtime.current_grid().size > 1 and not part:
-            extra.append(EvaluateRows(checksum, evaluate_due))   # validation on a dataset
-        if part and config.guards and part_rows(self) is not None:
-            extra.append(PartRows(checksum, due))     # each part fed the rows it needs
+        extra = _watchdog_callbacks() + _fit_checks(self, bound, part)
         if runtime.current_grid().size > 1:
             extra.append(AgreeOnStop())          # last: after every callback's on_epoch_end
         try:
@@ -196,28 +105,13 @@ def install(model, part=False):
 
     @collective_api("model.evaluate", _EVAL_HINT.format("evaluate"))
     def evaluate(self, *args, **kwargs):
+        cls, part = _base(self), self._tfhybrid_part
         bound = _keras_signature(cls.evaluate).bind(self, *args, **kwargs)
         in_fit = isinstance(bound.arguments.get("callbacks"), keras.callbacks.CallbackList)
         compare = (_config().guards and not part and runtime.current_grid().size > 1
                    and _data_replicas_checked(self))
         fit_copies, fit_weighting = row_copies(self), row_weighting(self)
-        extra = _watchdog_callbacks()
-        if _config().guards and not part and not in_fit:      # fit's validation: fit checked
-            copies = check_steps(self, planned_steps(bound.arguments, "steps"), "evaluate",
-                                 input_fingerprint(bound.arguments.get("x"),
-                                                   bound.arguments.get("y")) if compare else None,
-                                 local_blocks(bound.arguments) if compare else None)
-        else:
-            copies = getattr(self, "_tfhybrid_validation_copies", None) if compare else None
-        object.__setattr__(self, "_tfhybrid_rows_unknown", compare and copies is None)
-        if compare:
-            set_row_copies(self, copies or 1)
-            if copies is None and not in_fit:   # a dataset: its first batch tells (fit
-                extra.append(EvaluateRows(checksum, evaluate_due))   # lists its own)
-            elif copies is not None and copies > 1:
-                _warn_copies(self, copies, "in evaluate")
-        if part and not in_fit and _config().guards and part_rows(self) is not None:
-            extra.append(PartRows(checksum, due))     # fit's validation: fit's callback
+        extra = _watchdog_callbacks() + _evaluate_checks(self, bound, part, in_fit, compare)
         outer = getattr(self, "_tfhybrid_evaluating", False)
         object.__setattr__(self, "_tfhybrid_evaluating", True)
         try:
@@ -228,11 +122,160 @@ def install(model, part=False):
                 set_row_copies(self, fit_copies)    # a callback's evaluate inside fit too
                 set_row_weighting(self, fit_weighting)
 
+    @collective_api("model.predict", _EVAL_HINT.format("predict"))
+    def predict(self, *args, **kwargs):
+        out = _call_with_callbacks(_base(self).predict, self, args, kwargs,
+                                   _watchdog_callbacks())
+        # whole volumes, as one process predicts them (s/ds outputs stay in blocks)
+        return whole_predictions(self, out) if not self._tfhybrid_part else out
+
+    save = _refusing_shards(
+        "save", "of transformed model {!r} would write only this rank's part of its split "
+        "layers, in tfhybrid layers that need this process grid to load.",
+        _SAVE_FIX.format("e.g. full.save(path) on rank 0"))
+    save_weights = _refusing_shards(
+        "save_weights", "of transformed model {!r} would write only this rank's part of its "
+        "split layers.", _SAVE_FIX.format("e.g. full.save_weights(path) on rank 0"))
+    load_weights = _refusing_shards(
+        "load_weights", "into transformed model {!r}: its split layers hold this rank's part "
+        "of each weight, so a weights file of the full model does not fit them.",
+        "Load full weights into the original model before tfhybrid.transform (it copies "
+        "them; loading on rank 0 only is enough: transform broadcasts them), or resume a "
+        "tfhybrid checkpoint with tfhybrid.load(path).")
+
+
+def _fit_checks(model, bound, part):
+    """The guard callbacks of one ``fit`` (and its start check, run or scheduled)."""
+    config, extra = _config(), []
+    if config.guards and runtime.current_grid().size > 1 and not part:   # 1 process: no peers
+        set_row_copies(model, 1)      # until the inputs are compared
+        check = StartCheck(model, planned_steps(bound.arguments, "steps_per_epoch"),
+                           _fit_fingerprints(bound.arguments), local_blocks(bound.arguments))
+        if _broadcasts(bound.arguments.get("callbacks")):
+            # rides in the broadcast callback's allgather, before its broadcasts
+            # (the GuardCallback runs it if that callback does not)
+            object.__setattr__(model, "_tfhybrid_start_check", check)
+        else:       # before the first collective of the fit
+            check.run_alone()
+        step_sums_variable(model)
+        extra.append(GuardCallback(_state(model, "batch_checksum"), config.guard_every_steps,
+                                   _state(model, "batch_checksum_due"),
+                                   _state(model, "weight_checksums_due")))
+        extra.append(EvaluateRows(_state(model, "batch_checksum"),     # validation on a
+                                  _state(model, "evaluate_checksum_due")))   # dataset
+    if part and config.guards and part_rows(model) is not None:
+        extra.append(PartRows(_state(model, "batch_checksum"),      # each part fed the
+                              _state(model, "batch_checksum_due")))  # rows it needs
+    return extra
+
+
+def _evaluate_checks(model, bound, part, in_fit, compare):
+    """The guard callbacks of one ``evaluate``; sets the rows' copies it found."""
+    extra = []
+    if _config().guards and not part and not in_fit:      # fit's validation: fit checked
+        copies = check_steps(model, planned_steps(bound.arguments, "steps"), "evaluate",
+                             input_fingerprint(bound.arguments.get("x"),
+                                               bound.arguments.get("y")) if compare else None,
+                             local_blocks(bound.arguments) if compare else None)
+    else:
+        copies = getattr(model, "_tfhybrid_validation_copies", None) if compare else None
+    object.__setattr__(model, "_tfhybrid_rows_unknown", compare and copies is None)
+    if compare:
+        set_row_copies(model, copies or 1)
+        if copies is None and not in_fit:   # a dataset: its first batch tells (fit
+            extra.append(EvaluateRows(_state(model, "batch_checksum"),    # lists its own)
+                                      _state(model, "evaluate_checksum_due")))
+        elif copies is not None and copies > 1:
+            _warn_copies(model, copies, "in evaluate")
+    if part and not in_fit and _config().guards and part_rows(model) is not None:
+        extra.append(PartRows(_state(model, "batch_checksum"),      # fit's validation:
+                              _state(model, "batch_checksum_due")))  # fit's callback
+    return extra
+
+
+def _checksum_rows(model, data):
+    """The rows a batch checksum covers: split labels (per-voxel outputs under
+    s/ds) differ within a model group, so only the inputs then."""
+    split = any(getattr(model, "_tfhybrid_split_outputs", ())) and isinstance(data, tuple)
+    return data[0] if split else data
+
+
+class GuardedModel(_GuardedMethods):
+    """The methods of a transformed model built by the planner and rewriter.
+
+    ``compile`` wraps a plain optimizer in :class:`tfhybrid.DistributedOptimizer`;
+    the traced steps compare batches across the ranks that must feed the same
+    rows and weigh unequal row blocks; epoch logs, ``evaluate`` and
+    ``*_on_batch`` return the global batch's metrics; ``summary`` adds the
+    layout note; the train function takes the lean path.
+    """
+
+    def compile(self, *args, **kwargs):
+        cls = _base(self)
+        bound = inspect.signature(cls.compile).bind(self, *args, **kwargs)
+        bound.arguments["optimizer"] = _wrap_optimizer(bound.arguments.get("optimizer",
+                                                                            "rmsprop"))
+        follow_source_flags(self)
+        carry_weight_decay_exclusions(self, bound.arguments["optimizer"])
+        if _loss_scale_inside(self, bound.arguments["optimizer"],
+                              bound.arguments.get("auto_scale_loss", True)):
+            bound.arguments["auto_scale_loss"] = False     # done: no second LossScaleOptimizer
+        return cls.compile(*bound.args, **bound.kwargs)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        inner = self._tfhybrid_inner_compute_loss     # a split-output wrapper, or Keras'
+        if inner is None:
+            loss = _base(self).compute_loss(self, x, y, y_pred, sample_weight,
+                                            training=training)
+        else:
+            loss = inner(x, y, y_pred, sample_weight, training=training)
+        return batch_losses.whole_regularization(self, loss)
+
+    def train_step(self, data):
+        data = full_labels_to_blocks(self, data)     # fit(x, y) with whole-volume labels
+        batch_losses.wrap(self)                      # reduction="sum" losses: x row blocks
+        batch_losses.wrap_metrics(self)              # batch-level metric functions: whole
+        checksum, due = _state(self, "batch_checksum"), _state(self, "batch_checksum_due")
+        # Only where ranks of a model group must feed the same rows (nothing to
+        # compare otherwise: pure data parallelism, one process), and only on
+        # the steps the GuardCallback checks.
+        with after_reading(data):
+            if _config().guards and _batch_checksummed(self):
+                rows = _checksum_rows(self, data)
+                checksum.assign(tf.cond(due, lambda: batch_checksum(rows), checksum.read_value))
+            with batch_losses.weighted_rows(self, batch_losses.rows_factor(
+                    self, data, _state(self, "row_weighting"))):
+                logs = _base(self).train_step(self, data)
+            if _config().guards and runtime.current_grid().size > 1:
+                gather_step_sums(self, checksum, _state(self, "weight_checksums_due"))
+        return logs
+
+    def test_step(self, data):
+        batch_losses.wrap(self)
+        batch_losses.wrap_metrics(self)
+        data = full_labels_to_blocks(self, data)
+        checksum, due = _state(self, "batch_checksum"), _state(self, "evaluate_checksum_due")
+        with after_reading(data):
+            if _config().guards and _data_replicas_checked(self):     # EvaluateRows' batch
+                rows = _checksum_rows(self, data)
+                checksum.assign(tf.cond(due, lambda: batch_checksum(rows), checksum.read_value))
+            with batch_losses.weighted_rows(self, batch_losses.rows_factor(
+                    self, data, _state(self, "row_weighting"))):
+                return _base(self).test_step(self, data)
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        _base(self).make_train_function(self, force=force)
+        self.train_function = lean_train_function(self, self.train_function)
+        return self.train_function
+
     def _get_metrics_result_or_logs(self, logs):
         # Called eagerly, on every rank, at the end of evaluate and of each fit
         # epoch (before validation and the callbacks): the epoch's train logs
-        # become the global batch's (before: each rank's own rows, so that
-        # EarlyStopping/ReduceLROnPlateau on "loss" decided per rank).
+        # become the global batch's (rather than each rank's own rows, so that
+        # EarlyStopping/ReduceLROnPlateau on "loss" decide as one process does).
+        cls = _base(self)
         if not (tf.executing_eagerly() and _config().average_metrics
                 and runtime.current_grid().size > 1):
             return cls._get_metrics_result_or_logs(self, logs)
@@ -243,94 +286,134 @@ def install(model, part=False):
             out = _average_step_logs(logs, metric_ranks(self))
         return out
 
-    def on_batch(name):
-        """Keras' ``train_on_batch``/``test_on_batch`` with the batch's logs of the
-        global batch, as one process computes them (Keras resets the metrics
-        before the step, so summing the states gives that batch's), not each
-        rank's own rows' loss and metrics."""
-        keras_method = getattr(cls, name)
+    @collective_api("model.train_on_batch", _EVAL_HINT.format("train_on_batch"))
+    def train_on_batch(self, *args, **kwargs):
+        return _global_batch_logs(self, "train_on_batch", args, kwargs)
 
-        def method(self, *args, **kwargs):
-            bound = _keras_signature(keras_method).bind(self, *args, **kwargs)
-            return_dict = bound.arguments.get("return_dict", False)
-            bound.arguments["return_dict"] = True
-            logs = keras_method(*bound.args, **bound.kwargs)
-            if _config().average_metrics and runtime.current_grid().size > 1:
-                logs = {k: float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v)
-                        for k, v in self._get_metrics_result_or_logs(logs).items()}
-            return logs if return_dict else self._flatten_metrics_in_order(logs)
-        return collective_api(f"model.{name}", _EVAL_HINT.format(name))(method)
-
-    train_on_batch = on_batch("train_on_batch")
-    test_on_batch = on_batch("test_on_batch")
+    @collective_api("model.test_on_batch", _EVAL_HINT.format("test_on_batch"))
+    def test_on_batch(self, *args, **kwargs):
+        return _global_batch_logs(self, "test_on_batch", args, kwargs)
 
     def summary(self, *args, **kwargs):
+        cls = _base(self)
         bound = inspect.signature(cls.summary).bind(self, *args, **kwargs)
         out = cls.summary(*bound.args, **bound.kwargs)
         print_fn = bound.arguments.get("print_fn")
-        note = summary_note(self)
-        (print_fn or print)(note)     # Keras calls print_fn(text) the same way
+        (print_fn or print)(summary_note(self))     # Keras calls print_fn(text) the same way
         return out
 
-    @collective_api("model.predict", _EVAL_HINT.format("predict"))
-    def predict(self, *args, **kwargs):
-        out = _call_with_callbacks(cls.predict, self, args, kwargs, _watchdog_callbacks())
-        # whole volumes, as one process predicts them (s/ds outputs stay in blocks)
-        return whole_predictions(self, out) if not part else out
 
-    def make_train_function(self, force=False):
-        if self.train_function is not None and not force:
-            return self.train_function
-        cls.make_train_function(self, force=force)
-        self.train_function = lean_train_function(self, self.train_function)
-        return self.train_function
+def _global_batch_logs(model, name, args, kwargs):
+    """Keras' ``train_on_batch``/``test_on_batch`` with the batch's logs of the
+    global batch, as one process computes them (Keras resets the metrics
+    before the step, so summing the states gives that batch's), not each
+    rank's own rows' loss and metrics."""
+    keras_method = getattr(_base(model), name)
+    bound = _keras_signature(keras_method).bind(model, *args, **kwargs)
+    return_dict = bound.arguments.get("return_dict", False)
+    bound.arguments["return_dict"] = True
+    logs = keras_method(*bound.args, **bound.kwargs)
+    if _config().average_metrics and runtime.current_grid().size > 1:
+        logs = {k: float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v)
+                for k, v in model._get_metrics_result_or_logs(logs).items()}
+    return logs if return_dict else model._flatten_metrics_in_order(logs)
 
-    def refusing_shards(name, problem, fix):
-        """Keras' ``name`` unchanged on a model of plain layers; on split layers a
-        ValueError naming ``problem`` and ``fix`` instead of one rank's shards."""
-        keras_method = getattr(cls, name)
 
-        def method(self, *args, **kwargs):
-            if _holds_shards(self):
-                raise ValueError(f"model.{name}() {problem.format(self.name)} {fix}")
-            return keras_method(self, *args, **kwargs)
-        return method
+class GuardedPartModel(_GuardedMethods):
+    """The methods of a ``p``/``ls`` model: its ranks run different layers with
+    their own train step, reductions and metrics, so their structures and
+    weights differ by design. No consistency checks, optimizer wrapping or
+    lean train function; the steps checksum the rows :class:`PartRows` compares."""
 
-    save = refusing_shards(
-        "save", "of transformed model {!r} would write only this rank's part of its split "
-        "layers, in tfhybrid layers that need this process grid to load.",
-        _SAVE_FIX.format("e.g. full.save(path) on rank 0"))
-    save_weights = refusing_shards(
-        "save_weights", "of transformed model {!r} would write only this rank's part of its "
-        "split layers.", _SAVE_FIX.format("e.g. full.save_weights(path) on rank 0"))
-    load_weights = refusing_shards(
-        "load_weights", "into transformed model {!r}: its split layers hold this rank's part "
-        "of each weight, so a weights file of the full model does not fit them.",
-        "Load full weights into the original model before tfhybrid.transform (it copies "
-        "them; loading on rank 0 only is enough: transform broadcasts them), or resume a "
-        "tfhybrid checkpoint with tfhybrid.load(path).")
+    _tfhybrid_part = True
 
-    methods = [("compile", compile), ("compute_loss", compute_loss),
-               ("train_step", train_step), ("test_step", test_step),
-               ("fit", fit),
-               ("make_train_function", make_train_function),
-               ("evaluate", evaluate), ("predict", predict), ("summary", summary),
-               ("train_on_batch", train_on_batch), ("test_on_batch", test_on_batch),
-               ("save", save), ("save_weights", save_weights), ("load_weights", load_weights)]
-    if hasattr(cls, "_get_metrics_result_or_logs"):    # Keras 3 trainers (3.0 .. 3.15)
-        methods.append(("_get_metrics_result_or_logs", _get_metrics_result_or_logs))
-    if part:     # p/ls: their own steps, reductions and metrics
-        keep = ("fit", "evaluate", "predict", "save", "save_weights", "load_weights")
-        methods = [(name, fn) for name, fn in methods if name in keep]
-        methods += [("compile", part_compile), ("train_step", part_step(cls.train_step)),
-                    ("test_step", part_step(cls.test_step))]
-        object.__setattr__(model, "_tfhybrid_part", True)
-    for name, fn in methods:
-        object.__setattr__(model, name, types.MethodType(fn, model))
-    object.__setattr__(model, "_tfhybrid_batch_checksum", checksum)
-    object.__setattr__(model, "_tfhybrid_batch_checksum_due", due)
+    def compile(self, *args, **kwargs):
+        # p/ls apply their own optimizer step (no wrapping), but Horovod's Keras
+        # optimizer fails inside their step as it does in Keras'.
+        cls = _base(self)
+        bound = inspect.signature(cls.compile).bind(self, *args, **kwargs)
+        optimizer = bound.arguments.get("optimizer")
+        refuse_horovod_optimizer(optimizer)
+        from tfhybrid.optimizer import DistributedOptimizer
+
+        if isinstance(optimizer, DistributedOptimizer):
+            refuse_part_options(optimizer, self.tfhybrid_strategy)
+        follow_source_flags(self)
+        if optimizer is not None and not isinstance(optimizer, str):
+            carry_weight_decay_exclusions(self, optimizer)
+        return cls.compile(*bound.args, **bound.kwargs)
+
+    def train_step(self, data):
+        return self._part_step(_base(self).train_step, data)
+
+    def test_step(self, data):
+        return self._part_step(_base(self).test_step, data)
+
+    def _part_step(self, keras_step, data):
+        """The batch checksum of the steps :class:`PartRows` compares, then Keras' step."""
+        checksum, due = _state(self, "batch_checksum"), _state(self, "batch_checksum_due")
+        with after_reading(data):
+            rows = part_rows(self) if _config().guards else None
+            if rows is not None:
+                position = tf.constant(rows[0], tf.int32)
+                checksum.assign(tf.cond(due, lambda: batch_checksum(data, position),
+                                        checksum.read_value))
+            return keras_step(self, data)
+
+
+_CLASSES = {}
+
+
+def _guarded_class(cls, part):
+    """The subclass of ``cls`` with the guarded methods (one per class): same name
+    and module as ``cls``, so Keras serializes its models as ``cls``'s."""
+    key = (cls, part)
+    if key not in _CLASSES:
+        methods = GuardedPartModel if part else GuardedModel
+        _CLASSES[key] = type(cls.__name__, (methods, cls),
+                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                              "_tfhybrid_base": cls})
+    return _CLASSES[key]
+
+
+def install(model, part=False):
+    """Make transformed ``model``'s compile/fit/evaluate/predict run the guards.
+
+    The model becomes an instance of a subclass of its class
+    (:class:`GuardedModel` or, with ``part``, :class:`GuardedPartModel`, over
+    it), which Keras serializes as its class; idempotent. ``part=True``: a
+    ``p``/``ls`` model, whose ranks run different layers with their own train
+    step and reductions.
+    """
+    if getattr(model, "_tfhybrid_guarded", False):
+        return model
+    variables = {
+        "batch_checksum": tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                      name="tfhybrid_batch_checksum"),
+        # True before the steps whose batch the GuardCallback compares (set by it):
+        # the traced step skips the checksum's work on the other steps.
+        "batch_checksum_due": tf.Variable(True, trainable=False,
+                                          name="tfhybrid_batch_checksum_due"),
+        # True before the steps whose weights the GuardCallback compares: the
+        # traced step gathers the checksums itself (gather_step_sums)
+        "weight_checksums_due": tf.Variable(False, trainable=False,
+                                            name="tfhybrid_weight_checksums_due"),
+        # True for the first step of an evaluate whose rows are compared (EvaluateRows)
+        "evaluate_checksum_due": tf.Variable(False, trainable=False,
+                                             name="tfhybrid_evaluate_checksum_due"),
+    }
     if not part:
-        object.__setattr__(model, "_tfhybrid_row_copies", copies)
-        object.__setattr__(model, "_tfhybrid_row_weighting", weighting)
+        # ranks of a row-block group feeding the very same rows (batch_losses' sum)
+        variables["row_copies"] = tf.Variable(1.0, trainable=False, name="tfhybrid_row_copies")
+        # set by fit's start check when the ranks' blocks of a step may hold
+        # unequal rows: train_step then weighs each block by its rows (batch_losses)
+        variables["row_weighting"] = tf.Variable(False, trainable=False,
+                                                 name="tfhybrid_row_weighting")
+    for name, variable in variables.items():
+        object.__setattr__(model, f"_tfhybrid_{name}", variable)
+    # a compute_loss set on the instance (split outputs) would hide the class's
+    object.__setattr__(model, "_tfhybrid_inner_compute_loss",
+                       vars(model).pop("compute_loss", None))
+    object.__setattr__(model, "__class__", _guarded_class(type(model), part))
     object.__setattr__(model, "_tfhybrid_guarded", True)
     return model

@@ -149,7 +149,7 @@ def _check_part_rows(model, sums, where):
         want = float(np.sum(sums[list(ranks)]))
         if abs(sums[rank] - want) <= 1e-9 * max(1.0, abs(want)):
             continue
-        kind = ("p" if hasattr(model, "pipeline_state") else "ls")
+        kind = model.tfhybrid_strategy
         role = (f"ranks {rank} and {ranks[0]} run stages of one pipeline and must feed the "
                 "same rows" if kind == "p" else
                 f"rank {rank} (an FC worker) must feed the rows of its CONV workers "

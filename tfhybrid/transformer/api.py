@@ -1,4 +1,5 @@
-"""``tfhybrid.transform``: rewrite an unmodified Keras model for a strategy.
+"""Building the parallel model of a strategy (``tfhybrid.transform`` builds with
+:func:`build`, then installs the guards: :mod:`tfhybrid.compose`).
 
 Reads the model's graph (:mod:`.graph`), plans layouts and boundaries
 (:mod:`.planner`), builds the parallel model (:mod:`.rewrite`) and records
@@ -8,9 +9,8 @@ on it what :func:`tfhybrid.gather`, :func:`tfhybrid.describe` and
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-from tfhybrid import hooks, runtime
+from tfhybrid import runtime
 from tfhybrid.layout import layout_of, set_layout
 from tfhybrid.optimizer import averaging
 from tfhybrid.oracle import formulas
@@ -56,75 +56,32 @@ def _refuse_pairs_in_elastic_runs(strategy):
             "or launch without --min-np/--max-np.")
 
 
-def transform(model, strategy="d", **options):
-    """The hybrid-parallel counterpart of an unmodified Keras model.
+def build(model, strategy="d", **options):
+    """Build the hybrid-parallel counterpart of an unmodified Keras model.
 
-    Call on every rank after :func:`tfhybrid.init` (collective). The
-    returned model holds this rank's part of global rank 0's current weights
-    of ``model`` (copied, or sliced for partitioned layers; transform
-    broadcasts them first, so weights restored or initialised on rank 0 only
-    reach every rank, also in sharded layers) and computes the same
-    function; ``model`` itself is not modified.
-
-    Args:
-        model: A built Sequential or Functional Keras 3 model.
-        strategy: ``"d"`` (data parallel over all ranks), ``"f"``/``"c"``
-            (filter/channel parallelism of every Dense/Conv2D/Conv3D over all ranks:
-            init with ``model_parallel=world``), ``"s"`` (spatial split of the
-            leading convolutions over all ranks), ``"df"``/``"ds"`` (data
-            groups x filter/spatial groups), ``"gmp"`` (SplitBrain: convs data
-            parallel over all ranks, FC layers with high CCR partitioned in
-            groups of ``mp``), ``"p"`` (GPipe pipeline: ``stages=S`` stages on
-            the model groups of ``init(model_parallel=S)``, ``micro_batches=M``;
-            data parallel across model groups), ``"ls"`` (Stanza's layer
-            separation, ``fc_workers=``) or ``"auto"`` (the oracle's choice).
-        **options: ``mp``, ``ccr_threshold``, ``scheme`` (``"BK"``, ``"B"``
-            or ``"B/K"``: the ModuloLayer scheme), ``average_every`` and
-            ``averaging`` (SplitBrain's periodic model averaging, approximate
-            for ``average_every`` > 1) (gmp); ``spatial``,
-            ``spatial_layers`` (s/ds); ``layers`` (per-layer overrides
-            ``{"fc1": "f", "fc2": "c", "conv1": "replicate"}``); ``fallback``
-            (``"error"`` or ``"replicate"``); ``stages``, ``micro_batches``,
-            ``machine`` (p); ``fc_workers`` (ls). See
-            :class:`~tfhybrid.transformer.options.TransformOptions`.
+    What :func:`tfhybrid.transform` (:mod:`tfhybrid.compose`) builds before it
+    installs the guards: the parallel model of ``strategy`` on the current
+    grid, holding this rank's part of global rank 0's weights (collective).
+    Arguments and errors: :func:`tfhybrid.compose.transform`.
 
     Returns:
-        A Functional Keras model. Compile it with
-        ``tfhybrid.DistributedOptimizer`` and feed it
-        ``tfhybrid.data.shard(batches, model=transformed)``.
-
-    Raises:
-        ValueError: subclassed/unbuilt models, unknown strategy or options,
-            options that do not apply to the strategy, a grid the strategy
-            cannot use, a layer that cannot be partitioned, or s/ds on a
-            model with no Conv2D they can split (the message names the
-            layer, the strategy and the fix).
-
-    Example:
-        >>> tfhybrid.init(model_parallel=2)                # horovodrun -np 4
-        >>> pmodel = tfhybrid.transform(model, "df")
-        >>> pmodel = tfhybrid.transform(model, "gmp", ccr_threshold=100)
-        >>> pmodel = tfhybrid.transform(model, "gmp", scheme="B/K")   # K micro-steps
-        >>> pmodel = tfhybrid.transform(model, "p", stages=2, micro_batches=4)   # GPipe
-        >>> tfhybrid.describe(pmodel)
+        An uncompiled, unguarded model: a Functional model, or a
+        :class:`~tfhybrid.transformer.parts.PartModel` for ``p`` and ``ls``.
     """
     _refuse_transformed(model)
     opts = make_options(strategy, **options)
     grid = runtime.current_grid()
     if opts.strategy in ("ls", "p"):
         _refuse_pairs_in_elastic_runs(opts.strategy)
-    # compile wraps plain optimizers; fit checks consistency: tfhybrid.guards.install
-    install = functools.partial(hooks.call, "install")
     if opts.strategy == "ls":     # ranks run different layers: tfhybrid/transformer/layer_separation.py
         from tfhybrid.transformer import layer_separation
-        return _compiled_like(model, install(_remember_source(
-            model, layer_separation.build(model, grid, opts.fc_workers, opts.machine,
-                                          opts.batch_size)), part=True))
+        return _remember_source(model, layer_separation.build(
+            model, grid, opts.fc_workers, opts.machine, opts.batch_size))
     if opts.strategy == "p":      # pipeline stages: tfhybrid/transformer/pipeline.py
         from tfhybrid.transformer import pipeline
-        return _compiled_like(model, install(_remember_source(
-            model, pipeline.build(model, grid, opts.stages, opts.micro_batches, opts.machine,
-                                  getattr(opts, "batch_norm", "sync"))), part=True))
+        return _remember_source(model, pipeline.build(
+            model, grid, opts.stages, opts.micro_batches, opts.machine,
+            getattr(opts, "batch_norm", "sync")))
     functional = as_functional(model, flatten=True)     # nested models inlined
     graph = describe_graph(functional)
     auto_choice = None
@@ -145,7 +102,7 @@ def transform(model, strategy="d", **options):
     info.auto = auto_choice
     object.__setattr__(new, INFO_ATTR, info)
     object.__setattr__(new, BATCH_SPLIT_ATTR, plan.batch_split)
-    return _compiled_like(model, install(_remember_source(model, new)))
+    return _remember_source(model, new)
 
 
 def _remember_source(source, new):
@@ -165,41 +122,6 @@ def _remember_source(source, new):
     object.__setattr__(new, "_tfhybrid_source_layers",
                        {layer.name: [weakref.ref(layer), layer.trainable]
                         for layer in weighted_leaves(source)})
-    return new
-
-
-def _compiled_like(source, new):
-    """Compile ``new`` as ``source`` was compiled (a script that compiles first and
-    transforms just before ``fit`` keeps its loss, metrics and optimizer).
-
-    The optimizer goes through the transformed model's ``compile``, which wraps
-    a plain one in :class:`tfhybrid.DistributedOptimizer` (with its warning). An
-    optimizer that has already trained ``source`` holds slots for ``source``'s
-    variables: a fresh copy from its config is used (its step count and slots
-    are not carried, as with any newly compiled model).
-    """
-    holder = getattr(source, "_compile_config", None)
-    if not getattr(source, "compiled", False) or holder is None:
-        return new
-    config = dict(holder.config)
-    optimizer = config.get("optimizer")
-    if getattr(optimizer, "built", False):
-        try:
-            copy = type(optimizer).from_config(optimizer.get_config())
-            for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
-                if hasattr(optimizer, name):      # not in the config; ids of source's
-                    setattr(copy, name, getattr(optimizer, name))   # variables: translated
-            optimizer = copy                      # at compile
-        except Exception as err:
-            raise ValueError(
-                f"Model {source.name!r} was compiled and trained before tfhybrid.transform, "
-                f"and its optimizer ({type(optimizer).__name__}) cannot be copied for the "
-                f"transformed model ({type(err).__name__}: {err}). Call compile() on the "
-                "transformed model with a new optimizer.") from err
-    config["optimizer"] = optimizer
-    if config.get("jit_compile") is True:      # resolved from "auto" on the source
-        config["jit_compile"] = "auto"
-    new.compile(**config)
     return new
 
 

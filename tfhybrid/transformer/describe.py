@@ -19,6 +19,7 @@ from tfhybrid.optimizer.reduction import reduction_of
 from tfhybrid.spatial_geometry import TransposeGeometry
 from tfhybrid.transformer import rules
 from tfhybrid.transformer.api import info_of
+from tfhybrid.transformer.parts import PartModel
 from tfhybrid.transformer.rewrite import find_layer
 
 _F32 = 4
@@ -108,12 +109,8 @@ def _placement_line(model):
 
 
 def _describe(model, batch_size):
-    if hasattr(model, "fc_part") and hasattr(model, "bytes_moved"):   # ls: layer_separation.py
-        from tfhybrid.transformer.layer_separation import describe_ls
-        return describe_ls(model, batch_size, None, Description)
-    if hasattr(model, "pipeline_state") and hasattr(model, "bytes_moved"):   # p: pipeline.py
-        from tfhybrid.transformer.pipeline import describe_p
-        return describe_p(model, batch_size, None, Description)
+    if isinstance(model, PartModel):     # p, ls: pipeline.py, layer_separation.py
+        return model.describe_parts(batch_size, Description)
     info = info_of(model)
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
             batch_size, int) or batch_size < 1):

@@ -15,6 +15,7 @@ import os
 from tfhybrid.comm import backend
 from tfhybrid.watchdog import collective_api
 from tfhybrid.transformer.api import info_of
+from tfhybrid.transformer.parts import PartModel
 from tfhybrid.transformer.graph import find_nested_layer, set_trainable_flags
 from tfhybrid.transformer.rewrite import find_layer
 from tfhybrid.transformer.source import finalize_states, rebuild
@@ -45,8 +46,7 @@ def gather(model):
     Example:
         >>> tfhybrid.gather(pmodel).save("model.keras")   # on every rank (atomic)
     """
-    if hasattr(model, "gathered") and (hasattr(model, "fc_part")            # ls
-                                       or hasattr(model, "pipeline_state")):  # p
+    if isinstance(model, PartModel):       # p, ls: their own gather
         return atomic_saves(model.gathered())
     info = info_of(model)
     full = rebuild(info.source, getattr(info, "objects", None))

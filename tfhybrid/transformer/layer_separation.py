@@ -53,6 +53,7 @@ import tensorflow as tf
 from tfhybrid import batch_losses
 from tfhybrid.comm import backend
 from tfhybrid.transformer.graph import weighted_leaves
+from tfhybrid.transformer.parts import PartModel
 from tfhybrid.transformer.source import finalize_states
 from tfhybrid.comm.p2p import anchored
 from tfhybrid.optimizer import clipping
@@ -186,13 +187,15 @@ def assign_workers(model, world, machine=None, batch_size=None):
 
 # -- the model -----------------------------------------------------------------------------
 
-class LayerSeparatedModel(keras.Model):
+class LayerSeparatedModel(PartModel):
     """This rank's role of Stanza's layer separation (see the module docstring).
 
     Holds the whole model (``self.full``); the CONV part trains on CONV
     workers, the FC part on FC workers. Build it with
     ``tfhybrid.transform(model, "ls", fc_workers=n_f)``.
     """
+
+    tfhybrid_strategy = "ls"
 
     def __init__(self, full, cut_layer, n_c, n_f, **kwargs):
         super().__init__(name=kwargs.pop("name", f"{full.name}_ls"))
@@ -527,7 +530,7 @@ class LayerSeparatedModel(keras.Model):
         """The weights of ``part`` the original model trains (also where it is frozen)."""
         return [w for w in part.weights if w.path in self.trainable_paths]
 
-    def layer_separation_state(self):
+    def optimizer_state(self):
         """The optimizer state at full shapes for ``tfhybrid.save`` (collective):
         CONV slots from rank 0, FC slots from FC worker 0 (Stanza §5.3: every
         rank, CONV workers included, then holds the FC part's state too).
@@ -563,6 +566,9 @@ class LayerSeparatedModel(keras.Model):
     def bytes_moved(self, local_batch):
         """Bytes this rank sends per training step, by kind (see :func:`step_bytes`)."""
         return step_bytes(self, self.n_c, self.n_f, local_batch)[self.role]
+
+    def describe_parts(self, batch_size, description_cls):
+        return describe_ls(self, batch_size, None, description_cls)
 
 
 def describe_ls(model, batch_size, print_fn, description_cls):

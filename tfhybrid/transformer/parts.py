@@ -1,9 +1,52 @@
-"""What the models of ``p`` and ``ls`` (ranks running different parts) share."""
+"""What the models of ``p`` and ``ls`` (ranks running different parts) share:
+the :class:`PartModel` interface and the global ``evaluate``."""
 from __future__ import annotations
 
 import inspect
 
 import keras
+
+
+class PartModel(keras.Model):
+    """A model whose ranks run different parts of the original model: ``p``
+    (pipeline stages) and ``ls`` (Stanza's CONV and FC workers).
+
+    Planned strategies keep one Functional model on every rank, described by
+    its :class:`~tfhybrid.transformer.api.TransformInfo`; these models train
+    with their own step instead, and answer what ``describe``, ``gather``,
+    ``save`` and the guards ask through this interface.
+
+    Attributes:
+        tfhybrid_strategy: ``"p"`` or ``"ls"``.
+    """
+
+    tfhybrid_strategy: str = ""
+
+    def gathered(self):
+        """The plain original architecture with the trained weights (collective)."""
+        raise NotImplementedError
+
+    def optimizer_state(self):
+        """The optimizer state at full shapes for ``tfhybrid.save`` (collective):
+        ``{"iterations", "slots": {name: [array per trainable weight of the plain
+        model]}}``, or None before the optimizer is built."""
+        raise NotImplementedError
+
+    def bytes_moved(self, local_batch):
+        """Bytes this rank sends per training step, by kind."""
+        raise NotImplementedError
+
+    def describe_parts(self, batch_size, description_cls):
+        """``tfhybrid.describe`` of this model: its parts, their layers, bytes per step."""
+        raise NotImplementedError
+
+
+def strategy_of(model) -> str:
+    """The strategy a transformed model was built for."""
+    if isinstance(model, PartModel):
+        return model.tfhybrid_strategy
+    from tfhybrid.transformer.api import info_of
+    return info_of(model).plan.strategy
 
 
 def evaluate_global(model, keras_evaluate, args, kwargs):

@@ -55,6 +55,7 @@ from tfhybrid.comm import backend
 from tfhybrid.optimizer import clipping
 from tfhybrid.comm.p2p import anchored, receive_rows, send_rows
 from tfhybrid.transformer.graph import find_nested_layer, set_trainable_flags
+from tfhybrid.transformer.parts import PartModel
 from tfhybrid.transformer.source import finalize_states
 
 
@@ -264,13 +265,15 @@ class _Spec:
         self.__dict__.update(kw)
 
 
-class PipelineModel(keras.Model):
+class PipelineModel(PartModel):
     """This rank's stage of a GPipe pipeline (see the module docstring).
 
     Build it with ``tfhybrid.transform(model, "p", stages=S, micro_batches=M)``.
     ``fit``/``evaluate``/``predict`` and calling it are collective over the
     world's pipelines; every rank returns its pipeline's predictions.
     """
+
+    tfhybrid_strategy = "p"
 
     def __init__(self, stage, spec, **kwargs):
         super().__init__(name=kwargs.pop("name", f"{spec.model_name}_p"))
@@ -590,7 +593,7 @@ class PipelineModel(keras.Model):
             backend.barrier()
         return plain
 
-    def pipeline_state(self):
+    def optimizer_state(self):
         """The optimizer state at full shapes for ``tfhybrid.save`` (collective): each
         stage's slots from its owner in pipeline 0. Returns ``{"iterations",
         "slots": {name: [array per trainable weight of the plain model]}}``, or None."""
@@ -628,6 +631,9 @@ class PipelineModel(keras.Model):
     def bytes_moved(self, local_batch):
         """Bytes this rank sends per training step, by kind (see :func:`step_bytes`)."""
         return step_bytes(self.spec, local_batch)[self.spec.stage]
+
+    def describe_parts(self, batch_size, description_cls):
+        return describe_p(self, batch_size, None, description_cls)
 
 
 def backend_names(names):

@@ -12,6 +12,74 @@ Record files (``shard(files, reader=...)``) are the exception to the shared
 stream: each block opens only its share of the files (:func:`record_plan`),
 and the blocks' local batches still make the global batches of one process
 reading :func:`record_order`.
+
+## Forms
+
+:func:`shard` has three forms, chosen by its arguments.
+
+The **scaling form** takes single rows (a dataset of single samples, or a
+list of file names) with ``batch_size=`` (the global batch) and yields this
+rank's local batches: the raw rows are grouped into global batches
+(remainder dropped), this rank keeps its block of each, and only those rows
+go through ``map_fn`` (the decode), so each rank decodes
+``batch_size / blocks`` rows per step whatever the world size. The
+**batched form** takes a dataset of global batches and keeps this rank's
+rows of each (every rank reads and decodes the whole global batch). Both
+give every rank the same rows, and both have every rank *read* every raw
+row (a dataset of rows is one stream).
+
+The **record-file form**, ``shard(files, reader=tf.data.TFRecordDataset,
+batch_size=64, map_fn=parse)``, also reads only this rank's share: each
+block of the global batch (a data-parallel group: its ranks read the same
+files and rows; under ``d``/``gmp`` every rank) opens only its share of
+the files, so each rank reads ``total / blocks`` raw records when the
+number of files is a multiple of ``blocks`` and divides the global batch
+(fewer files than blocks: each rank reads one file's worth; otherwise
+``total / gcd(files, batch, blocks)`` and rank 0 warns). The global
+batches are exactly those of one process reading
+:func:`record_order` ``(files, batch_size, reader)``: the files read side
+by side, ``batch_size / len(files)`` records of each per global batch
+(in consecutive groups of files when there are more files than that
+divides), whatever the number of ranks, so without ``shuffle`` the
+numbers equal one process's. ``shuffle=N`` shuffles each block's records
+(buffer of N, one seed on every rank, every epoch anew): the global
+batches then depend on the number of blocks. Every epoch has the same,
+known number of global batches (Keras' steps per epoch): as many as the
+file group with the fewest records fills (rank 0 warns when files differ
+in length). Counting them at ``shard`` reads only the record headers of
+an uncompressed ``TFRecordDataset`` (other readers: one pass over this
+rank's files, without ``map_fn``); ``shard`` is then collective (one
+allgather): call it on every rank.
+
+## Remainders
+
+``shard``'s ``remainder`` (batched form and arrays) says what to do with a
+global batch whose rows do not split into equal blocks (``.batch(B)``
+without ``drop_remainder``: its partial last batch, or every batch when
+``B`` is not a multiple of the blocks).
+
+* ``"drop"`` (datasets' default) cuts such a batch into blocks of
+  ``rows // blocks`` rows or one row more, so every row is trained and
+  evaluated as in one process (``fit``'s guards find the unequal blocks and
+  weigh each by its rows); a batch of fewer rows than blocks is skipped on
+  every rank (rank 0 warns). Where blocks must be equal (gmp's model
+  groups, p/ls parts, s/ds outputs, ``Config(guards=False)``) each rank
+  keeps ``rows // blocks`` rows of a partial last batch (rank 0 warns what
+  it dropped), and a ``.batch(B)`` whose ``B`` is not a multiple of the
+  blocks is refused (ValueError).
+* ``"error"`` (arrays' default: trim them yourself) refuses any uneven
+  batch.
+
+The scaling form drops the partial last batch.
+
+## Autotuning
+
+``shard(..., autotune=False)`` (the default, datasets only) turns tf.data's
+autotuning off for the returned pipeline (``Options().autotune.enabled``):
+its tuning thread often delays the end of every pass over the data (each
+fit, epoch, evaluate) by up to one tuning period (doubling from 10 ms to
+60 s), and under data parallelism that rank holds up the others.
+``autotune=True`` keeps TensorFlow's autotuning.
 """
 from __future__ import annotations
 
@@ -677,109 +745,117 @@ def _record_batches(files, reader, batch_size, blocks, index, map_fn, shuffle, s
         tf.data.experimental.assert_cardinality(steps))
 
 
+def _check_remainder(remainder):
+    """Raise ValueError unless ``remainder`` is None or one of :data:`REMAINDERS`."""
+    if remainder is not None and remainder not in REMAINDERS:
+        raise ValueError(f"Received an invalid value for `remainder`: {remainder!r}; expected "
+                         f"one of {REMAINDERS} (or None: 'drop' for datasets, 'error' for "
+                         "arrays).")
+
+
+def _file_rows(files, batch_size):
+    """The scaling form's dataset of the file names ``files``, one row each (needs ``batch_size``)."""
+    if batch_size is None:
+        raise ValueError(f"Received a list of {len(files)} file names without "
+                         "`batch_size`: pass the global batch, e.g. shard(files, "
+                         "batch_size=64, map_fn=load).")
+    return tf.data.Dataset.from_tensor_slices([os.fspath(f) for f in files])
+
+
+def _check_row_batch(dataset, batch_size, blocks):
+    """Raise ValueError unless ``batch_size`` is a positive global batch that ``blocks``
+    divides and ``dataset`` (the scaling form's rows) is not batched already."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"Received an invalid value for `batch_size`: {batch_size!r}; "
+                         "expected the global batch size (a positive integer).")
+    if batch_size % blocks:
+        raise ValueError(_divisible_error(batch_size, blocks))
+    if _batched_upstream(dataset):
+        raise ValueError(
+            f"Received batch_size={batch_size} with a dataset that is already batched "
+            "(its pipeline has a .batch()): pass either a dataset of single samples "
+            "with batch_size=<global batch>, or global batches without batch_size.")
+
+
+def _batched_form(dataset, model, blocks, index, remainder, autotune, map_fn, shuffle):
+    """The batched form: this rank's rows of each global batch of ``dataset``, registered
+    with :func:`equal_blocks` unless the ranks' blocks may differ by a row."""
+    if map_fn is not None or shuffle is not None:
+        raise ValueError(
+            "Received map_fn/shuffle without batch_size: they apply to a dataset of "
+            "single rows. Pass shard(rows, batch_size=<global batch>, map_fn=..., "
+            "shuffle=...), or map and shuffle a dataset of global batches yourself.")
+    if _unbatched_samples(dataset, model):
+        raise ValueError(
+            "tfhybrid.data.shard received a dataset of single samples (elements without a "
+            "batch dimension, e.g. from_tensor_slices with no .batch()), so it would split "
+            "each sample's "
+            "features across ranks. Batch it with the global batch size first "
+            "(dataset.batch(64, drop_remainder=True)), or pass batch_size=64 and "
+            "data.shard batches it.")
+    if blocks == 1:
+        return _equal(_without_autotune_stall(_labels_in_blocks(dataset, model), autotune))
+    allowed = _unequal_allowed(model)
+    out = _without_autotune_stall(_labels_in_blocks(_shard_dataset(
+        dataset, blocks, index, remainder or "drop", allowed), model), autotune)
+    # blocks that may differ by a row: fit's guards weigh them by their rows
+    unequal = _splits_unequally(dataset, blocks, remainder or "drop", allowed[0])
+    return out if unequal else _equal(out)
+
+
 def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, seed=None,
           remainder=None, autotune=False, reader=None):
     """The rows of every global batch that this rank must feed.
 
-    Two forms. The **scaling form** takes single rows (a dataset of single
-    samples, or a list of file names) with ``batch_size=`` (the global batch)
-    and yields this rank's local batches: the raw rows are grouped into global
-    batches (remainder dropped), this rank keeps its block of each, and only
-    those rows go through ``map_fn`` (the decode), so each rank decodes
-    ``batch_size / blocks`` rows per step whatever the world size. The
-    **batched form** takes a dataset of global batches and keeps this rank's
-    rows of each (every rank reads and decodes the whole global batch). Both
-    give every rank the same rows, and both have every rank *read* every raw
-    row (a dataset of rows is one stream).
-
-    The **record-file form**, ``shard(files, reader=tf.data.TFRecordDataset,
-    batch_size=64, map_fn=parse)``, also reads only this rank's share: each
-    block of the global batch (a data-parallel group: its ranks read the same
-    files and rows; under ``d``/``gmp`` every rank) opens only its share of
-    the files, so each rank reads ``total / blocks`` raw records when the
-    number of files is a multiple of ``blocks`` and divides the global batch
-    (fewer files than blocks: each rank reads one file's worth; otherwise
-    ``total / gcd(files, batch, blocks)`` and rank 0 warns). The global
-    batches are exactly those of one process reading
-    :func:`record_order` ``(files, batch_size, reader)``: the files read side
-    by side, ``batch_size / len(files)`` records of each per global batch
-    (in consecutive groups of files when there are more files than that
-    divides), whatever the number of ranks, so without ``shuffle`` the
-    numbers equal one process's. ``shuffle=N`` shuffles each block's records
-    (buffer of N, one seed on every rank, every epoch anew): the global
-    batches then depend on the number of blocks. Every epoch has the same,
-    known number of global batches (Keras' steps per epoch): as many as the
-    file group with the fewest records fills (rank 0 warns when files differ
-    in length). Counting them at ``shard`` reads only the record headers of
-    an uncompressed ``TFRecordDataset`` (other readers: one pass over this
-    rank's files, without ``map_fn``); ``shard`` is then collective (one
-    allgather): call it on every rank.
+    Three forms, chosen by the arguments: the **scaling form** (single rows with
+    ``batch_size=``), the **batched form** (a dataset of global batches) and the
+    **record-file form** (record files with ``reader=``); see the module documentation, *Forms*.
 
     Args:
-        dataset: A ``tf.data.Dataset`` yielding global batches (``x``,
-            ``(x, y)`` or ``(x, y, sample_weight)``, any nesting); or, with
-            ``batch_size``, a dataset of single rows or a list of file names
-            (one row each); or numpy arrays / a tuple of arrays of whole
-            samples with ``batch_size``; or, with ``reader``, a list of
+        dataset: A ``tf.data.Dataset`` yielding global batches (``x``, ``(x, y)`` or
+            ``(x, y, sample_weight)``, any nesting); or, with ``batch_size``, a dataset of
+            single rows or a list of file names (one row each); or numpy arrays / a tuple
+            of arrays of whole samples with ``batch_size``; or, with ``reader``, a list of
             record file names (the record-file form).
-        model: Optional (transformed) model; its ``_tfhybrid_batch_split``
-            ("data", the default, or "world") chooses the split. Pass it:
-            without it, ``d``/``gmp`` models split by the data axis only.
-            When the model's outputs stay in spatial blocks (per-voxel
-            outputs under s/ds), ``y`` and a per-voxel ``sample_weight`` are
-            also cut to this rank's block.
-        batch_size: The global batch size: required with arrays and with
-            single rows (the scaling form).
-        map_fn: Scaling form only: a function of one row (e.g. read and
-            decode an image) applied to this rank's rows only.
-        shuffle: Scaling form only: shuffle buffer size in rows; the raw rows
-            are shuffled (every epoch anew) before grouping, identically on
-            every rank.
-        seed: The shuffle seed; None draws one on rank 0 and broadcasts it
-            (then ``shard`` is collective: call it on every rank).
-        remainder: Batched form and arrays: what to do with a global batch
-            whose rows do not split into equal blocks (``.batch(B)``
-            without ``drop_remainder``: its partial last batch, or every
-            batch when ``B`` is not a multiple of the blocks). "drop"
-            (datasets' default) cuts such a batch into blocks of
-            ``rows // blocks`` rows or one row more, so every row is
-            trained and evaluated as in one process (``fit``'s guards find
-            the unequal blocks and weigh each by its rows); a batch of fewer
-            rows than blocks is skipped on every rank (rank 0 warns). Where
-            blocks must be equal (gmp's model groups, p/ls parts, s/ds
-            outputs, ``Config(guards=False)``) each rank keeps
-            ``rows // blocks`` rows of a partial last batch (rank 0 warns
-            what it dropped), and a ``.batch(B)`` whose ``B`` is not a
-            multiple of the blocks is refused (ValueError). "error"
-            (arrays' default: trim them yourself) refuses any uneven batch.
-            (The scaling form drops the partial last batch.)
-        autotune: Datasets only. False (default): tf.data's autotuning is
-            off for the returned pipeline (``Options().autotune.enabled``):
-            its tuning thread often delays the end of every pass over the
-            data (each fit, epoch, evaluate) by up to one tuning period
-            (doubling from 10 ms to 60 s), and under data parallelism that
-            rank holds up the others. True keeps TensorFlow's autotuning.
-        reader: Record files only: a function of a list of file names
-            returning a ``tf.data.Dataset`` of their raw records in order
-            (``tf.data.TFRecordDataset``, ``tf.data.TextLineDataset``, a
-            lambda adding ``compression_type=``); ``map_fn`` parses and
-            decodes one record.
+        model: Optional (transformed) model; its ``_tfhybrid_batch_split`` ("data", the
+            default, or "world") chooses the split. Pass it: without it, ``d``/``gmp``
+            models split by the data axis only. When the model's outputs stay in spatial
+            blocks (per-voxel outputs under s/ds), ``y`` and a per-voxel
+            ``sample_weight`` are also cut to this rank's block.
+        batch_size: The global batch size: required with arrays and with single rows
+            (the scaling form).
+        map_fn: Scaling form only: a function of one row (e.g. read and decode an image)
+            applied to this rank's rows only.
+        shuffle: Scaling form only: shuffle buffer size in rows; the raw rows are
+            shuffled (every epoch anew) before grouping, identically on every rank.
+        seed: The shuffle seed; None draws one on rank 0 and broadcasts it (then
+            ``shard`` is collective: call it on every rank).
+        remainder: Batched form and arrays: what to do with a global batch whose rows
+            do not split into equal blocks. "drop" (datasets' default) cuts it into
+            blocks of ``rows // blocks`` rows or one row more, or, where blocks must be
+            equal, drops the extra rows or refuses the batch size; "error" (arrays'
+            default) refuses any uneven batch. See the module documentation, *Remainders*.
+        autotune: Datasets only. False (default): tf.data's autotuning is off for the
+            returned pipeline, whose tuning thread delays the end of every pass over the
+            data (see the module documentation, *Autotuning*). True keeps it.
+        reader: Record files only: a function of a list of file names returning a
+            ``tf.data.Dataset`` of their raw records in order (``tf.data.TFRecordDataset``,
+            ``tf.data.TextLineDataset``, a lambda adding ``compression_type=``);
+            ``map_fn`` parses and decodes one record.
 
     Returns:
         A ``tf.data.Dataset`` of local batches, or the arrays of this rank's
         rows (feed them with ``batch_size // blocks`` and ``shuffle=False``).
 
     Raises:
-        ValueError: for a dataset of single samples without ``batch_size``
-            (it would split each sample's features), ``batch_size`` with a
-            dataset already batched, or when a global batch is not divisible by the number of
-            blocks (a static batch size; with remainder="error" and an
-            unknown batch size the check runs per batch and raises
-            ``tf.errors.InvalidArgumentError``), or for an unknown
-            ``remainder``. With ``reader``: an empty list of files, a name
-            listed twice, a reader that is not callable or returns no
-            dataset, ``remainder``, a TFRecord file that is not one, or files
-            too short for one global batch.
+        ValueError: for a dataset of single samples without ``batch_size`` (it would
+            split each sample's features), ``batch_size`` with a dataset already
+            batched, or when a global batch is not divisible by the number of blocks (a
+            static batch size; with remainder="error" and an unknown batch size the check
+            runs per batch and raises ``tf.errors.InvalidArgumentError``), or for an
+            unknown ``remainder``. With ``reader``: an empty list of files, a name listed
+            twice, a reader that is not callable or returns no dataset, ``remainder``, a
+            TFRecord file that is not one, or files too short for one global batch.
         FileNotFoundError: with ``reader``, naming the first missing file.
         TypeError: for any other kind of ``dataset``.
 
@@ -799,10 +875,7 @@ def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, se
         >>> ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(63)
         >>> model.fit(tfhybrid.data.shard(ds))
     """
-    if remainder is not None and remainder not in REMAINDERS:
-        raise ValueError(f"Received an invalid value for `remainder`: {remainder!r}; expected "
-                         f"one of {REMAINDERS} (or None: 'drop' for datasets, 'error' for "
-                         "arrays).")
+    _check_remainder(remainder)
     _check_autotune(autotune)
     blocks, index = batch_split(model)
     if reader is not None:          # record files: each block reads its share of the files
@@ -812,46 +885,13 @@ def shard(dataset, model=None, batch_size=None, *, map_fn=None, shuffle=None, se
         return _without_autotune_stall(_labels_in_blocks(_record_batches(
             dataset, reader, batch_size, blocks, index, map_fn, shuffle, seed), model), autotune)
     if _is_file_list(dataset):      # one row per file: the scaling form
-        if batch_size is None:
-            raise ValueError(f"Received a list of {len(dataset)} file names without "
-                             "`batch_size`: pass the global batch, e.g. shard(files, "
-                             "batch_size=64, map_fn=load).")
-        dataset = tf.data.Dataset.from_tensor_slices([os.fspath(f) for f in dataset])
+        dataset = _file_rows(dataset, batch_size)
     if isinstance(dataset, tf.data.Dataset):
         if batch_size is not None:      # a dataset of single samples: batch it globally here
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-                raise ValueError(f"Received an invalid value for `batch_size`: {batch_size!r}; "
-                                 "expected the global batch size (a positive integer).")
-            if batch_size % blocks:
-                raise ValueError(_divisible_error(batch_size, blocks))
-            if _batched_upstream(dataset):
-                raise ValueError(
-                    f"Received batch_size={batch_size} with a dataset that is already batched "
-                    "(its pipeline has a .batch()): pass either a dataset of single samples "
-                    "with batch_size=<global batch>, or global batches without batch_size.")
+            _check_row_batch(dataset, batch_size, blocks)
             return _without_autotune_stall(_labels_in_blocks(_local_batches(
                 dataset, batch_size, blocks, index, map_fn, shuffle, seed), model), autotune)
-        if map_fn is not None or shuffle is not None:
-            raise ValueError(
-                "Received map_fn/shuffle without batch_size: they apply to a dataset of "
-                "single rows. Pass shard(rows, batch_size=<global batch>, map_fn=..., "
-                "shuffle=...), or map and shuffle a dataset of global batches yourself.")
-        if _unbatched_samples(dataset, model):
-            raise ValueError(
-                "tfhybrid.data.shard received a dataset of single samples (elements without a "
-                "batch dimension, e.g. from_tensor_slices with no .batch()), so it would split "
-                "each sample's "
-                "features across ranks. Batch it with the global batch size first "
-                "(dataset.batch(64, drop_remainder=True)), or pass batch_size=64 and "
-                "data.shard batches it.")
-        if blocks == 1:
-            return _equal(_without_autotune_stall(_labels_in_blocks(dataset, model), autotune))
-        allowed = _unequal_allowed(model)
-        out = _without_autotune_stall(_labels_in_blocks(_shard_dataset(
-            dataset, blocks, index, remainder or "drop", allowed), model), autotune)
-        # blocks that may differ by a row: fit's guards weigh them by their rows
-        unequal = _splits_unequally(dataset, blocks, remainder or "drop", allowed[0])
-        return out if unequal else _equal(out)
+        return _batched_form(dataset, model, blocks, index, remainder, autotune, map_fn, shuffle)
     if isinstance(dataset, (np.ndarray, tuple, list, dict)):
         return _labels_in_blocks(_shard_arrays(dataset, batch_size, blocks, index,
                                                remainder or "error"), model)

@@ -453,6 +453,96 @@ def _shuffle_buffer(shuffle, n):
                      "shuffle buffer size in samples (a positive integer).")
 
 
+def _open_sources(x, y, sample_weight, model):
+    """``(x source, label sources, weight sources, several, several_w)`` of ``volumes``'
+    arguments, checked to hold the same samples; ``several``: one label source per
+    output, ``several_w``: one weight source per output."""
+    xs = open_source(x, "x")
+    # a tuple of sources, one per output (a tuple of paths of a one-output model
+    # stays one source of per-sample files)
+    several = isinstance(y, tuple) and (
+        len(getattr(model, "outputs", None) or []) > 1 or
+        not all(isinstance(v, (str, bytes, os.PathLike)) for v in y))
+    labels = [open_source(v, f"y[{i}]" if several else "y")
+              for i, v in enumerate(y if several else ([] if y is None else [y]))]
+    if sample_weight is not None and not labels:
+        raise ValueError(f"{WHERE}: Received sample_weight without y; give the labels "
+                         "(y=...) the weights apply to.")
+    several_w = several and isinstance(sample_weight, tuple)
+    weights = [open_source(v, f"sample_weight[{i}]" if several_w else "sample_weight")
+               for i, v in enumerate(sample_weight if several_w else
+                                     ([] if sample_weight is None else [sample_weight]))]
+    if several_w and len(weights) != len(labels):
+        raise ValueError(f"{WHERE}: Received {len(weights)} sample_weight sources for "
+                         f"{len(labels)} label sources; give one per output.")
+    for src in labels + weights:
+        if src.n != xs.n:
+            raise ValueError(f"{WHERE}: Received x of {xs.n} samples and {src.label} of "
+                             f"{src.n}; x and {src.label} must hold the same samples.")
+    return xs, labels, weights, several, several_w
+
+
+def _input_ndim(xs, model):
+    """The number of spatial axes of the samples of ``xs``; raises ValueError unless they
+    are volumes or images of ``model``'s input shape (when a model is given)."""
+    ndim = len(xs.sample_shape) - 1
+    if ndim not in sp.SPATIAL_AXES:
+        raise ValueError(f"{WHERE}: Received x with samples of shape {xs.sample_shape}; "
+                         "expected (D, H, W, C) volumes or (H, W, C) images, one row per "
+                         "sample.")
+    if model is not None:
+        expected = tuple(model.inputs[0].shape[1:]) if getattr(model, "inputs", None) else None
+        if expected is not None and tuple(xs.sample_shape) != tuple(
+                s if s is not None else xs.sample_shape[i] for i, s in enumerate(expected)):
+            raise ValueError(f"{WHERE}: Received x with samples of shape {xs.sample_shape}, "
+                             f"but model {model.name!r} takes {expected}; give the whole "
+                             "volumes of the model's input shape.")
+    return ndim
+
+
+def _regions(xs, labels, weights, layout, model, spatial, ndim, split_labels):
+    """``[(source, region)]``: the input's block, then each output's labels and weights
+    cut as that output is split (:func:`plan` with ``output=``)."""
+    sources = [(xs, layout.input_region(xs.sample_shape))]
+    for i, src in enumerate(labels):
+        lay = layout if i == 0 else plan(model, spatial, ndim, src.sample_shape, split_labels,
+                                         output=i)
+        sources.append((src, lay.label_region(src.sample_shape)))
+    for i, src in enumerate(weights):    # cut like the labels of their output
+        lay = plan(model, spatial, ndim, src.sample_shape, split_labels, output=i)
+        sources.append((src, lay.label_region(src.sample_shape)))
+    return sources
+
+
+def _block_reader(sources, local, n_labels, several, several_w):
+    """A tf.data map function from ``local`` sample ids to the element ``x``, ``(x, y)``
+    or ``(x, y, sample_weight)`` of their blocks ``sources`` (:func:`_regions`)."""
+
+    def load(ids):
+        out = []
+        for src, region in sources:
+            block = np.empty((len(ids),) + VolumeLayout.block_shape(src.sample_shape, region),
+                             src.dtype)
+            for j, i in enumerate(ids):
+                block[j] = src.read(i, region)
+            out.append(block)
+        return tuple(out)
+
+    specs = [tf.TensorSpec((local,) + VolumeLayout.block_shape(s.sample_shape, r),
+                           tf.as_dtype(s.dtype)) for s, r in sources]
+
+    def read(ids):
+        tensors = tf.numpy_function(load, [ids], [s.dtype for s in specs], stateful=False)
+        tensors = [tf.ensure_shape(t, s.shape) for t, s in zip(tensors, specs)]
+        if len(tensors) == 1:
+            return tensors[0]
+        y_part = tuple(tensors[1:1 + n_labels]) if several else tensors[1]
+        w_part = tuple(tensors[1 + n_labels:])
+        return (tensors[0], y_part) + ((w_part if several_w else w_part[0],) if w_part else ())
+
+    return read
+
+
 def volumes(x, y=None, *, batch_size, model=None, spatial=None, split_labels=None,
             shuffle=False, seed=None, prefetch=1, sample_weight=None, autotune=False):
     """This rank's blocks of volume samples, batched for ``model.fit``.
@@ -518,41 +608,9 @@ def volumes(x, y=None, *, batch_size, model=None, spatial=None, split_labels=Non
         >>> model.fit(tfhybrid.data.volumes("x.npy", "y.npy", batch_size=4, model=model,
         ...                                 shuffle=True), epochs=2)
     """
-    xs = open_source(x, "x")
-    # a tuple of sources, one per output (a tuple of paths of a one-output model
-    # stays one source of per-sample files)
-    several = isinstance(y, tuple) and (
-        len(getattr(model, "outputs", None) or []) > 1 or
-        not all(isinstance(v, (str, bytes, os.PathLike)) for v in y))
-    labels = [open_source(v, f"y[{i}]" if several else "y")
-              for i, v in enumerate(y if several else ([] if y is None else [y]))]
-    if sample_weight is not None and not labels:
-        raise ValueError(f"{WHERE}: Received sample_weight without y; give the labels "
-                         "(y=...) the weights apply to.")
-    several_w = several and isinstance(sample_weight, tuple)
-    weights = [open_source(v, f"sample_weight[{i}]" if several_w else "sample_weight")
-               for i, v in enumerate(sample_weight if several_w else
-                                     ([] if sample_weight is None else [sample_weight]))]
-    if several_w and len(weights) != len(labels):
-        raise ValueError(f"{WHERE}: Received {len(weights)} sample_weight sources for "
-                         f"{len(labels)} label sources; give one per output.")
-    for src in labels + weights:
-        if src.n != xs.n:
-            raise ValueError(f"{WHERE}: Received x of {xs.n} samples and {src.label} of "
-                             f"{src.n}; x and {src.label} must hold the same samples.")
+    xs, labels, weights, several, several_w = _open_sources(x, y, sample_weight, model)
     ys = labels[0] if labels else None
-    ndim = len(xs.sample_shape) - 1
-    if ndim not in sp.SPATIAL_AXES:
-        raise ValueError(f"{WHERE}: Received x with samples of shape {xs.sample_shape}; "
-                         "expected (D, H, W, C) volumes or (H, W, C) images, one row per "
-                         "sample.")
-    if model is not None:
-        expected = tuple(model.inputs[0].shape[1:]) if getattr(model, "inputs", None) else None
-        if expected is not None and tuple(xs.sample_shape) != tuple(
-                s if s is not None else xs.sample_shape[i] for i, s in enumerate(expected)):
-            raise ValueError(f"{WHERE}: Received x with samples of shape {xs.sample_shape}, "
-                             f"but model {model.name!r} takes {expected}; give the whole "
-                             "volumes of the model's input shape.")
+    ndim = _input_ndim(xs, model)
     layout = plan(model, spatial, ndim, ys.sample_shape if ys is not None else None,
                   split_labels)
     if model is not None and several and len(labels) != len(getattr(model, "outputs", [])):
@@ -563,40 +621,9 @@ def volumes(x, y=None, *, batch_size, model=None, spatial=None, split_labels=Non
     buffer = _shuffle_buffer(shuffle, xs.n)
     if model is not None and math.prod(layout.parts) > 1:
         accept_blocks(model)
-    x_region = layout.input_region(xs.sample_shape)
-    sources = [(xs, x_region)]
-    for i, src in enumerate(labels):
-        lay = layout if i == 0 else plan(model, spatial, ndim, src.sample_shape, split_labels,
-                                         output=i)
-        sources.append((src, lay.label_region(src.sample_shape)))
-    for i, src in enumerate(weights):    # cut like the labels of their output
-        lay = plan(model, spatial, ndim, src.sample_shape, split_labels, output=i)
-        sources.append((src, lay.label_region(src.sample_shape)))
+    sources = _regions(xs, labels, weights, layout, model, spatial, ndim, split_labels)
     start, stop = layout.rows(batch_size)
-    local = stop - start
-
-    def load(ids):
-        out = []
-        for src, region in sources:
-            block = np.empty((len(ids),) + VolumeLayout.block_shape(src.sample_shape, region),
-                             src.dtype)
-            for j, i in enumerate(ids):
-                block[j] = src.read(i, region)
-            out.append(block)
-        return tuple(out)
-
-    specs = [tf.TensorSpec((local,) + VolumeLayout.block_shape(s.sample_shape, r),
-                           tf.as_dtype(s.dtype)) for s, r in sources]
-
-    def read(ids):
-        tensors = tf.numpy_function(load, [ids], [s.dtype for s in specs], stateful=False)
-        tensors = [tf.ensure_shape(t, s.shape) for t, s in zip(tensors, specs)]
-        if len(tensors) == 1:
-            return tensors[0]
-        y_part = tuple(tensors[1:1 + len(labels)]) if several else tensors[1]
-        w_part = tuple(tensors[1 + len(labels):])
-        return (tensors[0], y_part) + ((w_part if several_w else w_part[0],) if w_part else ())
-
+    read = _block_reader(sources, stop - start, len(labels), several, several_w)
     order = tf.data.Dataset.range(xs.n)
     if buffer is not None:
         from tfhybrid.data import _shared_seed

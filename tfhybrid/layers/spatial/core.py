@@ -368,6 +368,27 @@ def _same_kernel_grad(conv, t, k, dy, windows):
     return tape.gradient(yb, k, output_gradients=dy)
 
 
+def _piece_grads(conv, rows, axes, k, dy, full):
+    """The gradients of one received piece's thin ``valid`` convolution:
+    ``(input gradient of the whole piece, of shape full, kernel gradient)``,
+    from ``dy`` at the piece's output rows; ``rows`` and ``axes`` as in
+    :func:`_used_rows` and :func:`_corrections`."""
+    dyo = _region(dy, [a[2][0] for a in axes], [a[2][1] for a in axes])
+    # framed again here, after dy exists: a copy that lives only in
+    # this backward (the dependency keeps Grappler from merging it
+    # with the forward's frame, which would then live from forward on)
+    with tf.control_dependencies([dyo]):
+        thin = _thin_input(tf.identity(rows), axes)
+    with tf.GradientTape() as tape:
+        tape.watch([thin, k])
+        yo = conv(thin, k, "valid")
+    d_thin, dko = tape.gradient(yo, [thin, k], output_gradients=dyo)
+    d_used = _region(d_thin, [a[1][0] for a in axes], [a[0][1] for a in axes])
+    pads = [[0, 0]] + [[a[0][0], f - a[0][0] - a[0][1]]
+                       for a, f in zip(axes, full[1:-1])] + [[0, 0]]
+    return tf.pad(d_used, pads), dko
+
+
 def block_conv(x, plans, groups, conv, kernel, name):
     """A convolution of this rank's block ``x`` with its halo, keeping no
     halo-extended copy of the block in the forward or the backward pass.
@@ -432,22 +453,8 @@ def block_conv(x, plans, groups, conv, kernel, name):
                 if regions[o] is None:
                     grads[o] = tf.zeros([tf.shape(dy)[0]] + full[1:], dy.dtype)
                     continue
-                axes = regions[o]
-                dyo = _region(dy, [a[2][0] for a in axes], [a[2][1] for a in axes])
-                # framed again here, after dy exists: a copy that lives only in
-                # this backward (the dependency keeps Grappler from merging it
-                # with the forward's frame, which would then live from forward on)
-                with tf.control_dependencies([dyo]):
-                    thin = _thin_input(tf.identity(rows[o]), axes)
-                with tf.GradientTape() as tape:
-                    tape.watch([thin, k])
-                    yo = conv(thin, k, "valid")
-                d_thin, dko = tape.gradient(yo, [thin, k], output_gradients=dyo)
+                grads[o], dko = _piece_grads(conv, rows[o], regions[o], k, dy, full)
                 dk = dk + dko
-                d_used = _region(d_thin, [a[1][0] for a in axes], [a[0][1] for a in axes])
-                pads = [[0, 0]] + [[a[0][0], f - a[0][0] - a[0][1]]
-                                   for a, f in zip(axes, full[1:-1])] + [[0, 0]]
-                grads[o] = tf.pad(d_used, pads)
             # pieces carry the input's channels (a thin gradient, else the block)
             like = next(iter(grads.values())) if grads else t
             back, anchors_b = halo.block_halo_return(grads, plan, like)

@@ -529,10 +529,8 @@ def _compile_from(model, meta, where):
 
     failed = None
     if config.get("full"):
-        from keras.src.saving import serialization_lib
-
         try:
-            args = serialization_lib.deserialize_keras_object(config["full"])
+            args = keras.saving.deserialize_keras_object(config["full"])
         except Exception as e:  # noqa: BLE001 - e.g. a custom metric not registered here
             failed = e
         else:

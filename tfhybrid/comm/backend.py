@@ -742,12 +742,11 @@ def elastic_run(func):
     again after ``state.sync()``."""
     from horovod.common.elastic import run_fn
     from horovod.common.exceptions import HorovodInternalError
-    from tensorflow.python.framework.errors_impl import UnknownError
 
     def guarded(state, *args, **kwargs):
         try:
             return func(state, *args, **kwargs)
-        except UnknownError as err:
+        except tf.errors.UnknownError as err:
             if "horovod" in str(err).lower():
                 raise HorovodInternalError(err) from err
             raise

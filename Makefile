@@ -43,4 +43,4 @@ docs: env
 	@echo "API reference: docs/api/index.html (pages: docs/api/concepts.md, launching.md, timeline.md)"
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache test-results docs/api
+	rm -rf $(VENV) .venv-tf* build *.egg-info .pytest_cache test-results docs/api

@@ -4,7 +4,9 @@
 Suites: ``unit`` (one process), ``parallel`` under ``horovodrun -np 2`` and
 ``-np 4 --gloo`` (every rank runs the same pytest session), ``integration``,
 ``multihost`` (jobs across two test hosts made on this machine, root only;
-tests/multihost/conftest.py).
+tests/multihost/conftest.py), and ``tf-oldest``: the unit tests and a short
+-np 2 set on the oldest supported TensorFlow, in a second environment
+(scripts/oldest_tf_tier.sh; the others run on the default, the newest).
 Each rank writes a JUnit XML file under ``test-results/``; the summary counts
 rank 0's results per parallel run and fails if any rank failed.
 
@@ -13,15 +15,15 @@ layer and strategy at -np 2 and -np 4); ``--full`` (``make test-full``) adds
 the tests tests/parallel/full_tier.txt lists (README "Testing"), about twice
 the time.
 
-Time budget: suites run in priority order (unit, -np 2, integration, -np 4
-part 1, multihost, -np 4 part 2). The -np 2 suite measures how fast this
+Time budget: suites run in priority order (unit, -np 2, oldest TensorFlow,
+integration, -np 4 part 1, multihost, -np 4 part 2). The -np 2 suite measures how fast this
 machine runs against its nominal duration; a later suite whose projected
 end would pass the budget (``TFHYBRID_TEST_BUDGET_MINUTES``, default 75 for
 the core tier, none for the full tier) is skipped with a line saying so, so
 that a slow or loaded machine still finishes within CI's limit; ``make
 test-full`` runs every suite.
 
-Usage: python scripts/run_tests.py [--only unit|parallel|integration|multihost] [--full] [-k EXPR]
+Usage: python scripts/run_tests.py [--only unit|parallel|integration|multihost|tf-oldest] [--full] [-k EXPR]
 """
 import argparse
 import os
@@ -36,12 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RESULTS = ROOT / "test-results"
 #: Minutes each suite takes on a quiet 2-core machine (the budget's yardstick).
-NOMINAL_MINUTES = {"unit": 1.5, "parallel-np2": 8, "integration": 16, "parallel-np4-part1": 5.5,
-                   "multihost": 5, "parallel-np4-part2": 6.5}
+NOMINAL_MINUTES = {"unit": 1.5, "parallel-np2": 8, "tf-oldest": 5, "integration": 16,
+                   "parallel-np4-part1": 5.5, "multihost": 5, "parallel-np4-part2": 6.5}
 #: Run order: what a budget cut drops last comes first.
-PRIORITY = ("unit", "parallel-np2", "integration", "parallel-np4-part1", "multihost",
-            "parallel-np4-part2")
-TIMEOUT = {"unit": 900, "parallel": 3000, "integration": 3000, "multihost": 1200}
+PRIORITY = ("unit", "parallel-np2", "tf-oldest", "integration", "parallel-np4-part1",
+            "multihost", "parallel-np4-part2")
+TIMEOUT = {"unit": 900, "parallel": 3000, "tf": 2400, "integration": 3000, "multihost": 1200}
 
 
 def pytest_cmd(paths, xml, extra):
@@ -82,6 +84,9 @@ def suites(only, extra):
                 out.append((name, np_, cmd))
     if only in (None, "integration") and list((ROOT / "tests/integration").glob("test_*.py")):
         out.append(("integration", None, pytest_cmd(["tests/integration"], RESULTS / "integration.xml", extra)))
+    if only in (None, "tf-oldest"):
+        out.append(("tf-oldest", None, ["bash", str(ROOT / "scripts/oldest_tf_tier.sh"),
+                                         str(RESULTS), *extra]))
     if only in (None, "multihost") and list((ROOT / "tests/multihost").glob("test_*.py")):
         out.append(("multihost", None, pytest_cmd(["tests/multihost"], RESULTS / "multihost.xml", extra)))
     return sorted(out, key=lambda suite: PRIORITY.index(suite[0]) if suite[0] in PRIORITY else 99)
@@ -114,7 +119,7 @@ def counts(xml_files):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["unit", "parallel", "integration", "multihost"])
+    ap.add_argument("--only", choices=["unit", "parallel", "integration", "multihost", "tf-oldest"])
     ap.add_argument("--full", action="store_true",
                     help="the full tier: also the tests full_tier.txt lists (TFHYBRID_TEST_FULL=1)")
     ap.add_argument("-k", help="pytest -k expression")
@@ -154,7 +159,9 @@ def main():
             rc = "timeout"
         files = sorted(RESULTS.glob(f"{name}*.xml")) if np_ is None else \
             [RESULTS / f"{name}-rank{r}.xml" for r in range(np_)]
-        p, f, s = counts(files[:1] if np_ else files)
+        # a suite of several sessions (tf-oldest): rank 0's file of each parallel one
+        p, f, s = counts(files[:1] if np_ else
+                         [x for x in files if "-rank" not in x.name or x.name.endswith("-rank0.xml")])
         rank_failures = sum(counts([x])[1] for x in files)
         print(f"=== {name}: {p} passed, {f} failed, {s} skipped on rank 0 "
               f"(failures on any rank: {rank_failures}; exit {rc}; {time.time() - start:.0f}s) ===",

@@ -17,8 +17,8 @@
 #                   Kubernetes MPI Operator). TFHYBRID_WITH_MPI=1 sets the same.
 #   --no-project    install the stack but not tfhybrid itself (Docker layer caching).
 #   --print-config  print what would be installed and the wheel cache used, then exit.
-# Other environment: TFHYBRID_TF (TensorFlow version: 2.18.1 (default), 2.20.0 or
-# 2.21.0; 2.21 means 2.21.0), PYTHON (interpreter), TFHYBRID_VENV (default .venv),
+# Other environment: TFHYBRID_TF (TensorFlow version: 2.21.0 (default), 2.20.0 or
+# 2.18.1; 2.21 means 2.21.0), PYTHON (interpreter), TFHYBRID_VENV (default .venv),
 # TFHYBRID_CACHE (default ~/.cache/tfhybrid), CUDA_HOME (gpu builds, default
 # /usr/local/cuda), HOROVOD_NCCL_HOME (default: the nvidia-nccl-cu12 wheel).
 set -euo pipefail
@@ -59,8 +59,9 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 VENV=${TFHYBRID_VENV:-.venv}
 # TensorFlow versions horovod 0.28.1 builds against with patches/horovod/ applied
 # (docs/horovod-patches.md; 2.19 is not one: its XLA headers need LLVM headers
-# the wheel does not ship); the first is the default.
-SUPPORTED_TF="2.18.1 2.20.0 2.21.0"
+# the wheel does not ship), newest first; the first is the default, the last the oldest
+# (scripts/oldest_tf_tier.sh tests it too).
+SUPPORTED_TF="2.21.0 2.20.0 2.18.1"
 TF_VERSION=${TFHYBRID_TF:-${SUPPORTED_TF%% *}}
 for v in $SUPPORTED_TF; do      # 2.21 names the supported 2.21.x
   [ "$TF_VERSION" = "${v%.*}" ] && TF_VERSION=$v
@@ -100,6 +101,7 @@ quiet() { "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 if [ "$PRINT_ONLY" = 1 ]; then
   echo "device=$DEVICE ($DEVICE_WHY)"
   echo "tensorflow=$TF_REQ"
+  echo "supported_tf=$SUPPORTED_TF"
   echo "tf_version=$TF_VERSION ($([ -n "${TFHYBRID_TF:-}" ] && echo "TFHYBRID_TF" || echo "default"); supported: ${SUPPORTED_TF// /, })"
   echo "patches=$PATCH_HASH ($([ ${#PATCHES[@]} -gt 0 ] && basename -a "${PATCHES[@]}" | paste -sd, - || echo "none in $PATCH_DIR"))"
   echo "horovod=$HVD_VERSION controllers=$CONTROLLERS gpu_operations=$([ "$DEVICE" = gpu ] && echo NCCL || echo none)"

@@ -41,7 +41,7 @@ APT_PACKAGES = {
 # Commands a RUN step may call: from the base images, the packages above, the venv.
 RUN_COMMANDS = {"apt-get", "rm", "add-apt-repository", "bash", "pip", "horovodrun",
                 "tfhybrid", "python", "python3.11", "ln", "mkdir"}
-# TensorFlow 2.18.1's tested stack (its and-cuda extra pins these pip wheels).
+# The CUDA of TensorFlow's and-cuda extra: 12.5 pinned by 2.18, at least 12.5 (below 13) by 2.20 and 2.21.
 TF_CUDA = "12.5"
 
 
@@ -115,6 +115,23 @@ def test_copy_sources_exist_and_reach_the_context(device):
             assert not _ignored(src), f"{device}: COPY source {src} is excluded by .dockerignore"
 
 
+@pytest.mark.parametrize("device", sorted(DOCKERFILES))
+def test_setup_layer_has_the_patches_and_the_tensorflow_choice(device):
+    """The stack layer runs scripts/setup_env.sh with patches/horovod in place (without
+    them it would build an unpatched horovod that no newer TensorFlow compiles) and with
+    TFHYBRID_TF from a build argument."""
+    steps = _instructions(DOCKERFILES[device])
+    setup = next(i for i, (word, text) in enumerate(steps)
+                 if word == "RUN" and "scripts/setup_env.sh" in text)
+    copied = [shlex.split(text)[0] for word, text in steps[:setup] if word == "COPY"]
+    assert "patches/" in copied, f"{device}: patches/ is not copied before setup_env.sh"
+    assert ("ARG", "TFHYBRID_TF=") in steps[:setup], f"{device}: no ARG TFHYBRID_TF"
+    assert any(word == "ENV" and "TFHYBRID_TF=${TFHYBRID_TF}" in text
+               for word, text in steps[:setup]), f"{device}: TFHYBRID_TF not passed on"
+    for name in ("0001-tf-external-include-dirs.patch",):
+        assert not _ignored(f"patches/horovod/{name}")
+
+
 def test_dockerignore_keeps_the_context_small():
     ignored = _dockerignore()
     for needed in (".venv", ".git", "test-results", "**/__pycache__", ".pytest_cache"):
@@ -133,7 +150,7 @@ def test_pins_and_setup_flags(device):
     assert len(base) == 1 and ":" in base[0] and not base[0].endswith(":latest"), base
     if device == "gpu":
         assert base[0].startswith(f"nvidia/cuda:{TF_CUDA}."), \
-            f"GPU base {base[0]} must match TensorFlow 2.18.1's CUDA {TF_CUDA}"
+            f"GPU base {base[0]} must match TensorFlow's CUDA {TF_CUDA}"
     else:
         assert base[0].startswith("python:3.11-"), base
     runs = " ".join(t for w, t in instr if w == "RUN")
@@ -150,8 +167,9 @@ def test_pins_and_setup_flags(device):
     assert out.returncode == 0, out.stderr
     cfg = dict(line.split("=", 1) for line in out.stdout.splitlines())
     assert cfg["device"].startswith(device)
-    assert cfg["tensorflow"] == ("tensorflow[and-cuda]==2.18.1" if device == "gpu"
-                                 else "tensorflow-cpu==2.18.1")
+    default = _supported_tf()[0]
+    assert cfg["tensorflow"] == (f"tensorflow[and-cuda]=={default}" if device == "gpu"
+                                 else f"tensorflow-cpu=={default}")
     assert "controllers=gloo-mpi" in cfg["horovod"]
     assert ("gpu_operations=NCCL" in cfg["horovod"]) == (device == "gpu")
     assert f"-{device}-gloo-mpi" in cfg["wheel_dir"]
@@ -161,14 +179,15 @@ def test_pins_and_setup_flags(device):
 
 
 def _supported_tf():
+    """The script's supported TensorFlow versions, newest (the default) first."""
     m = re.search(r'^SUPPORTED_TF="([0-9. ]+)"', open(SETUP).read(), re.M)
     assert m, "scripts/setup_env.sh must list SUPPORTED_TF"
     return m.group(1).split()
 
 
 def test_setup_extras_match_the_script():
-    # The extras and requirements.txt take the range the script supports.
-    versions = _supported_tf()
+    # The extras and requirements.txt take the range the script supports (newest first).
+    versions = sorted(_supported_tf(), key=lambda v: tuple(map(int, v.split("."))))
     minors = [int(v.split(".")[1]) for v in versions]
     skipped = "".join(f"!=2.{m}.*," for m in range(minors[0], minors[-1]) if m not in minors)
     spec = f">={versions[0]},{skipped}<2.{minors[-1] + 1}"

@@ -97,7 +97,7 @@ def _stderr_of(fn):
                                              ("valid", False)])
 @pytest.mark.parametrize("spec", split_specs(3), ids=str)
 def test_a_traced_step_keeps_tensorflows_remapper(grid_of, spec, padding, overlap):
-    """TensorFlow 2.18's remapper fuses a Pad feeding a Conv3D (oneDNN's padded
+    """TensorFlow's remapper (2.18 to 2.21) fuses a Pad feeding a Conv3D (oneDNN's padded
     convolution), then fails on any other consumer of the Pad and logs
     "remapper failed: ... fanout ... exist for missing node ... Pad", dropping
     every remapper fusion of the step. So a Pad that feeds a Conv3D feeds

@@ -312,7 +312,7 @@ def _region(t, starts, lengths):
 
 def _zero_framed(t, pads):
     """``t`` with ``pads[axis] = (before, after)`` rows of zeros along each axis,
-    concatenated rather than padded: TensorFlow 2.18's remapper fuses a Pad into
+    concatenated rather than padded: TensorFlow's remapper (2.18 to 2.21) fuses a Pad into
     the Conv3D it feeds (oneDNN's padded convolution) and then fails on the
     Pad's other consumer (the convolution gradient's ShapeN), which drops every
     remapper fusion of the whole step ("remapper failed: ... fanout ... exist

@@ -7,7 +7,16 @@ slots, iteration count, epoch and batch position), held in memory on every
 rank, since a lost rank's shards are gone with it. After a failure the
 survivors re-initialise Horovod, re-form the process grid for the new world
 size, rebuild and re-transform the model from the committed state and
-continue from the committed batch.
+continue from the committed batch. When the host discovery script's list
+changes, the next commit interrupts every worker (Horovod's
+``HostsUpdatedInterrupt``): workers on hosts no longer listed end, new ones
+start on hosts listed since, receive the commit from rank 0, and all go on
+from that commit on the new grid. A worker that joins runs ``tfhybrid.init``
+before it receives the commit, while the running ones re-form their grid
+after the reset (the same collectives), so a script must issue no
+collective between ``tfhybrid.init`` and its :func:`run` function. Across
+hosts (lost hosts, ssh keep-alives, the Gloo timeout against a new worker's
+start-up): ``python -m tfhybrid.docs multinode``, "Elastic across hosts".
 
 Every strategy whose collectives run on the grid's model and data groups
 works (d, f, c, s, df, ds, gmp; not ``p`` and ``ls``): in an elastic run
@@ -96,9 +105,13 @@ class State:
         self._inner.on_hosts_updated(timestamp, update_res)
 
     def on_reset(self):
+        """Horovod started again on the new set of workers: re-form the grid
+        (collective: a worker that joins now runs the same in its
+        ``tfhybrid.init``, before the first :meth:`sync`)."""
         self.resets += 1
         self._stale = True
         self._inner.on_reset()
+        self._regrid()
 
     def restore(self):
         self._inner.restore()
@@ -143,15 +156,23 @@ class State:
         if self._stale:
             self._rebuild(self._inner.snapshot)
 
+    def _regrid(self):
+        """The grid of the current world (collective), keeping ``init``'s config."""
+        from tfhybrid.comm import backend
+
+        mp = _model_parallel_for(backend.size(), self.model_parallel)
+        config = runtime.config_or_default()
+        runtime.shutdown()
+        runtime.init(model_parallel=mp, config=config)
+        return mp
+
     def _rebuild(self, snapshot):
         from tfhybrid import checkpoint
         from tfhybrid.comm import backend
         from tfhybrid.compose import transform
 
         size = backend.size()
-        mp = _model_parallel_for(size, self.model_parallel)
-        runtime.shutdown()
-        runtime.init(model_parallel=mp)
+        mp = self._regrid()
         keras.utils.clear_session()      # the same layer names on old and new workers
         full = self.build_model()
         if snapshot is not None:

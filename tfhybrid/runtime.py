@@ -346,15 +346,21 @@ def size() -> int:
 
 def set_consistent_seed():
     """Set TensorFlow's global seed to one broadcast from rank 0, unless the
-    script set one (collective; called by :func:`tfhybrid.init`)."""
+    script set one (called by :func:`tfhybrid.init`).
+
+    Collective on every rank, whether or not this rank has a seed: the ranks
+    may differ there (a worker that joins an elastic job has not run the
+    script's ``keras.utils.set_random_seed`` yet, the others have), and a
+    broadcast issued by some ranks only would fail or wait."""
     import numpy as np
     import tensorflow as tf
     from tensorflow.python.eager import context
 
     from tfhybrid.comm import backend
 
-    if backend.size() == 1 or context.global_seed() is not None:
+    if backend.size() == 1:
         return
     seed = tf.constant([np.random.SeedSequence().entropy % (2**31 - 1)], tf.int64)
     seed = int(backend.broadcast(seed, 0, tuple(range(backend.size())), "guard.seed").numpy()[0])
-    tf.random.set_seed(seed)
+    if context.global_seed() is None:
+        tf.random.set_seed(seed)

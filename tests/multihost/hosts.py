@@ -36,7 +36,8 @@ Faults: :meth:`TestHosts.cut` drops all of a host's traffic on ``eth0`` (an
 :meth:`TestHosts.limit` rate-limits what a host sends (``tc ... tbf``; the
 kernel here has no ``netem``), :meth:`TestHosts.unlimit` lifts it;
 :meth:`TestHosts.stop_sshd` / :meth:`TestHosts.start_sshd` take a host's SSH
-server away and back.
+server away and back; :meth:`TestHosts.ssh_client_options` adds ssh client
+options (keep-alives) for a while.
 
 In pytest: the session fixture ``hosts`` (tests/multihost/conftest.py) makes
 ``h1`` and ``h2`` once per session and removes them at the end, asserting
@@ -54,6 +55,7 @@ CLI (root)::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ipaddress
 import json
 import os
@@ -407,6 +409,19 @@ class TestHosts:
         """Lift :meth:`limit` on ``name``."""
         _sh("ip", "netns", "exec", f"{PREFIX}-{name}", "tc", "qdisc", "del", "dev", IFACE, "root",
             check=False)
+
+    @contextlib.contextmanager
+    def ssh_client_options(self, **options):
+        """Extra ssh client options for the test hosts while the block runs,
+        e.g. ``ServerAliveInterval=2`` (``ssh_config`` keywords; the file
+        bind-mounted on every host is rewritten in place)."""
+        config = self.tmp / "ssh_config"
+        before = config.read_text()
+        config.write_text(before + "".join(f"    {k} {v}\n" for k, v in options.items()))
+        try:
+            yield
+        finally:
+            config.write_text(before)
 
     def stop_sshd(self, name):
         """End the sshd of ``name`` (the host stays: its network namespace is

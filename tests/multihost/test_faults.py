@@ -16,13 +16,12 @@ and h2, so every step crosses the link) at 2 hosts x 1 rank:
 import os
 import re
 import subprocess
-import threading
 import time
 
 import numpy as np
 import pytest
 
-from jobs import ROOT, launch, run_plain, start
+from jobs import ROOT, Lines, launch, run_plain, start
 
 # The full tier (make test-full, TFHYBRID_TEST_FULL=1) runs every case; make test a core.
 full_tier = pytest.mark.skipif(os.environ.get("TFHYBRID_TEST_FULL") != "1",
@@ -35,44 +34,6 @@ BOUND = 30                      # the watchdog's bound in these jobs (seconds)
 MARGIN = 25
 DOWN = 8                        # seconds the link is down (below BOUND)
 ENV = {"TFHYBRID_WATCHDOG_SECONDS": str(BOUND)}
-
-
-class Lines:
-    """The lines of a running job, read by a thread; wait for a pattern."""
-
-    def __init__(self, proc):
-        self.proc, self.lines, self.times = proc, [], []
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            self.times.append(time.monotonic())
-
-    def wait_for(self, pattern, timeout):
-        """The time (monotonic) the first line matching ``pattern`` arrived."""
-        deadline = time.monotonic() + timeout
-        regex = re.compile(pattern)
-        seen = 0
-        while time.monotonic() < deadline:
-            for i in range(seen, len(self.lines)):
-                if regex.search(self.lines[i]):
-                    return self.times[i]
-            seen = len(self.lines)
-            if self.proc.poll() is not None and not self._thread.is_alive():
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"no line matching {pattern!r}; output:\n{self.text[-6000:]}")
-
-    def finish(self, timeout):
-        rc = self.proc.wait(timeout=timeout)
-        self._thread.join(10)
-        return rc
-
-    @property
-    def text(self):
-        return "".join(self.lines)
 
 
 def rank_processes(hosts, name):

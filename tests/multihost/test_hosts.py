@@ -59,7 +59,7 @@ def test_nothing_left_after_interrupt(sig, hosts):
     env = dict(os.environ, TFHYBRID_TEST_HOSTS_PREFIX="tfhmt", PYTHONPATH=str(HERE))
     code = ("import time, hosts\n"
             "with hosts.TestHosts(1) as h:\n"
-            "    h.run('h1', ['sh', '-c', 'sleep 300 >/dev/null 2>&1 &'])\n"   # a process in the host to end
+            "    h.run('h1', ['sh', '-c', 'sleep 3217 >/dev/null 2>&1 &'])\n"   # a process in the host to end
             "    print('up', flush=True)\n"
             "    time.sleep(120)\n")
     child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
@@ -74,4 +74,4 @@ def test_nothing_left_after_interrupt(sig, hosts):
     left = subprocess.run([sys.executable, str(HERE / "hosts.py"), "status"], env=env,
                           capture_output=True, text=True, timeout=60).stdout.strip()
     assert left == "no test hosts", left
-    assert not subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True).stdout
+    assert not subprocess.run(["pgrep", "-f", "sleep 3217"], capture_output=True).stdout

@@ -16,16 +16,13 @@ Imbalanced classes. Three cases, one after another:
 Every rank prints one ``RESULT {json}`` per case with the history and
 ``evaluate``; rank 0 (or the plain process) writes ``OUT/weights_<case>.npz``.
 """
-import json
-import os
-import sys
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "."
-DIST = int(os.environ.get("HOROVOD_SIZE", "1")) > 1    # under horovodrun; else plain Keras
+from script_report import DIST, full_model, report
+
 if DIST:
     import tfhybrid
 
@@ -81,14 +78,7 @@ def run(case, strategy):
         history = model.fit(x, y, sample_weight=w, batch_size=batch, shuffle=False,
                             epochs=EPOCHS, verbose=0, callbacks=callbacks)
         scores = model.evaluate(shard(batches(vx, vy, vw)), verbose=0, return_dict=True)
-    full = tfhybrid.gather(model) if DIST else model
-    print("RESULT " + json.dumps({
-        "rank": tfhybrid.rank() if DIST else 0, "case": case,
-        "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-        "evaluate": {k: float(v) for k, v in scores.items()}}), flush=True)
-    if not DIST or tfhybrid.is_root():
-        np.savez(os.path.join(OUT, f"weights_{case}.npz"),
-                 **{w.path: w.numpy() for w in full.weights})
+    report(full_model(model), f"weights_{case}.npz", history, scores, case=case)
 
 
 if DIST:

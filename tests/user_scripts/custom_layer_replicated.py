@@ -14,16 +14,13 @@ with the history, ``evaluate`` and the refusal's message; rank 0 (or the
 plain process) writes ``OUT/weights.npz`` (the custom layer's gain and bias
 included).
 """
-import json
-import os
-import sys
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "."
-DIST = int(os.environ.get("HOROVOD_SIZE", "1")) > 1    # under horovodrun; else plain Keras
+from script_report import DIST, full_model, report
+
 if DIST:
     import tfhybrid
 
@@ -78,11 +75,4 @@ if DIST:
 history = model.fit(train, validation_data=val, epochs=EPOCHS, verbose=0,
                     callbacks=tfhybrid.callbacks.standard() if DIST else None)
 scores = model.evaluate(val, verbose=0, return_dict=True)
-full = tfhybrid.gather(model) if DIST else model
-print("RESULT " + json.dumps({
-    "rank": tfhybrid.rank() if DIST else 0,
-    "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-    "evaluate": {k: float(v) for k, v in scores.items()},
-    "refusal": refusal}), flush=True)
-if not DIST or tfhybrid.is_root():
-    np.savez(os.path.join(OUT, "weights.npz"), **{w.path: w.numpy() for w in full.weights})
+report(full_model(model), history=history, scores=scores, refusal=refusal)

@@ -12,16 +12,13 @@ evaluates. Under horovodrun it runs ``init(model_parallel=2)`` and
 history, the evaluation and the loss scale; rank 0 (or the plain process)
 writes the trained weights to ``OUT/weights.npz``.
 """
-import json
-import os
-import sys
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "."
-DIST = int(os.environ.get("HOROVOD_SIZE", "1")) > 1    # under horovodrun; else plain Keras
+from script_report import DIST, full_model, report
+
 if DIST:
     import tfhybrid
 
@@ -65,13 +62,7 @@ opt = model.optimizer          # LossScaleOptimizer, or DistributedOptimizer(Los
 while not hasattr(opt, "dynamic_scale") and hasattr(opt, "inner_optimizer"):
     opt = opt.inner_optimizer
 scale = getattr(opt, "dynamic_scale", None)
-full = tfhybrid.gather(model) if DIST else model
-print("RESULT " + json.dumps({
-    "rank": tfhybrid.rank() if DIST else 0,
-    "policy": keras.mixed_precision.global_policy().name,
-    "compute_dtype": model.get_layer("fc1").compute_dtype,
-    "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-    "evaluate": {k: float(v) for k, v in scores.items()},
-    "loss_scale": None if scale is None else float(scale.numpy())}), flush=True)
-if not DIST or tfhybrid.is_root():
-    np.savez(os.path.join(OUT, "weights.npz"), **{w.path: w.numpy() for w in full.weights})
+report(full_model(model), history=history, scores=scores,
+       policy=keras.mixed_precision.global_policy().name,
+       compute_dtype=model.get_layer("fc1").compute_dtype,
+       loss_scale=None if scale is None else float(scale.numpy()))

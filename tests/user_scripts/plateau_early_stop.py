@@ -12,16 +12,13 @@ history (with the learning rate per epoch), the epoch training stopped at,
 the final learning rate and ``evaluate`` of the restored weights; rank 0 (or
 the plain process) writes ``OUT/weights.npz``.
 """
-import json
-import os
-import sys
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "."
-DIST = int(os.environ.get("HOROVOD_SIZE", "1")) > 1    # under horovodrun; else plain Keras
+from script_report import DIST, full_model, report
+
 if DIST:
     import tfhybrid
 
@@ -65,13 +62,7 @@ if DIST:
     callbacks = tfhybrid.callbacks.standard() + callbacks
 history = model.fit(train, validation_data=val, epochs=EPOCHS, verbose=0, callbacks=callbacks)
 scores = model.evaluate(val, verbose=0, return_dict=True)
-full = tfhybrid.gather(model) if DIST else model
-print("RESULT " + json.dumps({
-    "rank": tfhybrid.rank() if DIST else 0,
-    "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-    "stopped_epoch": int(stop.stopped_epoch), "best_epoch": int(stop.best_epoch),
-    "epochs_run": len(history.history["loss"]),
-    "final_learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)),
-    "evaluate": {k: float(v) for k, v in scores.items()}}), flush=True)
-if not DIST or tfhybrid.is_root():
-    np.savez(os.path.join(OUT, "weights.npz"), **{w.path: w.numpy() for w in full.weights})
+report(full_model(model), history=history, scores=scores,
+       stopped_epoch=int(stop.stopped_epoch), best_epoch=int(stop.best_epoch),
+       epochs_run=len(history.history["loss"]),
+       final_learning_rate=float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)))

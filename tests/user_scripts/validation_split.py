@@ -18,16 +18,13 @@ Every rank prints one ``RESULT {json}`` per form with the history (loss,
 accuracy, val_loss, val_accuracy per epoch); rank 0 (or the plain process)
 writes ``OUT/weights_<form>.npz``.
 """
-import json
-import os
-import sys
 import warnings
 
 import keras
 import numpy as np
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "."
-DIST = int(os.environ.get("HOROVOD_SIZE", "1")) > 1    # under horovodrun; else plain Keras
+from script_report import DIST, full_model, report
+
 if DIST:
     import tfhybrid
 
@@ -69,15 +66,9 @@ def run(form):
                 batch = BATCH // tfhybrid.data.batch_split(model)[0]
             history = model.fit(xs, ys, batch_size=batch, epochs=EPOCHS, validation_split=0.25,
                                 shuffle=False, verbose=0, callbacks=callbacks)
-    full = tfhybrid.gather(model) if DIST else model
-    print("RESULT " + json.dumps({
-        "rank": tfhybrid.rank() if DIST else 0, "form": form,
-        "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-        "warnings": sorted({str(w.message)[:200] for w in caught
-                            if "tfhybrid" in str(w.message)})}), flush=True)
-    if not DIST or tfhybrid.is_root():
-        np.savez(os.path.join(OUT, f"weights_{form}.npz"),
-                 **{w.path: w.numpy() for w in full.weights})
+    report(full_model(model), f"weights_{form}.npz", history, form=form,
+           warnings=sorted({str(w.message)[:200] for w in caught
+                            if "tfhybrid" in str(w.message)}))
 
 
 if DIST:

@@ -20,17 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+# The full tier (make test-full) also runs the user scripts marked full_tier: more
+# world sizes and kinds of the same checks.
+from tests.tier_marks import FULL_TIER, full_tier  # noqa: F401  (re-exported)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "user_scripts"
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
-
-
-#: The full tier (``make test-full``, ``TFHYBRID_TEST_FULL=1``) also runs the user
-#: scripts marked ``full_tier``: more world sizes and kinds of the same checks.
-FULL_TIER = os.environ.get("TFHYBRID_TEST_FULL") == "1"
-full_tier = pytest.mark.skipif(not FULL_TIER, reason="full tier (make test-full)")
 
 
 class Run:

@@ -16,7 +16,6 @@ With a stock Horovod the training tests skip (conftest.py says why) and
 :func:`test_stock_horovod_is_refused` runs instead.
 """
 import json
-import os
 import re
 import textwrap
 
@@ -25,9 +24,7 @@ import pytest
 
 from jobs import ROOT, launch, run_plain
 
-# The full tier (make test-full, TFHYBRID_TEST_FULL=1) runs every case; make test a core.
-full_tier = pytest.mark.skipif(os.environ.get("TFHYBRID_TEST_FULL") != "1",
-                               reason="full tier (make test-full)")
+from tests.tier_marks import full_tier   # make test-full runs every case; make test a core
 
 HERE = ROOT / "tests" / "multihost"
 SCRIPT = HERE / "strategies_script.py"

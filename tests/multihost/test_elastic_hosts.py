@@ -54,8 +54,7 @@ import pytest
 from hosts import PREFIX
 from jobs import ROOT, Lines, run_plain, start_elastic
 
-full_tier = pytest.mark.skipif(os.environ.get("TFHYBRID_TEST_FULL") != "1",
-                               reason="full tier (make test-full)")
+from tests.tier_marks import full_tier   # make test-full runs every case; make test a core
 
 SCRIPT = ROOT / "tests" / "multihost" / "elastic_script.py"
 STEPS, LOSS, BACK = 9, 3, 6

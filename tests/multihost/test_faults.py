@@ -13,7 +13,6 @@ and h2, so every step crosses the link) at 2 hosts x 1 rank:
 - sshd missing on h2: the job ends before any training, with ssh's message
   naming h2.
 """
-import os
 import re
 import subprocess
 import time
@@ -23,9 +22,7 @@ import pytest
 
 from jobs import ROOT, Lines, launch, run_plain, start
 
-# The full tier (make test-full, TFHYBRID_TEST_FULL=1) runs every case; make test a core.
-full_tier = pytest.mark.skipif(os.environ.get("TFHYBRID_TEST_FULL") != "1",
-                               reason="full tier (make test-full)")
+from tests.tier_marks import full_tier   # make test-full runs every case; make test a core
 
 SCRIPT = ROOT / "tests" / "multihost" / "fault_script.py"
 BOUND = 30                      # the watchdog's bound in these jobs (seconds)

@@ -69,7 +69,7 @@ _LAZY = {
     "layers": ("tfhybrid.layers", None),
     "oracle": ("tfhybrid.oracle", None),
     "save": ("tfhybrid.checkpoint", "save"),
-    "load": ("tfhybrid.checkpoint", "load"),
+    "load": ("tfhybrid.compose", "load"),
     "DistributedOptimizer": ("tfhybrid.optimizer", "DistributedOptimizer"),
     "transform": ("tfhybrid.compose", "transform"),
     "gather": ("tfhybrid.transformer", "gather"),

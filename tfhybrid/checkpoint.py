@@ -41,7 +41,8 @@ from tfhybrid import runtime
 from tfhybrid.optimizer.slots import inner as _inner, keras_optimizer, set_step_count
 from tfhybrid.optimizer.slots import slot_names as _slot_names, slots_of, step_count
 from tfhybrid.watchdog import collective_api
-from tfhybrid.transformer.parts import PartModel, strategy_of
+from tfhybrid.transformer.api import build, strategy_of
+from tfhybrid.transformer.parts import PartModel
 
 SIDE_SUFFIX = ".state.npz"
 FORMAT = 1
@@ -440,69 +441,24 @@ def _read_slots(path, meta):
 def _shard_like(full, values, strategy, options):
     """``values`` (one array per full trainable variable) laid out as
     ``transform(full, strategy, **options)`` lays out the weights."""
-    from tfhybrid.compose import transform
-
     copy = keras.models.clone_model(full)
     for var, value in zip(copy.trainable_variables, values):
         if value is not None:
             var.assign(value)
-    return [v.numpy() for v in transform(copy, strategy, **options).trainable_variables]
+    return [v.numpy() for v in build(copy, strategy, **options).trainable_variables]
 
 
-@collective_api("tfhybrid.load")
-def load(path, strategy: str | None = None, compile: bool = True, custom_objects=None,
-         **options):
-    """Resume a checkpoint of :func:`save` on this grid (collective).
-
-    Args:
-        path: The ``.keras`` file given to :func:`save`, or the directory
-            of a sharded checkpoint (``save(..., sharded=True)``).
-        strategy: Strategy to transform for; default the one saved. Any
-            strategy and world size work: weights and optimizer slots are
-            re-sharded for the new layout. (A sharded checkpoint loaded on
-            its own grid and strategy is read rank by rank; otherwise every
-            rank consolidates it in memory first.)
-        compile: Compile as the model was compiled when saved (optimizer
-            with its :class:`tfhybrid.DistributedOptimizer` options, loss,
-            metrics, loss weights) and restore the optimizer's slots, counters
-            and iteration count. With ``compile=False`` only the weights are
-            restored.
-        custom_objects: ``{name: class or function}`` for custom layers,
-            losses and metrics that are not registered with
-            ``keras.saving.register_keras_serializable`` (as
-            ``keras.saving.load_model`` takes them).
-        **options: ``transform`` options (``mp``, ``spatial``, ``layers``...).
-
-    Returns:
-        The transformed model. Its first ``fit`` continues at the saved data
-        position (:func:`resume_fit_at`): with ``initial_epoch`` omitted it
-        starts at the saved epoch (when ``epochs`` exceeds it), and in that
-        epoch it skips the ``step`` batches trained before the checkpoint,
-        so ``model.fit(tfhybrid.data.shard(dataset, model=model), epochs=E)``
-        on the same (unshuffled or seeded per epoch) dataset continues as if
-        training had never stopped. :func:`read_meta` gives the saved
-        ``epoch`` and ``step``.
-
-    Raises:
-        FileNotFoundError: if the checkpoint or its side file is missing.
-        ValueError: if ``compile=True`` but the checkpoint has no optimizer
-            or loss configuration (load with ``compile=False`` and compile
-            yourself; the slots then start from zero).
-
-    Example:
-        >>> model = tfhybrid.load("ckpt/last.keras", strategy="df")
-        >>> model.fit(tfhybrid.data.shard(batches, model=model), epochs=10)  # saved epoch/step on
-    """
+def resume(transform, path, strategy=None, compile=True, custom_objects=None, **options):
+    """What :func:`tfhybrid.load` does (:func:`tfhybrid.compose.load`), with
+    ``transform`` the function that builds and guards the model."""
     with keras.saving.custom_object_scope(custom_objects or {}):
-        return _load(path, strategy, compile, options)
+        return _load(transform, path, strategy, compile, options)
 
 
-def _load(path, strategy, compile, options):
-    from tfhybrid.compose import transform
-
+def _load(transform, path, strategy, compile, options):
     path = str(path)
     if os.path.isdir(path):
-        return resume_fit_at(_load_sharded(path, strategy, compile, options),
+        return resume_fit_at(_load_sharded(transform, path, strategy, compile, options),
                              read_manifest(path))
     if not os.path.exists(path):
         raise FileNotFoundError(f"Checkpoint {path!r} does not exist.")
@@ -592,9 +548,7 @@ def read_meta(path) -> dict:
     return _read_side_meta(path)
 
 
-def _load_sharded(directory, strategy, compile, options):
-    from tfhybrid.compose import transform
-
+def _load_sharded(transform, directory, strategy, compile, options):
     manifest = read_manifest(directory)
     grid = runtime.current_grid()
     strategy = strategy or manifest["strategy"]

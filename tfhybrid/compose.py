@@ -2,16 +2,18 @@
 
 The one place where a transformed model is put together: the transformer
 builds it (:func:`tfhybrid.transformer.api.build`), the guards install its
-``compile``/``fit``/``evaluate``/``predict`` (:func:`tfhybrid.guards.install`),
+``compile``/``fit``/``evaluate``/``predict`` (:func:`tfhybrid.guards.install.install`),
 and a model compiled before ``transform`` is compiled again the same way.
 ``tfhybrid.transform``, :func:`tfhybrid.load` and elastic runs
 (:mod:`tfhybrid.elastic`) all come through :func:`transform`.
 """
 from __future__ import annotations
 
-from tfhybrid import guards
+from tfhybrid import checkpoint
+from tfhybrid.guards.install import install
 from tfhybrid.transformer.api import build
 from tfhybrid.transformer.parts import PartModel
+from tfhybrid.watchdog import collective_api
 
 
 def transform(model, strategy="d", **options):
@@ -67,7 +69,53 @@ def transform(model, strategy="d", **options):
         >>> tfhybrid.describe(pmodel)
     """
     new = build(model, strategy, **options)
-    return _compiled_like(model, guards.install(new, part=isinstance(new, PartModel)))
+    return _compiled_like(model, install(new, part=isinstance(new, PartModel)))
+
+
+@collective_api("tfhybrid.load")
+def load(path, strategy=None, compile=True, custom_objects=None, **options):
+    """Resume a checkpoint of :func:`tfhybrid.save` on this grid (collective).
+
+    Args:
+        path: The ``.keras`` file given to :func:`save`, or the directory
+            of a sharded checkpoint (``save(..., sharded=True)``).
+        strategy: Strategy to transform for; default the one saved. Any
+            strategy and world size work: weights and optimizer slots are
+            re-sharded for the new layout. (A sharded checkpoint loaded on
+            its own grid and strategy is read rank by rank; otherwise every
+            rank consolidates it in memory first.)
+        compile: Compile as the model was compiled when saved (optimizer
+            with its :class:`tfhybrid.DistributedOptimizer` options, loss,
+            metrics, loss weights) and restore the optimizer's slots, counters
+            and iteration count. With ``compile=False`` only the weights are
+            restored.
+        custom_objects: ``{name: class or function}`` for custom layers,
+            losses and metrics that are not registered with
+            ``keras.saving.register_keras_serializable`` (as
+            ``keras.saving.load_model`` takes them).
+        **options: ``transform`` options (``mp``, ``spatial``, ``layers``...).
+
+    Returns:
+        The transformed model. Its first ``fit`` continues at the saved data
+        position (:func:`tfhybrid.checkpoint.resume_fit_at`): with ``initial_epoch`` omitted it
+        starts at the saved epoch (when ``epochs`` exceeds it), and in that
+        epoch it skips the ``step`` batches trained before the checkpoint,
+        so ``model.fit(tfhybrid.data.shard(dataset, model=model), epochs=E)``
+        on the same (unshuffled or seeded per epoch) dataset continues as if
+        training had never stopped. :func:`tfhybrid.checkpoint.read_meta` gives the saved
+        ``epoch`` and ``step``.
+
+    Raises:
+        FileNotFoundError: if the checkpoint or its side file is missing.
+        ValueError: if ``compile=True`` but the checkpoint has no optimizer
+            or loss configuration (load with ``compile=False`` and compile
+            yourself; the slots then start from zero).
+
+    Example:
+        >>> model = tfhybrid.load("ckpt/last.keras", strategy="df")
+        >>> model.fit(tfhybrid.data.shard(batches, model=model), epochs=10)  # saved epoch/step on
+    """
+    return checkpoint.resume(transform, path, strategy, compile, custom_objects, **options)
 
 
 def _compiled_like(source, new):

@@ -16,6 +16,7 @@ from tfhybrid.optimizer import averaging
 from tfhybrid.oracle import formulas
 from tfhybrid.transformer.graph import as_functional, describe_graph, weighted_leaves
 from tfhybrid.transformer.options import make_options
+from tfhybrid.transformer.parts import PartModel
 from tfhybrid.transformer.planner import make_plan
 from tfhybrid.transformer.rewrite import find_layer, rewrite
 from tfhybrid.transformer.root_weights import root_weights
@@ -168,6 +169,13 @@ def info_of(model) -> TransformInfo:
         raise ValueError(f"Received model {getattr(model, 'name', model)!r}, which was not "
                          "returned by tfhybrid.transform; pass the transformed model.")
     return info
+
+
+def strategy_of(model) -> str:
+    """The strategy a transformed model was built for."""
+    if isinstance(model, PartModel):
+        return model.tfhybrid_strategy
+    return info_of(model).plan.strategy
 
 
 def periodic_layers(plan, graph, ccr_threshold) -> tuple:

@@ -41,14 +41,6 @@ class PartModel(keras.Model):
         raise NotImplementedError
 
 
-def strategy_of(model) -> str:
-    """The strategy a transformed model was built for."""
-    if isinstance(model, PartModel):
-        return model.tfhybrid_strategy
-    from tfhybrid.transformer.api import info_of
-    return info_of(model).plan.strategy
-
-
 def evaluate_global(model, keras_evaluate, args, kwargs):
     """Keras ``evaluate`` of ``model`` returning the metrics Keras' ``evaluate``
     returns after summing the states over the ranks (``get_metrics_result``).

@@ -18,7 +18,7 @@ setup(
     # that TensorFlow pins). The two TensorFlow distributions install the same
     # package, so neither is a base requirement. The range is the TensorFlow
     # versions horovod 0.28.1 builds against with patches/horovod/ applied
-    # (2.18, 2.20, 2.21); each TensorFlow narrows Keras and numpy further itself.
+    # (2.18 to 2.21); each TensorFlow narrows Keras and numpy further itself.
     # scripts/setup_env.sh chooses the device by TFHYBRID_DEVICE or the NVIDIA
     # driver and the version by TFHYBRID_TF.
     install_requires=[
@@ -26,13 +26,13 @@ setup(
         "numpy>=1.26,<2.5",
         # horovod==0.28.1 must be built from source against the TensorFlow
         # of the extra (HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1, plus
-        # HOROVOD_GPU_OPERATIONS=NCCL on GPU), and for TensorFlow 2.20+ with
+        # HOROVOD_GPU_OPERATIONS=NCCL on GPU), and for TensorFlow 2.19+ with
         # patches/horovod/ applied; see scripts/setup_env.sh, which builds and
         # caches the wheel per TensorFlow version, device and patch set.
     ],
     extras_require={
-        "cpu": ["tensorflow-cpu>=2.18.1,!=2.19.*,<2.22"],
-        "gpu": ["tensorflow[and-cuda]>=2.18.1,!=2.19.*,<2.22"],
+        "cpu": ["tensorflow-cpu>=2.18.1,<2.22"],
+        "gpu": ["tensorflow[and-cuda]>=2.18.1,<2.22"],
         "horovod": ["horovod==0.28.1"],
         "plot": ["matplotlib>=3.8"],
         "test": ["pytest>=8", "scikit-learn>=1.4"],

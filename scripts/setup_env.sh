@@ -2,10 +2,11 @@
 # Create the project's virtual environment (.venv) with the pinned stack:
 # TensorFlow (CPU build, or the CUDA build on GPU nodes; version chosen by TFHYBRID_TF),
 # Keras 3, numpy, and horovod 0.28.1 built from its source distribution with the
-# project's patches (patches/horovod/*.patch, applied in name order; Gloo, plus NCCL
-# GPU operations on GPU nodes). The horovod wheel is built once and cached outside
-# the clone, keyed by the horovod, TensorFlow and Python versions, the device, the
-# controllers and the hash of the patch set, so later set-ups take seconds.
+# project's patches (patches/horovod/*.patch, then patches/horovod/tf<major.minor>/*.patch
+# of that TensorFlow, each in name order; Gloo, plus NCCL GPU operations on GPU nodes).
+# The horovod wheel is built once and cached outside the clone, keyed by the horovod,
+# TensorFlow and Python versions, the device, the controllers and the hash of the patch
+# set, so later set-ups take seconds.
 #
 # Usage: scripts/setup_env.sh [--device cpu|gpu|auto] [--mpi] [--no-project] [--print-config]
 #   --device        cpu: tensorflow-cpu; gpu: tensorflow[and-cuda] (the CUDA, cuDNN and
@@ -17,14 +18,14 @@
 #                   Kubernetes MPI Operator). TFHYBRID_WITH_MPI=1 sets the same.
 #   --no-project    install the stack but not tfhybrid itself (Docker layer caching).
 #   --print-config  print what would be installed and the wheel cache used, then exit.
-# Other environment: TFHYBRID_TF (TensorFlow version: 2.21.0 (default), 2.20.0 or
-# 2.18.1; 2.21 means 2.21.0), PYTHON (interpreter), TFHYBRID_VENV (default .venv),
+# Other environment: TFHYBRID_TF (TensorFlow version: 2.21.0 (default), 2.20.0, 2.19.1
+# or 2.18.1; 2.21 means 2.21.0), PYTHON (interpreter), TFHYBRID_VENV (default .venv),
 # TFHYBRID_CACHE (default ~/.cache/tfhybrid), CUDA_HOME (gpu builds, default
 # /usr/local/cuda), HOROVOD_NCCL_HOME (default: the nvidia-nccl-cu12 wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '10,23p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '11,24p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "[setup] error: $*" >&2; exit 2; }
 
 DEVICE=${TFHYBRID_DEVICE:-auto}
@@ -58,10 +59,10 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 VENV=${TFHYBRID_VENV:-.venv}
 # TensorFlow versions horovod 0.28.1 builds against with patches/horovod/ applied
-# (docs/horovod-patches.md; 2.19 is not one: its XLA headers need LLVM headers
-# the wheel does not ship), newest first; the first is the default, the last the oldest
-# (scripts/oldest_tf_tier.sh tests it too).
-SUPPORTED_TF="2.21.0 2.20.0 2.18.1"
+# (docs/horovod-patches.md; 2.19 without Horovod's XLA operations, tf2.19/), newest
+# first; the first is the default, the last the oldest (scripts/oldest_tf_tier.sh tests
+# it too).
+SUPPORTED_TF="2.21.0 2.20.0 2.19.1 2.18.1"
 TF_VERSION=${TFHYBRID_TF:-${SUPPORTED_TF%% *}}
 for v in $SUPPORTED_TF; do      # 2.21 names the supported 2.21.x
   [ "$TF_VERSION" = "${v%.*}" ] && TF_VERSION=$v
@@ -71,13 +72,16 @@ case " $SUPPORTED_TF " in
   *) die "TFHYBRID_TF=$TF_VERSION is not a supported TensorFlow version; choose one of: ${SUPPORTED_TF// /, } (e.g. TFHYBRID_TF=2.21.0), or unset it for the default ${SUPPORTED_TF%% *}" ;;
 esac
 HVD_VERSION=0.28.1
-# The project's horovod patches, applied to the sdist in name order; their names and
-# contents key the wheel cache.
+# The project's horovod patches, applied to the sdist in name order: patches/horovod/*.patch
+# for every TensorFlow, then patches/horovod/tf<major.minor>/*.patch for that version only.
+# Their names (relative to patches/horovod) and contents key the wheel cache.
 PATCH_DIR=patches/horovod
 PATCHES=()
-for p in "$PATCH_DIR"/*.patch; do [ -f "$p" ] && PATCHES+=("$p"); done
+for p in "$PATCH_DIR"/*.patch "$PATCH_DIR/tf${TF_VERSION%.*}"/*.patch; do
+  [ -f "$p" ] && PATCHES+=("$p")
+done
 if [ ${#PATCHES[@]} -gt 0 ]; then
-  PATCH_HASH=$(for p in "${PATCHES[@]}"; do basename "$p"; cat "$p"; done | sha256sum | cut -c1-12)
+  PATCH_HASH=$(for p in "${PATCHES[@]}"; do echo "${p#"$PATCH_DIR"/}"; cat "$p"; done | sha256sum | cut -c1-12)
 else
   PATCH_HASH=none
 fi
@@ -103,7 +107,7 @@ if [ "$PRINT_ONLY" = 1 ]; then
   echo "tensorflow=$TF_REQ"
   echo "supported_tf=$SUPPORTED_TF"
   echo "tf_version=$TF_VERSION ($([ -n "${TFHYBRID_TF:-}" ] && echo "TFHYBRID_TF" || echo "default"); supported: ${SUPPORTED_TF// /, })"
-  echo "patches=$PATCH_HASH ($([ ${#PATCHES[@]} -gt 0 ] && basename -a "${PATCHES[@]}" | paste -sd, - || echo "none in $PATCH_DIR"))"
+  echo "patches=$PATCH_HASH ($([ ${#PATCHES[@]} -gt 0 ] && printf '%s\n' "${PATCHES[@]#"$PATCH_DIR"/}" | paste -sd, - || echo "none in $PATCH_DIR"))"
   echo "horovod=$HVD_VERSION controllers=$CONTROLLERS gpu_operations=$([ "$DEVICE" = gpu ] && echo NCCL || echo none)"
   echo "python=$PY ($PYTAG) venv=$VENV"
   echo "wheel_dir=$WHEEL_DIR"
@@ -185,7 +189,7 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
       die "patch $p does not apply to the horovod $HVD_VERSION sdist (after the patches before it in name order); fix or regenerate it against the sdist tree (diff -u a/<path> b/<path>, applied with patch -p1)"
     fi
     patch -d "$SRC" -p1 --forward --batch --silent < "$p"
-    say "applied $(basename "$p")"
+    say "applied ${p#"$PATCH_DIR"/}"
   done
   say "building horovod==$HVD_VERSION ($DEVICE, $CONTROLLERS, patches $PATCH_HASH) against TensorFlow $TF_VERSION (4-6 minutes on 2 cores)"
   say "  ${HVD_ENV[*]}"

@@ -224,12 +224,22 @@ def test_setup_script_device_choice(tmp_path):
     assert "-gpu-gloo" in text and "wheel_cached=no" in text
 
 
-def _patch_hash():
-    """The script's key of the patch set: sha256 of each patch's name and text, in name order."""
-    patches = sorted(glob.glob(os.path.join(ROOT, "patches", "horovod", "*.patch")))
+def _patches(version):
+    """The patches the script applies for a TensorFlow version, in order: patches/horovod/*.patch,
+    then patches/horovod/tf<major.minor>/*.patch; with their names relative to patches/horovod."""
+    top = os.path.join(ROOT, "patches", "horovod")
+    own = os.path.join(top, "tf" + version.rsplit(".", 1)[0])
+    paths = (sorted(glob.glob(os.path.join(top, "*.patch")))
+             + sorted(glob.glob(os.path.join(own, "*.patch"))))
+    return [(os.path.relpath(p, top), p) for p in paths]
+
+
+def _patch_hash(version):
+    """The script's key of a version's patch set: sha256 of each patch's name and text, in order."""
+    patches = _patches(version)
     h = hashlib.sha256()
-    for p in patches:
-        h.update(os.path.basename(p).encode() + b"\n" + open(p, "rb").read())
+    for name, p in patches:
+        h.update(name.encode() + b"\n" + open(p, "rb").read())
     return h.hexdigest()[:12] if patches else "none"
 
 
@@ -247,9 +257,9 @@ def test_setup_script_tensorflow_choice(tmp_path):
     conf = dict(line.split("=", 1) for line in out.splitlines())
     assert code == 0 and conf["tensorflow"] == f"tensorflow-cpu=={versions[0]}"
     assert conf["tf_version"].startswith(f"{versions[0]} (default")
-    assert conf["patches"].startswith(_patch_hash() + " (")
+    assert conf["patches"].startswith(_patch_hash(versions[0]) + " (")
     assert f"-tf{versions[0]}-" in conf["wheel_dir"]
-    assert conf["wheel_dir"].endswith(f"-cpu-gloo-patches-{_patch_hash()}")
+    assert conf["wheel_dir"].endswith(f"-cpu-gloo-patches-{_patch_hash(versions[0])}")
     for v in versions:
         for given in (v, v.rsplit(".", 1)[0]):          # 2.21.0 or 2.21
             code, out, _ = cfg(TFHYBRID_TF=given)
@@ -257,31 +267,43 @@ def test_setup_script_tensorflow_choice(tmp_path):
             assert code == 0 and conf["tensorflow"] == f"tensorflow-cpu=={v}", (given, out)
             assert conf["tf_version"].startswith(f"{v} (TFHYBRID_TF")
             assert f"-tf{v}-" in conf["wheel_dir"]
-    for bad in ("2.17.0", "2.19.1", "2.22.0", "latest"):
+            # A version's own patches (patches/horovod/tf2.19/) key its wheel only.
+            names = ",".join(name for name, _ in _patches(v))
+            assert conf["patches"] == f"{_patch_hash(v)} ({names})", (given, out)
+            assert conf["wheel_dir"].endswith(f"-patches-{_patch_hash(v)}")
+    for bad in ("2.17.0", "2.19.0", "2.22.0", "latest"):
         code, out, err = cfg(TFHYBRID_TF=bad)
         assert code == 2 and f"TFHYBRID_TF={bad} is not a supported TensorFlow version" in err
         assert ", ".join(versions) in err and not out
 
 
-def test_horovod_patches_apply_to_the_sdist(tmp_path):
-    """Every patches/horovod/*.patch applies, in name order, to horovod's sdist
-    (the copy setup_env.sh caches; skipped when no set-up has downloaded it)."""
-    patches = sorted(glob.glob(os.path.join(ROOT, "patches", "horovod", "*.patch")))
+@pytest.mark.parametrize("version", _supported_tf())
+def test_horovod_patches_apply_to_the_sdist(tmp_path, version):
+    """A version's patches (patches/horovod/*.patch, then its own tf<major.minor>/*.patch)
+    apply, in that order, to horovod's sdist (the copy setup_env.sh caches; skipped when no
+    set-up has downloaded it)."""
+    patches = _patches(version)
     assert patches, "patches/horovod/ holds the project's horovod patches"
+    own = [name for name, _ in patches if "/" in name]
+    assert own == (["tf2.19/0200-no-xla-ops.patch"] if version.startswith("2.19.") else [])
     cache = os.environ.get("TFHYBRID_CACHE", os.path.expanduser("~/.cache/tfhybrid"))
     sdist = os.path.join(cache, "sdist", "horovod-0.28.1.tar.gz")
     if not os.path.exists(sdist) or shutil.which("patch") is None:
         pytest.skip(f"{sdist} not downloaded yet (scripts/setup_env.sh caches it) or no patch program")
     subprocess.run(["tar", "-xzf", sdist, "-C", str(tmp_path)], check=True)
     src = tmp_path / "horovod-0.28.1"
-    for p in patches:
+    for name, p in patches:
         with open(p) as f:
             out = subprocess.run(["patch", "-d", str(src), "-p1", "--forward", "--batch"], stdin=f,
                                  capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, f"{os.path.basename(p)} does not apply:\n{out.stdout}{out.stderr}"
-    # The patches give the XLA builder header and TensorFlow's third-party include dirs.
+        assert out.returncode == 0, f"{name} does not apply:\n{out.stdout}{out.stderr}"
+    # The patches give the XLA builder header and TensorFlow's third-party include dirs;
+    # 2.19 builds without the XLA operations.
     assert "xla/hlo/builder/xla_builder.h" in (src / "horovod/tensorflow/xla_mpi_ops.cc").read_text()
-    assert "external/highwayhash" in (src / "horovod/tensorflow/CMakeLists.txt").read_text()
+    cmake = (src / "horovod/tensorflow/CMakeLists.txt").read_text()
+    assert "external/highwayhash" in cmake
+    assert ('TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc"' in cmake) == (
+        not own)
 
 
 def test_entrypoint_is_executable_and_dispatches(tmp_path):

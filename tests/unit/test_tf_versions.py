@@ -1,8 +1,8 @@
 """What tfhybrid relies on in TensorFlow and Keras beyond their public API,
-checked on the TensorFlow these tests run on (2.18.1, 2.20.0 and 2.21.0 are
-supported, each with Keras 3.15.1). ``docs/horovod-patches.md`` lists every
-such item with the test that shows it; the items without a test elsewhere
-are here. One process each (the allocator test starts one more, as its
+checked on the TensorFlow these tests run on (2.18.1, 2.19.1, 2.20.0 and
+2.21.0 are supported, each with Keras 3.15.1). ``docs/horovod-patches.md``
+lists every such item with the test that shows it; the items without a test
+elsewhere are here. One process each (the allocator test starts one more, as its
 allocator is chosen before TensorFlow starts)."""
 import inspect
 import json
@@ -163,7 +163,7 @@ def test_graph_tensors_carry_keras_logits():
 def test_zeros_framed_by_concatenation_keep_tensorflows_remapper():
     """TensorFlow's remapper fuses a Pad into the Conv3D it feeds and then fails
     on the Pad's other consumer (the gradient's ShapeN), dropping its fusions
-    for the step (2.18.1, 2.20.0 and 2.21.0 alike). core._zero_framed
+    for the step (2.18.1, 2.19.1, 2.20.0 and 2.21.0 alike). core._zero_framed
     concatenates zeros instead: no Pad, no failure, the same gradients."""
     x, k = tf.constant(_randn((2, 4, 4, 4, 3), 0)), tf.constant(_randn((3, 3, 3, 3, 4), 1))
     pads = [(0, 0), (1, 1), (1, 1), (1, 1), (0, 0)]

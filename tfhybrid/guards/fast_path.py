@@ -99,7 +99,7 @@ def _flat_caller(concrete, iterator):
     ``ConcreteFunction.__call__`` binds and type-checks the structured
     arguments on every call (the iterator's spec canonicalised and cast);
     ``_call_flat`` with the same flat tensors runs the same function (TF
-    2.18.1, 2.20.0 and 2.21.0: tests/unit/test_guards.py). Where this
+    2.18.1, 2.19.1, 2.20.0 and 2.21.0: tests/unit/test_guards.py). Where this
     TensorFlow has no such entry point, or the iterator does not flatten to
     one resource tensor, the structured call is kept.
     """

@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from hosts import IFACE
+from hosts import IFACE, PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCH = "0100-gloo-process-set-interface"
@@ -155,3 +155,18 @@ class Lines:
         regex = re.compile(pattern)
         return [(m, t) for line, t in zip(list(self.lines), list(self.times))
                 for m in [regex.search(line)] if m]
+
+
+def processes_on(name, script):
+    """Pids of the processes running ``script`` (a file name) on test host ``name``."""
+    pids = subprocess.run(["ip", "netns", "pids", f"{PREFIX}-{name}"], capture_output=True,
+                          text=True).stdout.split()
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if script.encode() in f.read():
+                    out.append(int(pid))
+        except OSError:
+            pass
+    return out

@@ -51,8 +51,7 @@ import time
 import numpy as np
 import pytest
 
-from hosts import PREFIX
-from jobs import ROOT, Lines, run_plain, start_elastic
+from jobs import ROOT, Lines, processes_on, run_plain, start_elastic
 
 from tests.tier_marks import full_tier   # make test-full runs every case; make test a core
 
@@ -87,17 +86,7 @@ def plain(tmp_path_factory):
 
 def rank_processes(name):
     """Pids of elastic_script.py processes on host ``name``."""
-    pids = subprocess.run(["ip", "netns", "pids", f"{PREFIX}-{name}"], capture_output=True,
-                          text=True).stdout.split()
-    out = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"elastic_script.py" in f.read():
-                    out.append(int(pid))
-        except OSError:
-            pass
-    return out
+    return processes_on(name, "elastic_script.py")
 
 
 def _write(path, text):

@@ -14,13 +14,12 @@ and h2, so every step crosses the link) at 2 hosts x 1 rank:
   naming h2.
 """
 import re
-import subprocess
 import time
 
 import numpy as np
 import pytest
 
-from jobs import ROOT, Lines, launch, run_plain, start
+from jobs import ROOT, Lines, launch, processes_on, run_plain, start
 
 from tests.tier_marks import full_tier   # make test-full runs every case; make test a core
 
@@ -35,17 +34,7 @@ ENV = {"TFHYBRID_WATCHDOG_SECONDS": str(BOUND)}
 
 def rank_processes(hosts, name):
     """Pids of fault_script.py processes on host ``name``."""
-    pids = subprocess.run(["ip", "netns", "pids", f"tfhmh-{name}"], capture_output=True,
-                          text=True).stdout.split()
-    out = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"fault_script.py" in f.read():
-                    out.append(int(pid))
-        except OSError:
-            pass
-    return out
+    return processes_on(name, "fault_script.py")
 
 
 def test_host_cut_off_ends_the_job(needs_patch, hosts, tmp_path):

@@ -390,10 +390,10 @@ def save(model, path, epoch: int | None = None, step: int | None = None,
                          "writer, rank 0).")
     path = _check_path(path)
     full = gather(model)   # ls: also copies the FC workers' parameters to every CONV worker
-    ls = isinstance(model, PartModel)
-    state = model.optimizer_state() if ls else gather_optimizer_state(model)   # p/ls: own
+    part = isinstance(model, PartModel)
+    state = model.optimizer_state() if part else gather_optimizer_state(model)   # p/ls: own
     rng = gather_rng_state(model)
-    exclusions = _part_exclusions(model) if ls else None
+    exclusions = _part_exclusions(model) if part else None
     # every rank returns once the files exist, or raises when rank 0 could not
     # write them (a layer Keras cannot serialise, a full disk)
     with backend.together(f"tfhybrid.save({path!r}) on rank 0"):

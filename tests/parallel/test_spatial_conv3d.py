@@ -1,6 +1,4 @@
 """SpatialConv3D against keras Conv3D on the full volume (helpers: test_spatial_conv)."""
-import os
-import tempfile
 
 import keras
 import numpy as np
@@ -10,6 +8,7 @@ import tensorflow as tf
 from tfhybrid.layers import SpatialConv3D
 
 from conftest import randn
+from tests.fd_log import stderr_of
 from test_spatial_conv import (check_against, check_unsplittable, grid_of_split, group_sum,
                                my_block, split_specs, valid_size)
 
@@ -79,20 +78,6 @@ def test_spatial_conv3d_other_halo_methods_match_keras(grid_of, spec, method):
         halo.set_halo_method(None)
 
 
-def _stderr_of(fn):
-    """What ``fn()`` writes to file descriptor 2 (TensorFlow's C++ log)."""
-    with tempfile.TemporaryFile() as tmp:
-        saved = os.dup(2)
-        os.dup2(tmp.fileno(), 2)
-        try:
-            fn()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        tmp.seek(0)
-        return tmp.read().decode(errors="replace")
-
-
 @pytest.mark.parametrize("padding,overlap", [("same", False), ("same", True),
                                              ("valid", False)])
 @pytest.mark.parametrize("spec", split_specs(3), ids=str)
@@ -121,7 +106,7 @@ def test_a_traced_step_keeps_tensorflows_remapper(grid_of, spec, padding, overla
             tape.watch(x)
             loss = tf.reduce_sum(spatial(x) ** 2)
         return tape.gradient(loss, [x] + spatial.trainable_weights)
-    log = _stderr_of(lambda: [t.numpy() for t in step()])
+    log = stderr_of(lambda: [t.numpy() for t in step()])
     assert "remapper failed" not in log, log
     graph = step.get_concrete_function().graph
 

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import keras
 import numpy as np
@@ -19,26 +18,13 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid import data
 from tfhybrid.layers.spatial import core
+from tests.fd_log import stderr_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _randn(shape, seed):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
-def _stderr_of(fn):
-    """What ``fn()`` writes to file descriptor 2 (TensorFlow's C++ log)."""
-    with tempfile.TemporaryFile() as tmp:
-        saved = os.dup(2)
-        os.dup2(tmp.fileno(), 2)
-        try:
-            fn()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        tmp.seek(0)
-        return tmp.read().decode(errors="replace")
 
 
 def _ancestors(op):
@@ -179,7 +165,7 @@ def test_zeros_framed_by_concatenation_keep_tensorflows_remapper():
         return f
 
     framed = step(lambda t: core._zero_framed(t, pads))
-    log = _stderr_of(lambda: [t.numpy() for t in framed()])
+    log = stderr_of(lambda: [t.numpy() for t in framed()])
     assert "remapper failed" not in log, log
     ops = framed.get_concrete_function().graph.get_operations()
     assert not [op.name for op in ops if op.type in ("Pad", "PadV2")]

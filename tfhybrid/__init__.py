@@ -51,8 +51,12 @@ def _register_hooks():
         from tfhybrid.transformer.graph import as_functional
         return as_functional(model, flatten=flatten)
 
+    def allreduce_link(machine_path, p, span):   # optimizer: bucket_bytes="auto"
+        from tfhybrid.oracle.machine import allreduce_link
+        return allreduce_link(machine_path, p, span)
+
     for function in (collective, traced, horovod_restarted, current_grid,
-                     agree_on_root, as_functional):
+                     agree_on_root, as_functional, allreduce_link):
         hooks.register(function.__name__, function)
 
 

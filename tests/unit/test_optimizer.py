@@ -27,6 +27,7 @@ def sgd():
     ({"bucket_bytes": 0}, ValueError, r"`bucket_bytes`: bucket_bytes=0; expected an integer >= 1"),
     ({"bucket_bytes": -5}, ValueError, r"bucket_bytes=-5"),
     ({"bucket_bytes": 1.5}, ValueError, r"bucket_bytes=1.5"),
+    ({"bucket_bytes": "big"}, ValueError, r"bucket_bytes='big'; expected an integer >= 1\. Or 'auto'"),
     ({"compression": "int8"}, ValueError, r"compression='int8'; expected one of \('none', 'fp16'\)"),
     ({"op": "max"}, ValueError, r"op='max'; expected one of \('average', 'sum'\)"),
     ({"backward_passes_per_step": 0}, ValueError, r"backward_passes_per_step=0"),
@@ -232,3 +233,30 @@ def test_callback_argument_errors():
         tfhybrid.callbacks.standard(warmup_steps=5)
     with pytest.raises(ValueError, match=r"root_rank=3"):
         tfhybrid.callbacks.broadcast_model(small_model(), root_rank=3)
+
+
+def test_auto_bucket_size_follows_the_calibrated_link(tmp_path, monkeypatch):
+    """bucket_bytes="auto": 25 MiB without a machine file; with TFHYBRID_MACHINE, the
+    size fusion_bytes picks from the file's allreduce latency and bandwidth."""
+    import json
+    from tfhybrid.optimizer.distributed import DEFAULT_BUCKET_BYTES, fusion_bytes
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.1))
+    assert opt.bucket_bytes == "auto" and opt.get_config()["bucket_bytes"] == "auto"
+    items = [((0, 1), 1_000_000), ((0, 1), 675_176), ((), 0)]
+    monkeypatch.delenv("TFHYBRID_MACHINE", raising=False)
+    assert opt._bucket_size(items) == DEFAULT_BUCKET_BYTES
+    slow, fast = tmp_path / "slow.json", tmp_path / "fast.json"
+    for path, lat, beta in ((slow, 3e-3, 8.4e-8), (fast, 3e-4, 1e-9)):
+        path.write_text(json.dumps({"alpha": 0.0, "beta": 0.0, "flop_rate": 1e9, "collectives": {
+            "allreduce": {"latency": lat, "alpha": 0.0, "beta": beta}}}))
+    monkeypatch.setenv("TFHYBRID_MACHINE", str(slow))
+    small = opt._bucket_size(items)
+    # p = 2: each rank sends half the bytes twice, so a payload byte costs beta
+    assert small == fusion_bytes(1_675_176, 3e-3, 8.4e-8) == 244_597
+    monkeypatch.setenv("TFHYBRID_MACHINE", str(fast))
+    assert opt._bucket_size(items) == fusion_bytes(1_675_176, 3e-4, 1e-9) > 2 * small
+    assert DistributedOptimizer(keras.optimizers.SGD(0.1), bucket_bytes=4096)._bucket_size(
+        items) == 4096
+    monkeypatch.setenv("TFHYBRID_MACHINE", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="TFHYBRID_MACHINE=.*unset TFHYBRID_MACHINE"):
+        opt._bucket_size(items)

@@ -224,3 +224,100 @@ def test_calibration_names_each_collective_size_apart():
             for n in (8, 16):
                 fit._collective(kind, list(range(n)), ranks, Recording(), n)
     assert len(set(names)) == len(names) == 12
+
+
+# -- collective kinds ------------------------------------------------------------------
+
+def _kinds_machine(**extra):
+    tier = {"max_ranks": 2, "alpha": 0.0, "beta": 1e-9, "latency": 1e-3,
+            "collectives": {"allgather": {"latency": 2e-3, "alpha": 0.0, "beta": 3e-9},
+                            "alltoall": {"latency": 4e-3, "alpha": 0.0, "beta": 5e-9}}}
+    return Machine.from_dict({"alpha": 1e-6, "beta": 2e-9, "flop_rate": 1e9,
+                              "tiers": [tier], **extra})
+
+
+def test_each_collective_kind_pays_its_own_calibrated_cost():
+    m = _kinds_machine()
+    assert m.t_allgather(2, 1e6) == pytest.approx(2e-3 + 1e6 * 3e-9)
+    assert m.t_alltoall(2, 1e6) == pytest.approx(4e-3 + 0.5e6 * 5e-9)
+    # tfhybrid's reduce-scatter, rooted reduce and halo exchange are alltoalls
+    assert m.t_reducescatter(2, 1e6) == m.t_alltoall(2, 1e6)
+    assert m.t_neighbours(2, 1e6) == pytest.approx(4e-3 + 1e6 * 5e-9)
+    assert m.t_reduce(2, 1e6) == pytest.approx(4e-3 + 1e6 * 5e-9)
+    # a kind the tier does not list uses the tier's own numbers
+    assert m.t_allreduce(2, 1e6) == pytest.approx(1e-3 + 1e6 * 1e-9)
+    assert m.t_broadcast(2, 1e6) == pytest.approx(1e-3 + 1e6 * 1e-9)
+    # beyond every tier: the machine's numbers (no collectives there)
+    assert m.t_allgather(4, 1e6) == pytest.approx(3 * (1e-6 + 1e6 * 2e-9))
+
+
+def test_machine_level_collectives_serve_groups_beyond_the_tiers(tmp_path):
+    m = _kinds_machine(collectives={"allreduce": {"latency": 0.5, "alpha": 0.0, "beta": 0.0}})
+    assert m.t_allreduce(8, 1e6) == 0.5
+    assert m.collective_cost("allreduce", 8) == (0.5, 0.0, 0.0)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(m.to_dict()))
+    assert Machine.load(path) == m
+
+
+@pytest.mark.parametrize("table, match", [
+    ({"gather": {"latency": 0, "alpha": 0, "beta": 0}}, r"kind 'gather'"),
+    ({"allgather": {"latency": 0, "beta": 0}}, r"expected exactly the keys"),
+    ({"allgather": {"latency": -1, "alpha": 0, "beta": 0}}, r"allgather'\]\.latency"),
+    ([1, 2], r"must map collective kinds"),
+])
+def test_collectives_validation(table, match):
+    with pytest.raises(ValueError, match=match):
+        Machine.from_dict({"alpha": 0, "beta": 0, "flop_rate": 1.0, "collectives": table})
+    with pytest.raises(ValueError, match=match):
+        Machine.from_dict({"alpha": 0, "beta": 0, "flop_rate": 1.0, "tiers": [
+            {"max_ranks": 2, "alpha": 0, "beta": 0, "collectives": table}]})
+    with pytest.raises(ValueError, match="expected one of"):
+        _kinds_machine().collective_cost("gather", 2)
+
+
+def test_calibration_fits_each_kind_apart():
+    truth = {"allreduce": (1e-3, 1e-9), "allgather": (2e-3, 3e-9), "alltoall": (4e-3, 5e-9)}
+    rows = []
+    for kind, (lat, beta) in truth.items():
+        for m in (4096, 65536, 1 << 20, 4 << 20):
+            rows.append((kind, 2, m, lat + cal.design_row(kind, 2, m)[1] * beta))
+    (tier,) = cal.fit_tiers(rows)
+    for kind, (lat, beta) in truth.items():
+        got = tier.collectives[kind]
+        assert got["latency"] == pytest.approx(lat, rel=1e-6)
+        assert got["beta"] == pytest.approx(beta, rel=1e-6)
+        assert got["alpha"] == 0.0
+    m = Machine(alpha=tier.alpha, beta=tier.beta, latency=tier.latency, tiers=(tier,),
+                flop_rate=1.0)
+    for kind, row in (("allgather", m.t_allgather), ("alltoall", m.t_alltoall)):
+        lat, beta = truth[kind]
+        assert row(2, 1 << 20) == pytest.approx(lat + cal.design_row(kind, 2, 1 << 20)[1] * beta)
+    with pytest.raises(ValueError, match="one group size"):
+        cal.fit_kind_costs(rows + [("allreduce", 4, 4096, 1.0)])
+    # a kind timed at a single size is left to the common fit
+    assert "alltoall" not in cal.fit_kind_costs([r for r in rows if r[0] != "alltoall"]
+                                                + [("alltoall", 2, 4096, 1e-3)])
+
+
+def test_relative_fit_keeps_small_messages_priced():
+    """Large messages must not set the latency alone: every size's relative error counts."""
+    rows = [("allreduce", 2, m, 3e-3 + m * 8e-8) for m in (4096, 16384, 65536)]
+    rows += [("allreduce", 2, 4 << 20, 1.2 * (3e-3 + (4 << 20) * 8e-8))]   # one slow large one
+    lat, _, beta = cal.fit_kind_costs(rows)["allreduce"].values()
+    assert lat == pytest.approx(3e-3, rel=0.15)
+
+
+def test_allreduce_link_reads_the_machine_file(tmp_path):
+    from tfhybrid.oracle.machine import allreduce_link
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(_kinds_machine(collectives={
+        "allreduce": {"latency": 2e-3, "alpha": 0.0, "beta": 8e-8}}).to_dict()))
+    fixed, per_byte = allreduce_link(path, 4, 4)
+    assert fixed == pytest.approx(2e-3)
+    assert per_byte == pytest.approx(2 * 3 / 4 * 8e-8)
+    assert allreduce_link(path, 1, 1) == (0.0, 0.0)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="TFHYBRID_MACHINE=.*cannot read it"):
+        allreduce_link(bad, 2, 2)

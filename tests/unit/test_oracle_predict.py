@@ -76,12 +76,14 @@ def test_pipeline_hand():
     # B B | B B on stage 1 and stage 0: (S + M - 1)(F + B) = 36 s, as Eq. 12
     assert r.compute_s == pytest.approx(4 / 2 * 3 * (2 + 4))
     # each transfer (alpha + 2 x 4 items x beta = 5 s) runs while the sender computes its
-    # next micro-batch: stage 1 starts at 9 (F 9-13, 13-17, B 17-25, 25-33), stage 0's
-    # backward waits for 30 and 38 (B 30-38, 38-46); the predictions' broadcast (5 s)
-    # follows the last transfer (38 -> 43): 46 s, 10 s beyond the compute; ParaDL's
-    # Eq. 13 serialises all 2 (p + S - 2) transfers and the broadcast: 25 s
-    assert r.comm_s["p2p"] == pytest.approx(10.0)
-    assert r.total_s == pytest.approx(46.0)
+    # next micro-batch, but after the pair's earlier transfer (one collective at a time
+    # per rank): 4-9, then 9-14 (issued at 8); stage 1 computes F 9-13, 14-18, B 18-26,
+    # 26-34; the errors travel 26-31 and 34-39; stage 0's B 31-39, 39-47; the
+    # predictions' broadcast (5 s) follows the last transfer (39 -> 44): 47 s, 11 s
+    # beyond the compute; ParaDL's Eq. 13 serialises all 2 (p + S - 2) transfers and
+    # the broadcast: 25 s
+    assert r.comm_s["p2p"] == pytest.approx(11.0)
+    assert r.total_s == pytest.approx(47.0)
     assert r.memory_bytes == 68.0 and r.options["segments"] == 2
 
 

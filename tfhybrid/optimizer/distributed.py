@@ -18,6 +18,8 @@ after another, without overlap.
 """
 from __future__ import annotations
 
+import math
+import os
 import warnings
 
 import keras
@@ -37,6 +39,32 @@ from tfhybrid.optimizer.slots import link_slots, tracking_slots
 COMPRESSIONS = tuple(BUILT_IN)
 OPS = ("average", "sum")
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+MIN_AUTO_BUCKET_BYTES = 64 * 2**10
+MACHINE_ENV = "TFHYBRID_MACHINE"
+
+
+def fusion_bytes(total_bytes, fixed_s, per_byte_s, cap=DEFAULT_BUCKET_BYTES):
+    """The bucket size ``bucket_bytes="auto"`` picks on a measured link:
+    sqrt(total x fixed / per_byte), between 64 KiB and ``cap``.
+
+    ``total_bytes`` is what the step reduces, ``fixed_s`` one allreduce's fixed
+    cost (latency) and ``per_byte_s`` its seconds per payload byte. Splitting
+    the gradients into n buckets costs n x fixed more, and the last bucket, which
+    back-propagation finishes last, still has (total / n) x per_byte to go when
+    the backward pass ends; the size that balances the two minimises their sum.
+    A slow link (large per_byte) wants small buckets, a fast one with costly
+    collectives large ones.
+
+    Example:
+        >>> fusion_bytes(1_675_176, 3e-3, 8.4e-8)   # 100 Mbit/s, 3 ms per collective
+        244597
+        >>> fusion_bytes(1_675_176, 1e-4, 0.0)      # a link that costs nothing per byte
+        26214400
+    """
+    if per_byte_s <= 0:
+        return int(cap)
+    size = math.sqrt(max(total_bytes, 1) * max(fixed_s, 0.0) / per_byte_s)
+    return int(min(cap, max(MIN_AUTO_BUCKET_BYTES, size)))
 
 
 def _check_int(value, what, minimum):
@@ -112,9 +140,15 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     Args:
         optimizer: A Keras 3 optimizer instance (SGD, Adam, AdamW, ...) or its
             name ("adam").
-        bucket_bytes: Upper bound of one fusion bucket's payload in bytes.
-            Smaller buckets start communicating earlier in back-propagation;
-            larger ones issue fewer collectives. Default 25 MiB.
+        bucket_bytes: Upper bound of one fusion bucket's payload in bytes, or
+            "auto" (the default). Smaller buckets start communicating earlier
+            in back-propagation; larger ones issue fewer collectives. "auto":
+            when the environment variable ``TFHYBRID_MACHINE`` names a machine
+            file of ``tfhybrid calibrate`` (measured on the cluster's link),
+            :func:`fusion_bytes` of the gradients' bytes and the calibrated
+            allreduce latency and bandwidth of the reducing group; without one,
+            25 MiB (``DEFAULT_BUCKET_BYTES``). :meth:`communication_plan`
+            shows the buckets chosen.
         compression: How gradients travel: "none", "fp16" (float32
             gradients travel as float16; halves the bytes, costs about 3
             significant digits), ``tfhybrid.optimizer.Compression.fp16`` or
@@ -156,11 +190,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         ...           verbose=tfhybrid.is_root())
     """
 
-    def __init__(self, optimizer, bucket_bytes=DEFAULT_BUCKET_BYTES, compression="none",
+    def __init__(self, optimizer, bucket_bytes="auto", compression="none",
                  backward_passes_per_step=1, op="average", replicate_fc_gradients=0,
                  delay_fc_update=False, name=None):
         inner = _inner(optimizer)
-        bucket_bytes = _check_int(bucket_bytes, "bucket_bytes", 1)
+        if not (isinstance(bucket_bytes, str) and bucket_bytes == "auto"):
+            try:
+                bucket_bytes = _check_int(bucket_bytes, "bucket_bytes", 1)
+            except ValueError as err:
+                raise ValueError(f"{err} Or 'auto' (the default: sized to the link "
+                                 "calibrated in TFHYBRID_MACHINE).") from None
         compressor = as_compressor(compression)
         passes = _check_int(backward_passes_per_step, "backward_passes_per_step", 1)
         op = _check_choice(op, "op", OPS)
@@ -469,7 +508,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         sparse = {i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)}
         items = [((), 0) if g is None or i in sparse else (s.ranks, self._wire_bytes(g, v))
                  for i, (g, s, v) in enumerate(zip(grads, specs, variables))]
-        buckets = plan_buckets(items, self.bucket_bytes)
+        buckets = plan_buckets(items, self._bucket_size(items))
         communicated = {i for bucket in buckets for i in bucket.indices}
         # only dense gradients reduced by no bucket are scaled here (no dead ops in the
         # step: scaling IndexedSlices would densify them; _reduce_slices scales them)
@@ -485,6 +524,23 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             out[i] = self._reduce_slices(grads[i], specs[i], i)
         self._plan = buckets
         return out
+
+    def _bucket_size(self, items):
+        """``bucket_bytes``, or for "auto" the size :func:`fusion_bytes` picks on
+        the calibrated link of the largest reducing group (see the argument)."""
+        if self.bucket_bytes != "auto":
+            return self.bucket_bytes
+        path = os.environ.get(MACHINE_ENV)
+        groups = {}
+        for ranks, nbytes in items:
+            if ranks:
+                groups[ranks] = groups.get(ranks, 0) + nbytes
+        if not path or not groups:
+            return DEFAULT_BUCKET_BYTES
+        ranks, total = max(groups.items(), key=lambda kv: (len(kv[0]), kv[1]))
+        fixed_s, per_byte_s = hooks.call("allreduce_link", path, len(ranks),
+                                         max(ranks) - min(ranks) + 1)
+        return fusion_bytes(total, fixed_s, per_byte_s)
 
     def _reduce_slices(self, g, spec, index):
         """An IndexedSlices gradient (Embedding) reduced as Horovod does: the rows

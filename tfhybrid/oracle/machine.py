@@ -19,6 +19,19 @@ It is 0 in the papers and for ParaDL's tiers; calibration fits it beside
 alpha and beta, and on an oversubscribed CPU node it dominates (lambda
 well above alpha).
 
+Collective kinds. One link does not move every collective's bytes at the
+same rate: over Gloo's TCP transport between two hosts, allgather and
+alltoall take clearly more seconds per byte sent than the ring allreduce
+(their implementations negotiate sizes first, copy, and do not keep both
+directions of the link busy the way a ring does; docs/benchmarks.md has the
+measurement). A tier (or the machine)
+may therefore carry ``collectives``: ``{kind: {"latency", "alpha",
+"beta"}}`` for ``allreduce``, ``allgather``, ``alltoall`` or ``broadcast``,
+fitted by calibration from that kind's own timings; a cost function uses
+its kind's entry and falls back to the tier's own numbers. The alltoall
+entry also prices tfhybrid's reduce-scatter, rooted reduce and halo
+exchange, which are alltoalls.
+
 Approximations (what this model ignores): the collective algorithm switch
 (tree for small messages), link topology other than through tiers, external
 congestion (only self-contention via ``phi``), and overlap of communication
@@ -40,6 +53,9 @@ import math
 import os
 import re
 from typing import Any, Mapping
+
+COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall", "broadcast")
+_COST_KEYS = ("latency", "alpha", "beta")
 
 _NUMBER_FIELDS = ("alpha", "beta", "latency", "flop_rate", "memory_bytes", "phi", "gamma",
                   "bytes_per_item", "step_overhead_s", "compute_slots", "wu_flops_per_param",
@@ -69,8 +85,11 @@ class Tier:
     alpha: float
     beta: float
     latency: float = 0.0
+    collectives: Mapping[str, Mapping[str, float]] | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "collectives", _check_collectives(
+            self.collectives, f"tiers[max_ranks={self.max_ranks}].collectives"))
         if isinstance(self.max_ranks, bool) or not isinstance(self.max_ranks, int) \
                 or self.max_ranks < 1:
             raise ValueError(f"Received an invalid tier `max_ranks`={self.max_ranks!r}; "
@@ -89,6 +108,10 @@ class Machine:
         beta: Time per byte (s/B); used for groups beyond every tier.
         latency: Fixed cost per collective (s), added once to each
             collective's ring cost; used for groups beyond every tier.
+        collectives: Optional ``{kind: {"latency": s, "alpha": s, "beta":
+            s/B}}`` per collective kind (``allreduce``, ``allgather``,
+            ``alltoall``, ``broadcast``) for groups beyond every tier; a kind
+            not listed uses latency/alpha/beta. Tiers may carry their own.
         tiers: Optional alpha/beta by group span, sorted by ``max_ranks``.
         flop_rate: Sustained FLOP/s of one rank (needed unless ``layer_times``
             covers every layer).
@@ -165,9 +188,12 @@ class Machine:
     wu_flops_per_param: float = 2.0
     compute_fixed_s: float = 0.0
     overlap: float = 0.0
+    collectives: Mapping[str, Mapping[str, float]] | None = None
     source: str = ""
 
     def __post_init__(self):
+        object.__setattr__(self, "collectives",
+                           _check_collectives(self.collectives, "collectives"))
         for name in _NUMBER_FIELDS:
             optional = name in ("flop_rate", "memory_bytes", "compute_slots")
             _check_number(name, getattr(self, name), allow_zero=name not in (
@@ -289,15 +315,34 @@ class Machine:
             return p
         return span
 
-    def _tier(self, span):
-        for tier in self.tiers:
-            if span <= tier.max_ranks:
-                return tier.latency, tier.alpha, tier.beta
-        return self.latency, self.alpha, self.beta
+    def _tier(self, span, kind=None):
+        """(latency, alpha, beta) of collective ``kind`` (None: the generic
+        numbers) for a group of span ``span``: the first tier holding it, its
+        ``collectives[kind]`` when calibrated, else the tier's own numbers."""
+        owner = next((t for t in self.tiers if span <= t.max_ranks), self)
+        own = (owner.collectives or {}).get(kind) if kind else None
+        if own is not None:
+            return own["latency"], own["alpha"], own["beta"]
+        return owner.latency, owner.alpha, owner.beta
+
+    def collective_cost(self, kind: str, span: int) -> tuple:
+        """(latency, alpha, beta) a collective of ``kind`` pays in a group of
+        span ``span`` (see the module docstring's collective kinds).
+
+        Example:
+            >>> m = Machine(alpha=0, beta=1e-9, flop_rate=1.0,
+            ...             collectives={"allgather": {"latency": 1e-3, "alpha": 0, "beta": 2e-9}})
+            >>> m.collective_cost("allgather", 8), m.collective_cost("allreduce", 8)
+            ((0.001, 0.0, 2e-09), (0.0, 0.0, 1e-09))
+        """
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"Received kind={kind!r}; expected one of {COLLECTIVE_KINDS}.")
+        return self._tier(span, kind)
 
     def t_p2p(self, nbytes: float, span: int = 2) -> float:
-        """Point-to-point message of ``nbytes``: lambda + alpha + m beta."""
-        lat, a, b = self._tier(span)
+        """Point-to-point message of ``nbytes``: lambda + alpha + m beta (tfhybrid
+        sends one as an alltoall on the pair's process set: the alltoall's cost)."""
+        lat, a, b = self._tier(span, "alltoall")
         return lat + a + nbytes * b
 
     def t_allreduce(self, p: int, nbytes: float, span: int | None = None, phi: float = 1.0):
@@ -307,28 +352,28 @@ class Machine:
         """
         if p <= 1 or nbytes <= 0:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span))
+        lat, a, b = self._tier(self._span(p, span), "allreduce")
         return lat + 2 * (p - 1) * (a + nbytes / p * b * phi)
 
     def t_allgather(self, p: int, nbytes_per_rank: float, span: int | None = None):
         """Ring allgather, ``nbytes_per_rank`` from each rank: (p-1)(alpha + m beta)."""
         if p <= 1:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span))
+        lat, a, b = self._tier(self._span(p, span), "allgather")
         return lat + (p - 1) * (a + nbytes_per_rank * b)
 
     def t_reducescatter(self, p: int, nbytes: float, span: int | None = None):
         """Ring reduce-scatter of ``nbytes`` (result m/p per rank): (p-1)(alpha + m/p beta)."""
         if p <= 1:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span))
+        lat, a, b = self._tier(self._span(p, span), "alltoall")
         return lat + (p - 1) * (a + nbytes / p * b)
 
     def t_broadcast(self, p: int, nbytes: float, span: int | None = None):
         """Binomial-tree broadcast of ``nbytes`` from one rank: ceil(log2 p)(alpha + m beta)."""
         if p <= 1 or nbytes <= 0:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span))
+        lat, a, b = self._tier(self._span(p, span), "broadcast")
         return lat + math.ceil(math.log2(p)) * (a + nbytes * b)
 
     def t_reduce(self, p: int, nbytes: float, span: int | None = None):
@@ -336,7 +381,7 @@ class Machine:
         ``comm.broadcast`` backward, one alltoall): (p-1)(alpha + m beta)."""
         if p <= 1 or nbytes <= 0:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span))
+        lat, a, b = self._tier(self._span(p, span), "alltoall")
         return lat + (p - 1) * (a + nbytes * b)
 
     def t_neighbours(self, p: int, nbytes_sent: float, span: int | None = None):
@@ -351,7 +396,7 @@ class Machine:
         """
         if p <= 1:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span))
+        lat, a, b = self._tier(self._span(p, span), "alltoall")
         return lat + (p - 1) * a + nbytes_sent * b
 
     def t_alltoall(self, p: int, nbytes: float, span: int | None = None):
@@ -378,14 +423,37 @@ class Machine:
 
 
 def _tier_from(t) -> Tier:
-    if not isinstance(t, Mapping) or set(t) - {"max_ranks", "alpha", "beta", "latency"} \
+    if not isinstance(t, Mapping) \
+            or set(t) - {"max_ranks", "alpha", "beta", "latency", "collectives"} \
             or not {"max_ranks", "alpha", "beta"} <= set(t):
         raise ValueError(f"Received an invalid tier {t!r}; expected "
                          "{'max_ranks': int, 'alpha': float, 'beta': float} and optionally "
-                         "'latency': float.")
+                         "'latency': float and 'collectives': {kind: {latency, alpha, beta}}.")
     return Tier(int(t["max_ranks"]) if isinstance(t["max_ranks"], float)
                 and t["max_ranks"].is_integer() else t["max_ranks"],
-                float(t["alpha"]), float(t["beta"]), float(t.get("latency", 0.0)))
+                float(t["alpha"]), float(t["beta"]), float(t.get("latency", 0.0)),
+                t.get("collectives"))
+
+
+def _check_collectives(table, where) -> dict | None:
+    """``{kind: {"latency", "alpha", "beta"}}`` checked and copied (floats); None stays None."""
+    if table is None:
+        return None
+    if not isinstance(table, Mapping):
+        raise ValueError(f"`{where}` must map collective kinds to {{latency, alpha, beta}}; "
+                         f"received {type(table).__name__}.")
+    out = {}
+    for kind, cost in table.items():
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"`{where}` names kind {kind!r}; expected kinds of "
+                             f"{COLLECTIVE_KINDS}.")
+        if not isinstance(cost, Mapping) or set(cost) != set(_COST_KEYS):
+            raise ValueError(f"`{where}[{kind!r}]`={cost!r}; expected exactly the keys "
+                             f"{_COST_KEYS} (seconds, seconds, seconds per byte).")
+        for key in _COST_KEYS:
+            _check_number(f"{where}[{kind!r}].{key}", cost[key])
+        out[kind] = {key: float(cost[key]) for key in _COST_KEYS}
+    return out
 
 
 def _check_layer_times(times) -> dict:
@@ -498,3 +566,25 @@ def default_machine_path() -> str:
     own with ``tfhybrid calibrate``.
     """
     return os.path.join(os.path.dirname(__file__), "machines", "cpu_box.json")
+
+
+def allreduce_link(path, p: int, span: int) -> tuple:
+    """(fixed seconds, seconds per payload byte) of an allreduce over ``p`` ranks
+    spanning ``span`` on the machine file ``path`` (``DistributedOptimizer``'s
+    ``bucket_bytes="auto"``).
+
+    Raises:
+        ValueError: the file cannot be read as a machine (named in the message).
+    """
+    try:
+        m = Machine.load(path)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"TFHYBRID_MACHINE={path!r}: cannot read it as a machine file "
+                         f"({err}); give the JSON `tfhybrid calibrate -o` wrote, or unset "
+                         "TFHYBRID_MACHINE (buckets of 25 MiB).") from err
+    if p <= 1:
+        return 0.0, 0.0
+    probe = float(2**20)
+    one, more = m.t_allreduce(p, 1.0, span), m.t_allreduce(p, 1.0 + probe, span)
+    per_byte = (more - one) / probe
+    return max(one - per_byte, 0.0), per_byte

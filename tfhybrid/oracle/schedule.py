@@ -6,7 +6,10 @@ micro-batches; stage k computes micro-batch m as soon as it arrives and its
 previous micro-batch is done, and sends the result to stage k+1 with an
 asynchronous Horovod alltoall, so the transfer runs while the stage already
 computes the next micro-batch (ParaDL's Eq. 12-13 charge every transfer on
-the critical path instead); the last stage computes the loss on all M
+the critical path instead). Horovod runs one collective at a time per
+process (its background thread), so a rank's transfers queue behind each
+other, forward and backward alike: on a slow link the transfers, not the
+stages, set the pace; the last stage computes the loss on all M
 outputs, then each stage back-propagates the micro-batches in the order
 their errors arrive and sends its input's error back. The step ends when
 every stage has applied its update and the last stage's predictions were
@@ -57,23 +60,27 @@ def fill_drain(fwd, bwd, micro, transfer, slowdown, tail=None, nodes=None, bcast
              for _ in range(S)]
     work = {"F": fwd, "B": bwd, "U": tail}
     done = {}                      # (kind, stage, m) -> end time
+    arrived = {}                   # (kind, stage, m) -> when its input reached the stage
+    channel = [0.0] * S            # when each rank's Horovod thread is free again
     pos = [0] * S                  # next task of each stage
     left = [None] * S              # remaining work of the running task
     t = 0.0
-    last_transfer = 0.0
+
+    def send(key, a, b, seconds, at):
+        """A transfer between stages a and b, issued at ``at``: Horovod runs one
+        collective at a time per rank, so it waits for both ranks' earlier ones."""
+        start = max(at, channel[a], channel[b])
+        channel[a] = channel[b] = start + seconds
+        arrived[key] = start + seconds
 
     def ready(k):
         kind, m = tasks[k][pos[k]]
         if kind == "F":
-            if k == 0:
-                return 0.0
-            end = done.get(("F", k - 1, m))
-            return None if end is None else end + transfer[k - 1]
+            return 0.0 if k == 0 else arrived.get(("F", k, m))
         if kind == "B":
             if k == S - 1:         # the loss needs every micro-batch's output
                 return done.get(("F", k, micro - 1))
-            end = done.get(("B", k + 1, m))
-            return None if end is None else end + transfer[k]
+            return arrived.get(("B", k, m))
         return done.get(("B", k, micro - 1))
 
     while any(p < len(tl) for p, tl in zip(pos, tasks)):
@@ -106,13 +113,13 @@ def fill_drain(fwd, bwd, micro, transfer, slowdown, tail=None, nodes=None, bcast
                 kind, m = tasks[k][pos[k]]
                 done[(kind, k, m)] = t
                 if kind == "B" and k > 0:
-                    last_transfer = max(last_transfer, t + transfer[k - 1])
+                    send(("B", k - 1, m), k - 1, k, transfer[k - 1], t)
                 if kind == "F" and k < S - 1:
-                    last_transfer = max(last_transfer, t + transfer[k])
+                    send(("F", k + 1, m), k, k + 1, transfer[k], t)
                 pos[k] += 1
                 left[k] = None
     end = max(done[("U", k, 0)] for k in range(S))
-    return max(end, last_transfer + bcast) if S > 1 else end
+    return max(end, max(channel) + bcast) if S > 1 else end
 
 
 def stage_slowdown(machine):

@@ -10,9 +10,11 @@ What it measures (rank 0 writes the file):
    :mod:`tfhybrid.comm.backend`, on process sets of g consecutive ranks, all
    such groups at once, for g = 2, 4, ..., N) over a range of message sizes, each timed as a traced
    chain of dependent collectives (what a step's layers run); for each group size a
-   least-squares fit of the ring cost models of :mod:`machine` gives one tier
-   ``{max_ranks: g, alpha, beta}``; the largest group gives the top-level
-   alpha/beta.
+   least-squares fit (of relative errors) of the ring cost models of
+   :mod:`machine` gives one tier ``{max_ranks: g, latency, alpha, beta}``, and
+   each kind's own fit its ``collectives[kind]`` ({latency, beta}: the kinds
+   move bytes at different rates); the largest group gives the top-level
+   numbers.
 2. flop_rate: a Dense forward+backward of known FLOPs, timed on rank 0 alone
    while the other ranks wait; the oracle scales compute by
    ranks on the node / ``compute_slots`` (usable cores / intra-op threads).
@@ -122,11 +124,57 @@ def _fit(samples, latency):
     A = np.array([((1.0,) if latency else ()) + design_row(k, p, m)
                   for k, p, m, _ in samples], dtype=float)
     t = np.array([s for *_, s in samples], dtype=float)
-    sol = _nnls(A, t)
-    ss = float(((t - t.mean()) ** 2).sum())
-    r2 = 1.0 - float(((t - A @ sol) ** 2).sum()) / ss if ss > 0 else 1.0
+    sol = _relative_nnls(A, t)
     lat = float(sol[0]) if latency else 0.0
-    return lat, float(sol[-2]), float(sol[-1]), r2
+    return lat, float(sol[-2]), float(sol[-1]), _r2(A, t, sol)
+
+
+def _relative_nnls(A, t):
+    """Non-negative least squares of the relative errors (A x - t) / t.
+
+    Sizes span three decades: fitting absolute seconds lets the largest
+    message set both numbers and leaves the small messages' cost (what
+    a step of many small collectives pays) to chance; relative errors weigh
+    every size alike."""
+    w = 1.0 / np.maximum(t, 1e-12)
+    return _nnls(A * w[:, None], np.ones_like(t))
+
+
+def _r2(A, t, sol):
+    ss = float(((t - t.mean()) ** 2).sum())
+    return 1.0 - float(((t - A @ sol) ** 2).sum()) / ss if ss > 0 else 1.0
+
+
+def fit_kind_costs(samples) -> dict:
+    """Per collective kind: (latency, beta) of that kind's own timings, alpha 0.
+
+    All samples must be of one group size (a tier): there the per-message
+    alpha and the per-collective latency cannot be told apart, so the
+    intercept is the latency. A kind timed at fewer than two sizes is
+    left out (the tier's common fit serves it).
+
+    Returns:
+        ``{kind: {"latency": s, "alpha": 0.0, "beta": s/B}}``.
+
+    Example:
+        >>> rows = [("allgather", 2, m, 2e-3 + m * 3e-9) for m in (1e3, 1e5, 1e6)]
+        >>> {k: [round(v, 12) for v in c.values()] for k, c in fit_kind_costs(rows).items()}
+        {'allgather': [0.002, 0.0, 3e-09]}
+    """
+    samples = list(samples)
+    if len({p for _, p, _, _ in samples}) > 1:
+        raise ValueError("fit_kind_costs fits one group size; received samples of group sizes "
+                         f"{sorted({p for _, p, _, _ in samples})}.")
+    out = {}
+    for kind in COLLECTIVE_KINDS:
+        rows = [s for s in samples if s[0] == kind]
+        if len({m for _, _, m, _ in rows}) < 2:
+            continue
+        A = np.array([(1.0, design_row(k, p, m)[1]) for k, p, m, _ in rows], dtype=float)
+        t = np.array([s for *_, s in rows], dtype=float)
+        lat, beta = _relative_nnls(A, t)
+        out[kind] = {"latency": float(lat), "alpha": 0.0, "beta": float(beta)}
+    return out
 
 
 def _nnls(A, t):
@@ -148,11 +196,15 @@ def _nnls(A, t):
 
 
 def fit_tiers(samples) -> list:
-    """One :class:`Tier` (latency, alpha, beta) per group size in the samples (sorted)."""
+    """One :class:`Tier` per group size in the samples (sorted): latency, alpha and
+    beta common to every kind, and each kind's own in ``collectives``
+    (:func:`fit_kind_costs`)."""
     tiers = []
     for g in sorted({p for _, p, _, _ in samples}):
-        lat, a, b, _ = fit_collective_costs([s for s in samples if s[1] == g])
-        tiers.append(Tier(max_ranks=g, alpha=a, beta=b, latency=lat))
+        group = [s for s in samples if s[1] == g]
+        lat, a, b, _ = fit_collective_costs(group)
+        tiers.append(Tier(max_ranks=g, alpha=a, beta=b, latency=lat,
+                          collectives=fit_kind_costs(group) or None))
     return tiers
 
 

@@ -624,13 +624,14 @@ def _spec(samples, rate, times, gamma, overhead, slots, world, local):
     top = tiers[-1] if tiers else None
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, local)
     return {
-        "comment": "tfhybrid calibrate: latency/alpha/beta per group size (tiers) fitted to "
-                   "traced chains of Horovod allreduce/allgather/alltoall; flop_rate per "
-                   "compute slot.",
+        "comment": "tfhybrid calibrate: latency/alpha/beta per group size (tiers) and per "
+                   "collective kind, fitted to traced chains of Horovod allreduce/allgather/"
+                   "alltoall; flop_rate per compute slot.",
         "alpha": top.alpha if top else 0.0, "beta": top.beta if top else 0.0,
         "latency": top.latency if top else 0.0,
+        "collectives": top.collectives if top else None,
         "tiers": [{"max_ranks": t.max_ranks, "alpha": t.alpha, "beta": t.beta,
-                   "latency": t.latency} for t in tiers],
+                   "latency": t.latency, "collectives": t.collectives} for t in tiers],
         "flop_rate": rate, "layer_times": {k: list(v) for k, v in times.items()} if times else None,
         "memory_bytes": mem, "phi": 1.0, "gamma": gamma, "bytes_per_item": 4,
         "step_overhead_s": overhead, "compute_slots": slots, "ranks_per_node": local,

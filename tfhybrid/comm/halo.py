@@ -312,7 +312,10 @@ def _piece(t, o, widths, sizes, own):
     return tf.slice(t, begin, size)
 
 
-def _piece_dims(o, widths, sizes, own):
+def piece_dims(o, widths, sizes, own):
+    """Dims of the halo piece at offset ``o`` (per axis -1, 0 or 1) of a block of
+    ``sizes`` with halo ``widths`` (lo, hi) per axis: the rows this block sends
+    towards ``o`` (``own=True``) or receives from it (``own=False``)."""
     if own:
         return [{1: lo, -1: hi, 0: n}[v] for v, (lo, hi), n in zip(o, widths, sizes)]
     return [{-1: lo, 1: hi, 0: n}[v] for v, (lo, hi), n in zip(o, widths, sizes)]
@@ -388,7 +391,7 @@ def block_halo_plan(x, group, shape, widths, name=None, method=None, all_groups=
     if method == "pairs":
         backend.register_groups(neighbour_pairs(all_groups or [group.ranks], tuple(shape),
                                                 widths))
-    _SENT.append((method, sum(int(np_prod(_piece_dims(o, widths, sizes, True))) * int(
+    _SENT.append((method, sum(int(np_prod(piece_dims(o, widths, sizes, True))) * int(
         x.shape[-1]) for o, _ in send_to)))
     return BlockHaloPlan(group, tuple(shape), widths, sizes, method,
                          f"{name or 'halo'}.{group.name}.{method}", receive_from, send_to)
@@ -397,10 +400,10 @@ def block_halo_plan(x, group, shape, widths, name=None, method=None, all_groups=
 def block_halo_pieces(t, plan):
     """Forward exchange of :func:`block_halo_plan`'s plan, not differentiable:
     ``({offset: halo piece received}, anchors)`` (pieces shaped ``[batch] +``
-    :func:`_piece_dims` ``(own=False) + [channels]``; see :func:`_swap` for anchors)."""
+    :func:`piece_dims` ``(own=False) + [channels]``; see :func:`_swap` for anchors)."""
     w, n = plan.widths, plan.sizes
     sends = [(o, j, _piece(t, o, w, n, True)) for o, j in plan.send_to]
-    recvs = [(o, j, _piece_dims(o, w, n, False)) for o, j in plan.receive_from]
+    recvs = [(o, j, piece_dims(o, w, n, False)) for o, j in plan.receive_from]
     return _swap(sends, recvs, plan.group, plan.method, plan.name, t)
 
 
@@ -411,7 +414,7 @@ def block_halo_return(grads, plan, like):
     there}, anchors)`` for every offset of ``plan.send_to``."""
     w, n = plan.widths, plan.sizes
     sends = [(o, j, grads[o]) for o, j in plan.receive_from]
-    recvs = [(o, j, _piece_dims(o, w, n, True)) for o, j in plan.send_to]
+    recvs = [(o, j, piece_dims(o, w, n, True)) for o, j in plan.send_to]
     return _swap(sends, recvs, plan.group, plan.method, plan.name + ".bwd", like)
 
 
@@ -464,7 +467,7 @@ def block_halo_exchange(x, group, shape, widths, name=None, method=None, all_gro
                     return t
                 if prefix in got:
                     return got[prefix]
-                pdims = _piece_dims(prefix, widths, sizes, False)
+                pdims = piece_dims(prefix, widths, sizes, False)
                 return tf.zeros(tf.concat([tf.shape(t)[:1], pdims, tf.shape(t)[-1:]], 0),
                                 t.dtype)
             parts = [build(prefix + (v,), d + 1) for v in keep[d]]

@@ -427,7 +427,7 @@ def block_conv(x, plans, groups, conv, kernel, name):
     kernel = tf.convert_to_tensor(kernel)
 
     def piece_shape(o, like):
-        dims = halo._piece_dims(o, plan.widths, plan.sizes, False)
+        dims = halo.piece_dims(o, plan.widths, plan.sizes, False)
         return [like.shape[0]] + dims + [like.shape[-1]]
 
     @tf.custom_gradient

@@ -147,8 +147,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             file of ``tfhybrid calibrate`` (measured on the cluster's link),
             :func:`fusion_bytes` of the gradients' bytes and the calibrated
             allreduce latency and bandwidth of the reducing group; without one,
-            25 MiB (``DEFAULT_BUCKET_BYTES``). :meth:`communication_plan`
-            shows the buckets chosen.
+            25 MiB (``DEFAULT_BUCKET_BYTES``). With "auto" the size is a lower
+            bound: a bucket closes once it holds that many bytes, so the
+            small gradients between two large ones never travel alone.
+            :meth:`communication_plan` shows the buckets chosen.
         compression: How gradients travel: "none", "fp16" (float32
             gradients travel as float16; halves the bytes, costs about 3
             significant digits), ``tfhybrid.optimizer.Compression.fp16`` or
@@ -508,7 +510,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         sparse = {i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)}
         items = [((), 0) if g is None or i in sparse else (s.ranks, self._wire_bytes(g, v))
                  for i, (g, s, v) in enumerate(zip(grads, specs, variables))]
-        buckets = plan_buckets(items, self._bucket_size(items))
+        # "auto": the size is a lower bound (no bucket of biases alone pays a latency)
+        buckets = plan_buckets(items, self._bucket_size(items),
+                               at_least=self.bucket_bytes == "auto")
         communicated = {i for bucket in buckets for i in bucket.indices}
         # only dense gradients reduced by no bucket are scaled here (no dead ops in the
         # step: scaling IndexedSlices would densify them; _reduce_slices scales them)

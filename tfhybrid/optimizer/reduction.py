@@ -121,7 +121,8 @@ class Bucket:
         return 2.0 * (k - 1) / k * self.nbytes if k > 1 else 0.0
 
 
-def plan_buckets(items: Sequence[Tuple[Tuple[int, ...], int]], bucket_bytes: int) -> List[Bucket]:
+def plan_buckets(items: Sequence[Tuple[Tuple[int, ...], int]], bucket_bytes: int,
+                 at_least: bool = False) -> List[Bucket]:
     """Pack gradients into buckets.
 
     Args:
@@ -129,6 +130,10 @@ def plan_buckets(items: Sequence[Tuple[Tuple[int, ...], int]], bucket_bytes: int
             with empty ``ranks`` (no communication) are skipped.
         bucket_bytes: Upper bound of a bucket's payload; a gradient larger
             than this gets a bucket of its own.
+        at_least: Make ``bucket_bytes`` a lower bound instead: a bucket closes
+            once it holds ``bucket_bytes`` (the last one of a group may hold
+            less). No bucket then holds only the small gradients (biases)
+            between two large ones, each paying a collective's fixed cost.
 
     Returns:
         Buckets in issue order: the last layers' gradients first.
@@ -136,6 +141,11 @@ def plan_buckets(items: Sequence[Tuple[Tuple[int, ...], int]], bucket_bytes: int
     Example:
         >>> [b.indices for b in plan_buckets([((0, 1), 8), ((0, 1), 8), ((0, 1), 8)], 16)]
         [[2, 1], [0]]
+        >>> items = [((0, 1), 2), ((0, 1), 64), ((0, 1), 2), ((0, 1), 64)]
+        >>> [b.indices for b in plan_buckets(items, 16)]
+        [[3], [2], [1], [0]]
+        >>> [b.indices for b in plan_buckets(items, 16, at_least=True)]
+        [[3], [2, 1], [0]]
     """
     open_buckets, done = {}, []
     for index in reversed(range(len(items))):
@@ -143,12 +153,14 @@ def plan_buckets(items: Sequence[Tuple[Tuple[int, ...], int]], bucket_bytes: int
         if not ranks:
             continue
         bucket = open_buckets.get(ranks)
-        if bucket is not None and bucket.nbytes + nbytes > bucket_bytes:
+        if bucket is not None and not at_least and bucket.nbytes + nbytes > bucket_bytes:
             done.append(bucket)
             bucket = None
         if bucket is None:
             bucket = open_buckets[ranks] = Bucket(ranks, [])
         bucket.indices.append(index)
         bucket.nbytes += nbytes
+        if at_least and bucket.nbytes >= bucket_bytes:
+            done.append(open_buckets.pop(ranks))
     done.extend(open_buckets.values())
     return sorted(done, key=lambda b: -max(b.indices))

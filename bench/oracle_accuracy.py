@@ -55,6 +55,7 @@ STRATEGIES = {"d": (1, {}), "df": (2, {}), "gmp": (2, {"mp": 2}),
               "c": ("world", {"fallback": "replicate"}), "s": ("world", {}), "ds": (2, {}),
               "ls": (1, {}),   # ls: fc_workers = np // 2 (n_c divides the batch of 64)
               "p": ("world", {"micro_batches": 2})}   # p: one stage per rank, M = 2
+P_SEGMENTS = 2          # p's micro-batches as built and as predicted (bench/wire.py: plan's)
 
 
 def make_model():
@@ -333,7 +334,8 @@ def _predict(machine_path, name, np_, batch, mp):
     if name == "serial":
         return predict(model, "serial", 1, batch, machine_path)
     opts = {"df": {"grid": (np_ // 2, 2)}, "ds": {"spatial": (2, 1)},
-            "gmp": {"mp": 2}, "ls": {"n_f": np_ // 2}, "p": {"segments": 2}}.get(name, {})
+            "gmp": {"mp": 2}, "ls": {"n_f": np_ // 2},
+            "p": {"segments": P_SEGMENTS}}.get(name, {})
     if name == "gmp":
         opts["scheme"] = "BK"          # the ModuloLayer scheme tfhybrid.transform builds
     if name == "s":

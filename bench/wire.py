@@ -34,7 +34,8 @@ included) per step, against the ring minimum 2(p-1)/p |W|. Compression: fp16's
 bytes and step against fp32. Oracle: every strategy of
 bench/oracle_accuracy.py built by ``tfhybrid.transform`` and timed the same
 way at the calibrated rate, against the prediction on the calibrated machine
-file; bytes per step against :func:`tfhybrid.describe`'s analytic volume; the
+file; bytes per step against :func:`tfhybrid.describe`'s ``sent_bytes`` (what its analysis
+says one rank sends: ring allreduce, allgather blocks, halo rows to real neighbours); the
 strategy ``plan`` ranks first against the measured fastest.
 
 Writes bench/results/wire.json and wire.md (the tables); ``--repredict``
@@ -58,9 +59,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 IFACE = "eth0"
+# Jumbo frames, as HPC clusters' Ethernet usually runs: TCP/IP headers then cost
+# 0.4% of a large message (4.6% at MTU 1500, plus the receiver's ACKs), and tbf
+# (whose burst is smaller than a 64 KB segmentation-offload packet) sends frames
+# of this size
+MTU = 9000
 DEFAULT_BUCKET = 25 * 2**20
-BUCKETS = (256 * 2**10, 2**20, 4 * 2**20)          # the sweep, besides the default
-RATES = ("100mbit", "1gbit", "unlimited")
+BUCKETS = (128 * 2**10, 256 * 2**10, 2**20)   # the sweep, besides "after" (one bucket)
+RATES = ("100mbit", "250mbit", "1gbit", "unlimited")   # 250mbit: comm ~ compute here
 STRATEGIES_FULL = ("d", "f", "c", "s", "df", "ds", "gmp", "p", "ls")
 STRATEGIES_QUICK = ("d", "f", "df", "gmp", "s")
 
@@ -90,12 +96,17 @@ def rate_bits(rate):
 def tc_argv(rate, dev=IFACE, tc="tc"):
     """argv shaping ``dev``'s egress to ``rate`` with tbf (or removing the shaping).
 
-    The burst is at least 256 kbit and at least 10 ms at the rate: a tbf bucket
-    smaller than rate/HZ caps the rate below what was asked."""
+    The burst is 1 ms at the rate, and at least two jumbo frames (:data:`MTU`):
+    the link then serialises every message at the rate, as a wire of that
+    speed does. A 10 ms burst (1 Mbit at 100 Mbit/s) let messages up to
+    ~100 KB through at memory speed, so small collectives looked free; with
+    1 ms, large messages still move at the rate (within 2%), and at 1 Gbit/s
+    tbf itself costs ~10%, which calibration measures as that link's
+    bandwidth."""
     bits = rate_bits(rate)
     if bits is None:
         return [tc, "qdisc", "del", "dev", dev, "root"]
-    burst = max(256_000, bits // 100)
+    burst = max(2 * (MTU + 18) * 8, bits // 1000)
     return [tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", str(rate),
             "burst", f"{burst // 1000}kbit", "latency", "50ms"]
 
@@ -188,7 +199,11 @@ def summarise_rate(t, b, param_bytes, p, buckets=BUCKETS):
     """Per (model, rate): ``t`` {contender: step s}, ``b`` {contender: tx bytes/step}.
 
     The bucketed contender with the best step is the overlap case."""
-    sweep = {"default": t["after"], **{bucket_label(n): t[bucket_label(n)] for n in buckets}}
+    # the default: bucket_bytes="auto" on this rate's calibrated link ("default"), or
+    # the fixed 25 MiB ("after") when the run had no calibration per rate
+    default = t.get("default", t["after"])
+    sweep = {"default": default, "after": t["after"],
+             **{bucket_label(n): t[bucket_label(n)] for n in buckets}}
     best_name = min(sweep, key=sweep.get)
     bucketed = min((bucket_label(n) for n in buckets), key=lambda k: t[k])
     comm, comm16 = t["comm"], t.get("comm fp16")
@@ -200,7 +215,7 @@ def summarise_rate(t, b, param_bytes, p, buckets=BUCKETS):
         "overlap_case": bucketed,
         "overlap_hidden": hidden_fraction(t["compute"], comm, t[bucketed]),
         "fusion_best": best_name,
-        "fusion_default_vs_best": sweep["default"] / sweep[best_name],
+        "fusion_default_vs_best": default / sweep[best_name],
         "ring_min_bytes": ring_minimum(param_bytes, p),
         "bytes_vs_ring": b["after"] / ring_minimum(param_bytes, p) if b.get("after") else None,
     }
@@ -270,8 +285,10 @@ def make_vgg():
 MODELS = {"cnn_head": make_cnn_head, "vgg": make_vgg}
 
 
-def _contenders(make, local_batch, buckets):
-    """{name: step callable} of one model, and its parameter bytes."""
+def _contenders(make, local_batch, buckets, rate_machines=None):
+    """{name: step callable} of one model, its parameter bytes, and per rate the
+    ``default`` step (``bucket_bytes="auto"`` traced with that rate's calibrated
+    machine in ``TFHYBRID_MACHINE``) with the bucket sizes it chose."""
     import keras  # noqa: WPS433
     import numpy as np  # noqa: WPS433
     import tensorflow as tf  # noqa: WPS433
@@ -303,7 +320,7 @@ def _contenders(make, local_batch, buckets):
     for nbytes in buckets:
         steps[bucket_label(nbytes)] = train_step(dist(f"wire_b{nbytes}", bucket_bytes=nbytes))[1]
     steps["compute"] = train_step(keras.optimizers.SGD(0.01))[1]
-    fp16_opt = dist("wire_fp16", compression="fp16")
+    fp16_opt = dist("wire_fp16", bucket_bytes=DEFAULT_BUCKET, compression="fp16")
     steps["fp16"] = train_step(fp16_opt)[1]
     ones = [tf.ones_like(v) for v in model.trainable_variables]
     for name, opt in (("comm", after_opt), ("comm fp16", fp16_opt)):
@@ -312,8 +329,21 @@ def _contenders(make, local_batch, buckets):
     for fn in steps.values():      # trace, and build the optimizers' slots
         fn()
         fn()
+    defaults = {}
+    for i, (rate, machine) in enumerate((rate_machines or {}).items()):
+        # the default optimizer as a user on a link of this rate runs it: its machine
+        # file in TFHYBRID_MACHINE when the step is traced (when "auto" is resolved)
+        os.environ["TFHYBRID_MACHINE"] = str(machine)
+        try:
+            opt = dist(f"wire_auto{i}")
+            fn = train_step(opt)[1]
+            fn()
+            fn()
+        finally:
+            os.environ.pop("TFHYBRID_MACHINE", None)
+        defaults[rate] = (fn, [b["bytes"] for b in opt.communication_plan()["buckets"]])
     param_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
-    return steps, param_bytes
+    return steps, param_bytes, defaults
 
 
 def _timed_steps(fn, n, barrier):
@@ -335,6 +365,7 @@ def _oracle_part(args, say, barrier, set_all_rates):
     import tfhybrid  # noqa: WPS433
     from tfhybrid.comm import backend  # noqa: WPS433
     oa.make_model, oa.MODEL_PATH = make_cnn_head, args.oracle_model
+    use_plan_segments(oa, args.p_segments)
     set_all_rates(args.rates[0])
     n = backend.size()
     steps = oa._build_steps(list(args.strategies), n, args.batch, args.machine)
@@ -349,7 +380,8 @@ def _oracle_part(args, say, barrier, set_all_rates):
         described = None
         model = getattr(step, "model", None)
         try:
-            described = tfhybrid.describe(model, batch_size=args.batch, print_fn=None).comm_bytes
+            # what describe says this rank sends per step (not the payload `comm_bytes`)
+            described = tfhybrid.describe(model, batch_size=args.batch, print_fn=None).sent_bytes
         except Exception as err:  # noqa: BLE001 - a strategy describe cannot read: say so
             described = f"{type(err).__name__}: {str(err)[:120]}"
         phases = None
@@ -384,22 +416,28 @@ def worker(args):
            "steps": args.steps, "batch": args.batch, "models": {}}
     if args.models:
         local = args.batch // size
-        built = {m: _contenders(MODELS[m], local, BUCKETS) for m in args.models}
-        say(f"traced {sum(len(s) for s, _ in built.values())} contenders")
-        times = {(m, r, k): [] for m, (s, _) in built.items() for r in args.rates for k in s}
+        machines = dict(zip(args.rates, args.rate_machines or ()))
+        built = {m: _contenders(MODELS[m], local, BUCKETS, machines) for m in args.models}
+
+        def at_rate(m, rate):    # the contenders timed at one rate
+            steps, _, defaults = built[m]
+            return {**steps, "default": defaults[rate][0]} if rate in defaults else steps
+        say(f"traced {sum(len(at_rate(m, args.rates[0])) for m in built)} contenders per rate")
+        times = {(m, r, k): [] for m in built for r in args.rates for k in at_rate(m, r)}
         sent = {key: [] for key in times}
         for rnd in range(args.rounds):
             for rate in args.rates:
                 set_all_rates(rate)
-                for m, (steps, _) in built.items():
-                    for k, fn in steps.items():
+                for m in built:
+                    for k, fn in at_rate(m, rate).items():
                         t, nb = _timed_steps(fn, args.steps, dp.barrier)
                         times[(m, rate, k)] += t
                         sent[(m, rate, k)].append(nb / args.steps)
             say(f"round {rnd + 1}/{args.rounds} done")
-        for m, (steps, param_bytes) in built.items():
+        for m, (_, param_bytes, defaults) in built.items():
             res["models"][m] = {"param_bytes": param_bytes, "rates": {}}
             for rate in args.rates:
+                steps = at_rate(m, rate)
                 t = {k: typical(times[(m, rate, k)], args.steps) for k in steps}
                 b = {k: statistics.median(sent[(m, rate, k)]) for k in steps}
                 # bytes: the mean over the ranks of what each one's interface sent
@@ -408,6 +446,8 @@ def worker(args):
                     "wire.bytes").numpy().tolist()))
                 b = {k: v / size for k, v in b.items()}
                 res["models"][m]["rates"][rate] = summarise_rate(t, b, param_bytes, size)
+                if rate in defaults:
+                    res["models"][m]["rates"][rate]["auto_buckets"] = defaults[rate][1]
     if args.strategies:
         res["oracle"] = _oracle_part(args, say, dp.barrier, set_all_rates)
     set_all_rates("unlimited")
@@ -438,6 +478,19 @@ def _launch(hosts, jobs, script, args, timeout, log):
     return run
 
 
+def _jumbo_frames(hosts):
+    """MTU :data:`MTU` on the test hosts' link: both ends of each host's veth pair and
+    the bridge (``tests/multihost/hosts.py`` names them)."""
+    prefix = _jobs()[0].PREFIX
+    for name in hosts.names:
+        ns = f"{prefix}-{name}"
+        for argv in (["ip", "link", "set", ns, "mtu", str(MTU)],
+                     ["ip", "-n", ns, "link", "set", IFACE, "mtu", str(MTU)]):
+            subprocess.run(argv, check=True, capture_output=True)
+    subprocess.run(["ip", "link", "set", f"{prefix}-br0", "mtu", str(MTU)], check=True,
+                   capture_output=True)
+
+
 def _shape_hosts(hosts, rate):
     """Shape every test host's egress (``ip netns exec <host's namespace> tc ...``)."""
     prefix = _jobs()[0].PREFIX
@@ -446,6 +499,36 @@ def _shape_hosts(hosts, rate):
                               *tc_argv(rate)], capture_output=True, text=True)
         if out.returncode != 0 and rate_bits(rate) is not None:
             raise RuntimeError(f"tc on {name}: {out.stderr.strip()}")
+
+
+def _calibrate_sizes(args):
+    """calibrate's message sizes and repetitions: 8 sizes from 4 KiB to 4 MiB (the
+    step's collectives lie between), 5 repetitions; --quick: 6 and 3."""
+    return ["--max-bytes", str(4 << 20), "--sizes", "6" if args.quick else "8",
+            "--reps", "3" if args.quick else "5"]
+
+
+def rate_machine_path(rate):
+    """The machine file ``tfhybrid calibrate`` measures at ``rate`` (no model)."""
+    return RESULTS / f"wire_machine_{rate}.json"
+
+
+def _calibrate_links(hosts, jobs, args, log):
+    """``tfhybrid calibrate`` (collectives only) at every rate but the first, whose
+    machine is the oracle's: the links the default bucket size adapts to."""
+    py, paths = jobs.python(), [args.machine]
+    for rate in args.rates[1:]:
+        _shape_hosts(hosts, rate)
+        path = rate_machine_path(rate)
+        cal = [__file__, "--pin-exec", py, "-m", "tfhybrid", "calibrate", "-o", str(path),
+               *_calibrate_sizes(args)]
+        t0 = time.time()
+        run = _launch(hosts, jobs, cal[0], cal[1:], args.timeout, log)
+        if run.rc != 0:
+            raise RuntimeError(f"calibrate at {rate} failed: {run.out[-3000:]}")
+        log(f"calibrated the link at {rate} in {time.time() - t0:.0f} s")
+        paths.append(str(path))
+    return paths
 
 
 def _calibrate_and_plan(hosts, jobs, args, log):
@@ -457,7 +540,7 @@ def _calibrate_and_plan(hosts, jobs, args, log):
     # each rank pinned to one core as in the measuring job (wire.py --pin-exec)
     cal = [__file__, "--pin-exec", py, "-m", "tfhybrid", "calibrate", "-o", args.machine,
            "--model", args.oracle_model, "--batch", str(args.batch // 2)]
-    cal += ["--max-bytes", str(4 << 20), "--sizes", "4", "--reps", "3"] if args.quick else []
+    cal += _calibrate_sizes(args)
     t0 = time.time()
     run = _launch(hosts, jobs, cal[0], cal[1:], args.timeout, log)
     (RESULTS / "wire_calibrate.log").write_text(run.out)
@@ -478,12 +561,28 @@ def _calibrate_and_plan(hosts, jobs, args, log):
     return json.loads(plan_json.read_text())
 
 
+def plan_segments(plan_json):
+    """The micro-batches ``tfhybrid plan`` chose for p (None: p not planned)."""
+    for row in plan_json.get("predictions", []):
+        if row.get("strategy") == "p":
+            return (row.get("options") or {}).get("segments")
+    return None
+
+
+def use_plan_segments(oa, segments):
+    """Build and predict p with the micro-batches plan chose (the p that plan ranks)."""
+    if segments:
+        oa.STRATEGIES["p"] = ("world", {"micro_batches": int(segments)})
+        oa.P_SEGMENTS = int(segments)
+
+
 def _oracle_rows(measured, args, plan):
     """Per strategy: measured, predicted (the calibrated machine, options as built),
     plan's own prediction, accuracy, phases and bytes."""
     sys.path.insert(0, str(ROOT))
     import bench.oracle_accuracy as oa  # noqa: WPS433
     oa.make_model, oa.MODEL_PATH = make_cnn_head, args.oracle_model
+    use_plan_segments(oa, plan_segments(plan))
     plan_pred = dict(plan_order(plan))
     rows = {}
     for name, m in measured.items():
@@ -531,6 +630,11 @@ def _table(res, args):
                      else mres["rates"][r].get(key))
                 vals.append("-" if v is None else fmt.format(v))
             lines.append(f"| {label} | " + " | ".join(vals) + " | |")
+        autos = [mres["rates"][r].get("auto_buckets") for r in rates]
+        if any(autos):
+            lines.append("| default (auto) buckets KiB | " + " | ".join(
+                "-" if not a else "+".join(f"{n / 2**10:.0f}" for n in a) for a in autos)
+                + " | |")
     rows = res.get("oracle_rows")
     if rows:
         lines += [f"\noracle at {args.rates[0]} (machine file from `tfhybrid calibrate` across "
@@ -603,18 +707,24 @@ def driver(args):
                  "driver with the patched build's python (scripts/setup_env.sh builds it)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
+    # every job of the run (calibrations and measurement) with the same Horovod cycle
+    os.environ["HOROVOD_CYCLE_TIME"] = f"{args.cycle_ms:g}"
 
     def log(s):
         print(f"[{time.time() - t_start:6.0f} s] {s}", flush=True)
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": os.uname().nodename,
            "cores": os.cpu_count(), "load_average_start": os.getloadavg(),
-           "rates": args.rates}
+           "rates": args.rates, "cycle_ms": args.cycle_ms}
     with hosts_mod.TestHosts(2) as hosts:
-        log(f"hosts {hosts.names} up")
+        _jumbo_frames(hosts)
+        log(f"hosts {hosts.names} up (MTU {MTU})")
         plan = None
         if args.strategies:
             plan = _calibrate_and_plan(hosts, jobs, args, log)
             res["plan"] = plan_order(plan)
+        machines = []
+        if args.models and plan is not None:
+            machines = _calibrate_links(hosts, jobs, args, log)
         _shape_hosts(hosts, "unlimited")
         out = RESULTS / "wire_measured.json"
         out.unlink(missing_ok=True)
@@ -623,6 +733,8 @@ def driver(args):
                  "--models", *(args.models or ["none"]),
                  "--strategies", *(args.strategies or ["none"]),
                  "--machine", args.machine, "--oracle-model", args.oracle_model]
+        wargs += ["--rate-machines", *machines] if machines else []
+        wargs += ["--p-segments", plan_segments(plan)] if plan and plan_segments(plan) else []
         t0 = time.time()
         run = _launch(hosts, jobs, Path(__file__), wargs, args.timeout, log)
         for line in run.out.splitlines():
@@ -666,11 +778,18 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--steps", type=int, help="steps per contender per round")
     ap.add_argument("--batch", type=int, default=32, help="global batch")
+    ap.add_argument("--cycle-ms", type=float, default=1.0,
+                    help="Horovod's background cycle (HOROVOD_CYCLE_TIME, "
+                    "tfhybrid.Config(cycle_time_ms=...)) of every job: a collective starts at "
+                    "the next cycle, so on a slow link the default 5 ms delays every bucket "
+                    "(default 1)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per horovodrun job")
     ap.add_argument("--machine", default=str(RESULTS / "wire_machine.json"))
     ap.add_argument("--oracle-model", default=str(RESULTS / "wire_cnn_head.keras"))
     ap.add_argument("--repredict", action="store_true",
                     help="report the last run's measurements again (no hosts, no jobs)")
+    ap.add_argument("--rate-machines", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--p-segments", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -52,8 +52,9 @@ def test_rates_and_tc_argv(wire):
     argv = wire.tc_argv("100mbit")
     assert argv[:7] == ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf"]
     assert argv[argv.index("rate") + 1] == "100mbit"
-    assert argv[argv.index("burst") + 1] == "1000kbit"     # 10 ms at 100 Mbit/s
-    assert wire.tc_argv("1mbit")[wire.tc_argv("1mbit").index("burst") + 1] == "256kbit"
+    assert argv[argv.index("burst") + 1] == "144kbit"     # two jumbo frames (> 1 ms)
+    assert wire.tc_argv("1gbit")[wire.tc_argv("1gbit").index("burst") + 1] == "1000kbit"
+    assert wire.tc_argv("1mbit")[wire.tc_argv("1mbit").index("burst") + 1] == "144kbit"
     assert wire.tc_argv("unlimited") == ["tc", "qdisc", "del", "dev", "eth0", "root"]
 
 
@@ -85,7 +86,7 @@ def test_pick_and_plan_order(wire):
 
 def test_summarise_rate(wire):
     lab = wire.bucket_label
-    t = {"after": 0.5, lab(256 * 2**10): 0.45, lab(2**20): 0.40, lab(4 * 2**20): 0.48,
+    t = {"after": 0.5, lab(256 * 2**10): 0.45, lab(2**20): 0.40, lab(128 * 2**10): 0.48,
          "compute": 0.3, "comm": 0.2, "fp16": 0.4, "comm fp16": 0.1}
     b = {k: 1000.0 for k in t}
     b["after"], b["fp16"] = 2040.0, 1020.0
@@ -99,6 +100,12 @@ def test_summarise_rate(wire):
     assert r["fp16_speedup"] == pytest.approx(1.25)
     assert r["fp16_cut_of_comm"] == pytest.approx(0.5)
     assert r["fp16_bytes_ratio"] == pytest.approx(0.5)
+    # with a per-rate "default" (bucket_bytes="auto" on the rate's calibrated link), the
+    # fusion ratio is that contender's against the best of the sweep and "after"
+    r = wire.summarise_rate(dict(t, default=0.42), b, param_bytes=2000, p=2)
+    assert r["fusion_default_vs_best"] == pytest.approx(0.42 / 0.40)
+    r = wire.summarise_rate(dict(t, default=0.38), b, param_bytes=2000, p=2)
+    assert r["fusion_best"] == "default" and r["fusion_default_vs_best"] == 1.0
 
 
 def test_wire_line(wire):
@@ -111,7 +118,7 @@ def test_wire_line(wire):
 
 def test_headline_from_results(wire):
     lab = wire.bucket_label
-    t = {"after": 0.5, lab(256 * 2**10): 0.45, lab(2**20): 0.40, lab(4 * 2**20): 0.48,
+    t = {"after": 0.5, lab(256 * 2**10): 0.45, lab(2**20): 0.40, lab(128 * 2**10): 0.48,
          "compute": 0.3, "comm": 0.2, "fp16": 0.4, "comm fp16": 0.1}
     b = {k: 2040.0 for k in t}
     rate = wire.summarise_rate(t, b, 2000, 2)

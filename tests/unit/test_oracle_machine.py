@@ -300,8 +300,8 @@ def test_calibration_fits_each_kind_apart():
                                                 + [("alltoall", 2, 4096, 1e-3)])
 
 
-def test_relative_fit_keeps_small_messages_priced():
-    """Large messages must not set the latency alone: every size's relative error counts."""
+def test_weighted_fit_keeps_small_messages_priced():
+    """Large messages must not set the latency alone (weights 1/sqrt(seconds))."""
     rows = [("allreduce", 2, m, 3e-3 + m * 8e-8) for m in (4096, 16384, 65536)]
     rows += [("allreduce", 2, 4 << 20, 1.2 * (3e-3 + (4 << 20) * 8e-8))]   # one slow large one
     lat, _, beta = cal.fit_kind_costs(rows)["allreduce"].values()

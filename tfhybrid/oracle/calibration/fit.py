@@ -10,7 +10,7 @@ What it measures (rank 0 writes the file):
    :mod:`tfhybrid.comm.backend`, on process sets of g consecutive ranks, all
    such groups at once, for g = 2, 4, ..., N) over a range of message sizes, each timed as a traced
    chain of dependent collectives (what a step's layers run); for each group size a
-   least-squares fit (of relative errors) of the ring cost models of
+   least-squares fit (each timing weighted by 1/sqrt(seconds)) of the ring cost models of
    :mod:`machine` gives one tier ``{max_ranks: g, latency, alpha, beta}``, and
    each kind's own fit its ``collectives[kind]`` ({latency, beta}: the kinds
    move bytes at different rates); the largest group gives the top-level
@@ -124,20 +124,22 @@ def _fit(samples, latency):
     A = np.array([((1.0,) if latency else ()) + design_row(k, p, m)
                   for k, p, m, _ in samples], dtype=float)
     t = np.array([s for *_, s in samples], dtype=float)
-    sol = _relative_nnls(A, t)
+    sol = _weighted_nnls(A, t)
     lat = float(sol[0]) if latency else 0.0
     return lat, float(sol[-2]), float(sol[-1]), _r2(A, t, sol)
 
 
-def _relative_nnls(A, t):
-    """Non-negative least squares of the relative errors (A x - t) / t.
+def _weighted_nnls(A, t):
+    """Non-negative least squares of (A x - t) / sqrt(t): each timing weighted by
+    the inverse of its variance, taken proportional to its duration.
 
-    Sizes span three decades: fitting absolute seconds lets the largest
-    message set both numbers and leaves the small messages' cost (what
-    a step of many small collectives pays) to chance; relative errors weigh
-    every size alike."""
-    w = 1.0 / np.maximum(t, 1e-12)
-    return _nnls(A * w[:, None], np.ones_like(t))
+    Sizes span three decades. Plain least squares lets the largest messages
+    set both numbers and leaves the small messages' fixed cost (what a step of
+    many small collectives pays) to chance; relative errors (weights 1/t) let
+    the few-millisecond timings, which scatter by tens of percent from run to
+    run, tilt the bandwidth by 10% or more."""
+    w = 1.0 / np.sqrt(np.maximum(t, 1e-12))
+    return _nnls(A * w[:, None], t * w)
 
 
 def _r2(A, t, sol):
@@ -172,7 +174,7 @@ def fit_kind_costs(samples) -> dict:
             continue
         A = np.array([(1.0, design_row(k, p, m)[1]) for k, p, m, _ in rows], dtype=float)
         t = np.array([s for *_, s in rows], dtype=float)
-        lat, beta = _relative_nnls(A, t)
+        lat, beta = _weighted_nnls(A, t)
         out[kind] = {"latency": float(lat), "alpha": 0.0, "beta": float(beta)}
     return out
 

@@ -658,6 +658,41 @@ def _table(res, args):
     return "\n".join(lines)
 
 
+def readme_table(res):
+    """The short table of the README's Benchmarks section (from the VGG-like model,
+    or the first model measured): steps per rate, the overlap, the oracle."""
+    models = res.get("models") or {}
+    if not models:
+        return ""
+    name = "vgg" if "vgg" in models else next(iter(models))
+    rates = models[name]["rates"]
+    head = (f"| {name}, 2 hosts x 1 rank, {res.get('date')} ({res.get('cores')} cores) | "
+            + " | ".join(rates) + " |")
+    lines = [head, "|---|" + "---:|" * len(rates)]
+
+    def row(label, fn):
+        vals = []
+        for v in rates.values():
+            try:
+                vals.append(fn(v))
+            except (KeyError, TypeError, ZeroDivisionError):
+                vals.append("-")
+        lines.append(f"| {label} | " + " | ".join(vals) + " |")
+    row("step ms: compute alone", lambda v: f"{v['step_s']['compute'] * 1e3:.1f}")
+    row("step ms: one bucket after back-propagation",
+        lambda v: f"{v['step_s']['after'] * 1e3:.1f}")
+    row("step ms: default (auto buckets)",
+        lambda v: f"{v['step_s'].get('default', v['step_s']['after']) * 1e3:.1f}")
+    row("step ms: fp16", lambda v: f"{v['step_s']['fp16'] * 1e3:.1f}")
+    row("communication hidden (best buckets)", lambda v: f"{v['overlap_hidden']:.2f}")
+    row("bytes sent / ring minimum", lambda v: f"{v['bytes_vs_ring']:.3f}")
+    acc = [r["accuracy"] for r in (res.get("oracle_rows") or {}).values()]
+    if acc:
+        lines.append(f"| oracle accuracy at {res['rates'][0]}: mean {statistics.mean(acc):.2f}, "
+                     f"worst {min(acc):.2f} ({len(acc)} strategies) |" + " |" * len(rates))
+    return "\n".join(lines)
+
+
 def headline(res):
     """The WIRE line's numbers from the whole result."""
     overlap, fusion, ring, fp16 = float("nan"), float("nan"), float("nan"), float("nan")
@@ -688,7 +723,8 @@ def _last_meta():
         last = json.loads((RESULTS / "wire.json").read_text())
     except (OSError, ValueError):
         last = {}
-    return {k: last.get(k) for k in ("date", "machine", "cores", "rates", "load_average_start")}
+    return {k: last.get(k) for k in ("date", "machine", "cores", "rates", "load_average_start",
+                                     "cycle_ms")}
 
 
 def driver(args):
@@ -761,6 +797,10 @@ def report(args, measured, plan, res):
         f"{res.get('date')}, {res.get('machine')} ({res.get('cores')} cores, load "
         f"{os.getloadavg()[0]:.1f}), rates {' '.join(args.rates)}, rounds {args.rounds} x "
         f"{args.steps} steps\n{text}\n\n`{line}`\n")
+    table = readme_table(res)
+    if table:
+        (RESULTS / "wire_readme.md").write_text(table + "\n")
+        print("\nREADME table:\n" + table)
     print(f"wrote {RESULTS / 'wire.json'}; load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
     print(line)

@@ -87,7 +87,10 @@ def _gmp_comm(ctx, p, mp, part, b, scheme):
     pairs = pairs_of(ctx, part, mp) if part else []
     paired = {i for ab in pairs for i in ab}
     if part:
-        ag += steps * 2 * m.t_allgather(mp, piece * ctx.rows[part[0]].x * d)  # + adjoint
+        # the ModuloLayer: an allgather of each rank's rows; its adjoint a reduce-scatter
+        # of the group's rows (an alltoall in tfhybrid: the same bytes, alltoall's cost)
+        x0 = piece * ctx.rows[part[0]].x * d
+        ag += steps * (m.t_allgather(mp, x0) + m.t_reducescatter(mp, mp * x0))
         for a, bb in pairs:
             ar += steps * m.t_allreduce(mp, mp * piece * ctx.rows[bb].y * d)
             if a != part[0]:

@@ -8,34 +8,32 @@ bench/wire.py compares with the interfaces' counters: a ring allreduce sends
 2(k-1)/k of the tensor, an allgather (k-1) blocks, a halo only the rows a
 real neighbour reads.
 """
-import contextlib
+import importlib.util
+from pathlib import Path
 
 import keras
 import pytest
 
 import tfhybrid
-from tfhybrid import runtime
 from tfhybrid.comm import backend
 from tfhybrid.compose import transform
-from tfhybrid.process_grid import ProcessGrid
 from tfhybrid.transformer.describe import _halo_sent, _Where
 from tfhybrid.transformer.graph import as_functional, describe_graph
 from tfhybrid.transformer import rules
+from tests.pretend_grid import pretend
 
 BATCH = 32
 
 
-def cnn_head():
-    """bench/wire.py's make_cnn_head: 32x32x3 -> 2 convs -> Dense(256) -> 10."""
-    L = keras.layers
-    inp = keras.Input((32, 32, 3), name="image")
-    x = L.Conv2D(16, 3, padding="same", activation="relu", name="conv1")(inp)
-    x = L.MaxPooling2D(2, name="pool1")(x)
-    x = L.Conv2D(32, 3, padding="same", activation="relu", name="conv2")(x)
-    x = L.MaxPooling2D(2, name="pool2")(x)
-    x = L.Flatten(name="flatten")(x)
-    x = L.Dense(256, activation="relu", name="fc1")(x)
-    return keras.Model(inp, L.Dense(10, name="fc2")(x), name="wire_cnn_head")
+def _bench_wire():
+    path = Path(__file__).resolve().parents[2] / "bench" / "wire.py"
+    spec = importlib.util.spec_from_file_location("bench_wire", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cnn_head = _bench_wire().make_cnn_head   # the model bench/wire.py measures
 
 
 @pytest.fixture
@@ -45,17 +43,6 @@ def world(monkeypatch):
     monkeypatch.setattr(backend, "broadcast", lambda x, root, ranks, name: x)
     monkeypatch.setattr(backend, "register_groups", lambda groups: None)
     monkeypatch.setattr(tfhybrid.comm, "register_groups", lambda groups: None)
-
-    @contextlib.contextmanager
-    def pretend(size, rank, mp):
-        saved = dict(runtime._STATE)
-        runtime._STATE.update(grid=ProcessGrid(size=size, rank=rank, model_parallel=mp),
-                              args=(mp, None))
-        try:
-            yield
-        finally:
-            runtime._STATE.clear()
-            runtime._STATE.update(saved)
     return pretend
 
 

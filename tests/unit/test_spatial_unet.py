@@ -3,7 +3,6 @@ convolutions' block geometry against Keras, the planner keeping every layer
 of a 2-D and a 3-D U-Net on blocks (no layer at full resolution, the output
 split), ``describe`` labelling them, and ``transform(batch_norm=...)``.
 Multi-rank exactness is tests/parallel/test_unet.py."""
-import contextlib
 import os
 import sys
 
@@ -14,9 +13,8 @@ import tensorflow as tf
 from keras import ops
 
 import tfhybrid
-from tfhybrid import runtime
 from tfhybrid.layers.spatial.output import label_block, split_labels
-from tfhybrid.process_grid import ProcessGrid
+from tests.pretend_grid import pretend
 from tfhybrid.spatial_geometry import TransposeGeometry, transpose_output
 from tfhybrid.transformer import rules
 from tfhybrid.transformer.options import make_options
@@ -165,19 +163,6 @@ def test_batch_norm_option():
         make_options("d", batch_norm="mean")
     with pytest.raises(ValueError, match=r"batch_norm='local' does not apply to strategy 'ls'"):
         make_options("ls", batch_norm="local")
-
-
-@contextlib.contextmanager
-def pretend(size, rank, mp):
-    """This process as global rank ``rank`` of a ``size``-rank grid (no Horovod)."""
-    saved = dict(runtime._STATE)
-    runtime._STATE.update(grid=ProcessGrid(size=size, rank=rank, model_parallel=mp),
-                          args=(mp, None))
-    try:
-        yield
-    finally:
-        runtime._STATE.clear()
-        runtime._STATE.update(saved)
 
 
 class _SplitModel(keras.layers.Layer):

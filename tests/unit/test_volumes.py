@@ -1,28 +1,15 @@
 """tfhybrid.data.volumes in one process on pretend grids: which block each rank
 reads, that only that block is read (every slice taken from the source is
 recorded), the row split of data.shard, per-sample files, shuffles and bad input."""
-import contextlib
 
 import numpy as np
 import pytest
 
 import tfhybrid
-from tfhybrid import runtime, volumes as V
-from tfhybrid.process_grid import ProcessGrid
+from tfhybrid import volumes as V
+from tests.pretend_grid import pretend
 
 N, D, H, W, C = 8, 8, 4, 6, 2
-
-
-@contextlib.contextmanager
-def pretend(size, rank, mp):
-    saved = dict(runtime._STATE)
-    runtime._STATE.update(grid=ProcessGrid(size=size, rank=rank, model_parallel=mp),
-                          args=(mp, None))
-    try:
-        yield
-    finally:
-        runtime._STATE.clear()
-        runtime._STATE.update(saved)
 
 
 class Recorder:

@@ -321,6 +321,15 @@ def piece_dims(o, widths, sizes, own):
     return [{-1: lo, 1: hi, 0: n}[v] for v, (lo, hi), n in zip(o, widths, sizes)]
 
 
+def halo_items(send_to, receive_from, widths, sizes):
+    """(forward, backward) items a block of ``sizes`` sends per batch row and channel
+    in a block-grid halo exchange (:func:`block_neighbours`' lists): forward the
+    pieces its neighbours read, backward the gradients of the pieces it received."""
+    forward = sum(int(np_prod(piece_dims(o, widths, sizes, True))) for o, _ in send_to)
+    backward = sum(int(np_prod(piece_dims(o, widths, sizes, False))) for o, _ in receive_from)
+    return forward, backward
+
+
 def _swap(sends, recvs, g, method, name, like):
     """Send ``t`` to each ``(offset, group index, t)`` of ``sends``; receive from
     each ``(offset, group index, dims)`` of ``recvs`` a piece shaped
@@ -391,8 +400,8 @@ def block_halo_plan(x, group, shape, widths, name=None, method=None, all_groups=
     if method == "pairs":
         backend.register_groups(neighbour_pairs(all_groups or [group.ranks], tuple(shape),
                                                 widths))
-    _SENT.append((method, sum(int(np_prod(piece_dims(o, widths, sizes, True))) * int(
-        x.shape[-1]) for o, _ in send_to)))
+    _SENT.append((method, halo_items(send_to, receive_from, widths, sizes)[0] * int(
+        x.shape[-1])))
     return BlockHaloPlan(group, tuple(shape), widths, sizes, method,
                          f"{name or 'halo'}.{group.name}.{method}", receive_from, send_to)
 

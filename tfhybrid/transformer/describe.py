@@ -442,10 +442,8 @@ def _halo_sent(node, rows, ctx, where):
             fwd += (hi * prev + lo * nxt) * others
             bwd += (lo * prev + hi * nxt) * others
         return unit * fwd, unit * bwd
-    send = halo.block_neighbours(index, spatial, widths, sending=True)
-    receive = halo.block_neighbours(index, spatial, widths)
-    fwd = sum(math.prod(halo.piece_dims(o, widths, blocks, True)) for o, _ in send)
-    bwd = sum(math.prod(halo.piece_dims(o, widths, blocks, False)) for o, _ in receive)
+    fwd, bwd = halo.halo_items(halo.block_neighbours(index, spatial, widths, sending=True),
+                               halo.block_neighbours(index, spatial, widths), widths, blocks)
     return unit * fwd, unit * bwd
 
 

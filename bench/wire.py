@@ -513,21 +513,29 @@ def rate_machine_path(rate):
     return RESULTS / f"wire_machine_{rate}.json"
 
 
+def _calibrate(hosts, jobs, args, log, rate, out, extra=(), save=None):
+    """``tfhybrid calibrate -o out`` across the hosts at ``rate``, each rank pinned to
+    one core as in the measuring job (wire.py --pin-exec); ``save``: a file for the
+    job's output, written whether it succeeds or not."""
+    _shape_hosts(hosts, rate)
+    cal = [__file__, "--pin-exec", jobs.python(), "-m", "tfhybrid", "calibrate", "-o",
+           str(out), *extra, *_calibrate_sizes(args)]
+    t0 = time.time()
+    run = _launch(hosts, jobs, cal[0], cal[1:], args.timeout, log)
+    if save is not None:
+        save.write_text(run.out)
+    if run.rc != 0:
+        raise RuntimeError(f"calibrate across the hosts at {rate} failed: {run.out[-3000:]}")
+    log(f"calibrated across the hosts at {rate} in {time.time() - t0:.0f} s")
+
+
 def _calibrate_links(hosts, jobs, args, log):
     """``tfhybrid calibrate`` (collectives only) at every rate but the first, whose
     machine is the oracle's: the links the default bucket size adapts to."""
-    py, paths = jobs.python(), [args.machine]
+    paths = [args.machine]
     for rate in args.rates[1:]:
-        _shape_hosts(hosts, rate)
-        path = rate_machine_path(rate)
-        cal = [__file__, "--pin-exec", py, "-m", "tfhybrid", "calibrate", "-o", str(path),
-               *_calibrate_sizes(args)]
-        t0 = time.time()
-        run = _launch(hosts, jobs, cal[0], cal[1:], args.timeout, log)
-        if run.rc != 0:
-            raise RuntimeError(f"calibrate at {rate} failed: {run.out[-3000:]}")
-        log(f"calibrated the link at {rate} in {time.time() - t0:.0f} s")
-        paths.append(str(path))
+        _calibrate(hosts, jobs, args, log, rate, rate_machine_path(rate))
+        paths.append(str(rate_machine_path(rate)))
     return paths
 
 
@@ -536,17 +544,9 @@ def _calibrate_and_plan(hosts, jobs, args, log):
     py = jobs.python()
     import tfhybrid  # noqa: F401,WPS433  (the model file needs keras; the driver has it)
     make_cnn_head().save(args.oracle_model)
-    _shape_hosts(hosts, args.rates[0])
-    # each rank pinned to one core as in the measuring job (wire.py --pin-exec)
-    cal = [__file__, "--pin-exec", py, "-m", "tfhybrid", "calibrate", "-o", args.machine,
-           "--model", args.oracle_model, "--batch", str(args.batch // 2)]
-    cal += _calibrate_sizes(args)
-    t0 = time.time()
-    run = _launch(hosts, jobs, cal[0], cal[1:], args.timeout, log)
-    (RESULTS / "wire_calibrate.log").write_text(run.out)
-    if run.rc != 0:
-        raise RuntimeError(f"calibrate across the hosts failed: {run.out[-3000:]}")
-    log(f"calibrated across the hosts at {args.rates[0]} in {time.time() - t0:.0f} s")
+    _calibrate(hosts, jobs, args, log, args.rates[0], args.machine,
+               ["--model", args.oracle_model, "--batch", str(args.batch // 2)],
+               save=RESULTS / "wire_calibrate.log")
     plan_json = RESULTS / "wire_plan.json"
     strategies = ",".join(args.strategies)
     out = subprocess.run([py, "-m", "tfhybrid", "plan", args.oracle_model, "--np", "2",

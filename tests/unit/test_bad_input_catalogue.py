@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 import tfhybrid
-from tfhybrid import cli, oracle, runtime
+from tfhybrid import cli, oracle
 from tfhybrid.comm import p2p
-from tfhybrid.process_grid import ProcessGrid
+from tests.pretend_grid import pretend
 from tfhybrid.oracle import paradl_io
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -114,17 +114,9 @@ def transformed():
     return tfhybrid.transform(mlp(), "d")
 
 
-@contextlib.contextmanager
 def world_of(size, model_parallel=1):
-    """A pretend grid (no Horovod): for the pure row arithmetic of data.shard."""
-    saved = dict(runtime._STATE)
-    runtime._STATE.update(grid=ProcessGrid(size=size, rank=0, model_parallel=model_parallel),
-                          args=(model_parallel, None))
-    try:
-        yield
-    finally:
-        runtime._STATE.clear()
-        runtime._STATE.update(saved)
+    """A pretend grid (no Horovod), as rank 0: for the pure row arithmetic of data.shard."""
+    return pretend(size, 0, model_parallel)
 
 
 def sharded_in_world_of_4(rows=12, **kwargs):

@@ -1,5 +1,4 @@
 """data.shard with partial last batches, in one process on a pretend grid of 2 ranks."""
-import contextlib
 import warnings
 
 import numpy as np
@@ -9,17 +8,12 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid import data, runtime
 from tfhybrid.process_grid import ProcessGrid
+from tests.pretend_grid import pretend
 
 
-@contextlib.contextmanager
 def rank_of_2(rank):
-    saved = dict(runtime._STATE)
-    runtime._STATE.update(grid=ProcessGrid(size=2, rank=rank, model_parallel=1), args=(1, None))
-    try:
-        yield
-    finally:
-        runtime._STATE.clear()
-        runtime._STATE.update(saved)
+    """This process as ``rank`` of a pretend 2-rank data-parallel grid."""
+    return pretend(2, rank, 1)
 
 
 def rows(n, batch=8, drop=False):

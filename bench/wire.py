@@ -27,6 +27,10 @@ Per model (a small CNN with a large dense head; a VGG-like conv stack at
 - ``comm``: the one-bucket reduction alone (T_comm), ``comm fp16`` likewise
   with ``compression="fp16"``; ``fp16``: the default step with fp16.
 
+Each contender's ``CPU busy / wall`` is the share of its steps' wall time the rank's
+process ran on its one core: what communication alone takes of the core that
+back-propagation needs (copies into Horovod's fusion buffer, Gloo's sends and receives).
+
 Overlap: hidden = (compute + comm - step) / min(compute, comm) (1: the
 shorter of the two is wholly hidden, 0: none). Fusion: each bucket size's
 step against the best. Bytes: the interface's ``tx_bytes`` (TCP/IP headers
@@ -35,8 +39,10 @@ bytes and step against fp32. Oracle: every strategy of
 bench/oracle_accuracy.py built by ``tfhybrid.transform`` and timed the same
 way at the calibrated rate, against the prediction on the calibrated machine
 file; bytes per step against :func:`tfhybrid.describe`'s ``sent_bytes`` (what its analysis
-says one rank sends: ring allreduce, allgather blocks, halo rows to real neighbours); the
-strategy ``plan`` ranks first against the measured fastest.
+says one rank sends: ring allreduce, allgather blocks, halo rows to real neighbours), as
+sent and less Horovod's coordination (the bytes per second a rank sends while idle, times
+the step: :func:`payload_bytes`); the strategy ``plan`` ranks first against the measured
+fastest.
 
 Writes bench/results/wire.json and wire.md (the tables); ``--repredict``
 reports the last run's measurements again. The last line printed is
@@ -135,6 +141,17 @@ def tx_bytes(dev=IFACE, sys_root="/sys/class/net", proc="/proc/net/dev"):
 def ring_minimum(param_bytes, p):
     """Bytes each rank sends in a ring allreduce of ``param_bytes``: 2(p-1)/p |W|."""
     return 2 * (p - 1) / p * param_bytes
+
+
+def payload_bytes(tx, control_rate, seconds):
+    """Bytes a step sent beyond Horovod's coordination: ``tx`` less ``control_rate`` (bytes
+    per second the interface sends while the ranks only cycle, see :func:`_control_rate`)
+    over the step's ``seconds``. Horovod's background thread agrees on the ready tensors
+    with its peers every cycle (``HOROVOD_CYCLE_TIME``), whatever the step does: a few
+    hundred bytes per cycle, at a 1 ms cycle about as much per step as a halo. While a
+    collective runs the thread cycles less often, so this subtracts at most what the
+    coordination sent."""
+    return max(tx - control_rate * seconds, 0.0)
 
 
 def hidden_fraction(compute, comm, step):
@@ -346,14 +363,29 @@ def _contenders(make, local_batch, buckets, rate_machines=None):
     return steps, param_bytes, defaults
 
 
-def _timed_steps(fn, n, barrier):
-    """n step times and the bytes eth0 sent over them."""
+def _control_rate(barrier, seconds=2.0):
+    """Bytes per second eth0 sends while this rank only sleeps: Horovod's per-cycle
+    coordination (:func:`payload_bytes`)."""
     barrier()
-    b0, times = tx_bytes(), []
+    b0, t0 = tx_bytes(), time.perf_counter()
+    time.sleep(seconds)
+    rate = (tx_bytes() - b0) / (time.perf_counter() - t0)
+    barrier()
+    return rate
+
+
+def _timed_steps(fn, n, barrier, cpu=None):
+    """n step times and the bytes eth0 sent over them; appends to ``cpu`` the share of
+    the steps' wall time this process was on a CPU (all its threads: TensorFlow's, and
+    Horovod's background and Gloo's, which send and receive)."""
+    barrier()
+    b0, times, c0 = tx_bytes(), [], time.process_time()
     for _ in range(n):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+    if cpu is not None:
+        cpu.append((time.process_time() - c0) / sum(times))
     barrier()
     return times, tx_bytes() - b0
 
@@ -372,11 +404,13 @@ def _oracle_part(args, say, barrier, set_all_rates):
     steps.pop("serial", None)
     say(f"oracle: built {list(steps)} at {args.rates[0]}")
     times, _ = oa._interleaved(steps, args.rounds, args.steps, say)
+    control = _control_rate(barrier)
+    say(f"oracle: Horovod's coordination while idle sends {control:,.0f} B/s per rank")
     out = {}
     for name, (step, info) in steps.items():
         oa._use_grid(info.get("model_parallel"))
         barrier()
-        _, nbytes = _timed_steps(step, args.steps, barrier)
+        byte_times, nbytes = _timed_steps(step, args.steps, barrier)
         described = None
         model = getattr(step, "model", None)
         try:
@@ -390,7 +424,9 @@ def _oracle_part(args, say, barrier, set_all_rates):
             phases = measure_phases(model, step.local_batch, reps=3)
         out[name] = dict(info, seconds=typical(times[name], args.steps),
                          best_s=min(times[name]), tx_bytes_per_step=nbytes / args.steps,
-                         describe_bytes=described, phases=phases)
+                         describe_bytes=described, phases=phases,
+                         control_bytes_per_s=control,
+                         bytes_step_s=statistics.mean(byte_times))
     return out
 
 
@@ -425,12 +461,13 @@ def worker(args):
         say(f"traced {sum(len(at_rate(m, args.rates[0])) for m in built)} contenders per rate")
         times = {(m, r, k): [] for m in built for r in args.rates for k in at_rate(m, r)}
         sent = {key: [] for key in times}
+        busy = {key: [] for key in times}
         for rnd in range(args.rounds):
             for rate in args.rates:
                 set_all_rates(rate)
                 for m in built:
                     for k, fn in at_rate(m, rate).items():
-                        t, nb = _timed_steps(fn, args.steps, dp.barrier)
+                        t, nb = _timed_steps(fn, args.steps, dp.barrier, busy[(m, rate, k)])
                         times[(m, rate, k)] += t
                         sent[(m, rate, k)].append(nb / args.steps)
             say(f"round {rnd + 1}/{args.rounds} done")
@@ -446,6 +483,8 @@ def worker(args):
                     "wire.bytes").numpy().tolist()))
                 b = {k: v / size for k, v in b.items()}
                 res["models"][m]["rates"][rate] = summarise_rate(t, b, param_bytes, size)
+                res["models"][m]["rates"][rate]["cpu_share"] = {
+                    k: statistics.median(busy[(m, rate, k)]) for k in steps}
                 if rate in defaults:
                     res["models"][m]["rates"][rate]["auto_buckets"] = defaults[rate][1]
     if args.strategies:
@@ -597,8 +636,14 @@ def _oracle_rows(measured, args, plan):
                       "describe_bytes": m["describe_bytes"],
                       "phase_accuracy": oa._phase_accuracy(m.get("phases"), pred)}
         d = m["describe_bytes"]
-        rows[name]["bytes_vs_describe"] = (m["tx_bytes_per_step"] / d
-                                           if isinstance(d, (int, float)) and d else None)
+        known = isinstance(d, (int, float)) and d
+        rows[name]["bytes_vs_describe"] = m["tx_bytes_per_step"] / d if known else None
+        if "control_bytes_per_s" in m:      # runs before the coordination was measured lack it
+            payload = payload_bytes(m["tx_bytes_per_step"], m["control_bytes_per_s"],
+                                    m["bytes_step_s"])
+            rows[name]["payload_bytes_per_step"] = payload
+            rows[name]["payload_vs_describe"] = payload / d if known else None
+            rows[name]["control_per_s"] = m["control_bytes_per_s"]
     return rows
 
 
@@ -630,6 +675,11 @@ def _table(res, args):
                      else mres["rates"][r].get(key))
                 vals.append("-" if v is None else fmt.format(v))
             lines.append(f"| {label} | " + " | ".join(vals) + " | |")
+        for k in ("compute", "comm", "after"):
+            shares = [mres["rates"][r].get("cpu_share", {}).get(k) for r in rates]
+            if any(v is not None for v in shares):
+                lines.append(f"| CPU busy / wall: {k} | " + " | ".join(
+                    "-" if v is None else f"{v:.2f}" for v in shares) + " | |")
         autos = [mres["rates"][r].get("auto_buckets") for r in rates]
         if any(autos):
             lines.append("| default (auto) buckets KiB | " + " | ".join(
@@ -639,8 +689,9 @@ def _table(res, args):
     if rows:
         lines += [f"\noracle at {args.rates[0]} (machine file from `tfhybrid calibrate` across "
                   "the hosts): ms", "| strategy | measured | predicted | plan | accuracy | "
-                  "comm share (pred) | tx B/step | describe B | tx/describe |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "comm share (pred) | tx B/step | describe B | tx/describe | "
+                  "(tx - coordination)/describe |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for s, r in rows.items():
             d = r["describe_bytes"]
             lines.append(
@@ -649,7 +700,14 @@ def _table(res, args):
                 + f" | {r['accuracy']:.3f} | {r['comm_share'] or 0:.2f} | "
                 f"{r['tx_bytes_per_step']:,.0f} | "
                 + (f"{d:,}" if isinstance(d, int) else str(d)[:40]) + " | "
-                + (f"{r['bytes_vs_describe']:.3f}" if r["bytes_vs_describe"] else "-") + " |")
+                + (f"{r['bytes_vs_describe']:.3f}" if r["bytes_vs_describe"] else "-") + " | "
+                + (f"{r['payload_vs_describe']:.3f}" if r.get("payload_vs_describe") else "-")
+                + " |")
+        rates = {r["control_per_s"] for r in rows.values() if r.get("control_per_s")}
+        if rates:
+            lines.append(f"- coordination: Horovod's cycle sends {max(rates):,.0f} B/s per rank "
+                         f"while idle (cycle {res.get('cycle_ms')} ms); (tx - coordination) "
+                         "takes that rate times the step from tx")
         for s, r in rows.items():
             if r["phase_accuracy"]:
                 lines.append(f"- {s} phases ms measured/predicted: " + "; ".join(

@@ -108,6 +108,13 @@ def test_summarise_rate(wire):
     assert r["fusion_best"] == "default" and r["fusion_default_vs_best"] == 1.0
 
 
+def test_payload_bytes_leaves_out_the_coordination(wire):
+    # 250 kB sent in a 50 ms step while the idle coordination sends 400 kB/s: 20 kB of it
+    assert wire.payload_bytes(250e3, 400e3, 0.05) == pytest.approx(230e3)
+    assert wire.payload_bytes(10e3, 400e3, 0.05) == 0.0
+    assert wire.payload_bytes(10e3, 0.0, 0.05) == 10e3
+
+
 def test_wire_line(wire):
     line = wire.wire_line(0.61234, 1.02, 1.031, 1.5, 0.95, 0.9, True)
     assert line == ("WIRE overlap_hidden=0.612 fusion_default_vs_best=1.020 bytes_vs_ring=1.031 "

@@ -324,6 +324,10 @@ def _calibrate_args(ap):
                     "this model (known name or .keras)")
     ap.add_argument("--batch", type=int, default=8, help="local batch for --model timings (also timed at batch x world)")
     ap.add_argument("--quick", action="store_true", help="small sizes, 3 reps (tests)")
+    ap.add_argument("--collective-stat", choices=("best", "median"), default="best",
+                    help="each collective's best repetition (default: reproducible on a "
+                    "shared node) or its median (across nodes: a step pays the network's "
+                    "spread)")
 
 
 @command("calibrate", "fit alpha/beta, flop rate, layer times and gamma on this machine")
@@ -345,7 +349,8 @@ def calibrate(args):
     if args.quick:
         args.max_bytes, args.sizes, args.reps = min(args.max_bytes, 1 << 18), 4, 3
     calibrate_run.run(args.output, args.max_bytes, args.sizes, args.reps, args.model,
-                      args.batch, log=lambda s: print(s, flush=True))
+                      args.batch, log=lambda s: print(s, flush=True),
+                      collective_stat=args.collective_stat)
     return 0
 
 

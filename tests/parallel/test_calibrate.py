@@ -64,7 +64,21 @@ def test_fits_cover_every_collective_and_group(spec):
     doc, size = spec
     kinds = {(k, g) for k, g, _, _ in doc["fits"]}
     assert {("allreduce", size), ("allgather", size), ("alltoall", size)} <= kinds
+    # the one-way transfer is timed on pairs only
+    assert ("p2p", 2) in kinds and not any(k == "p2p" and g != 2 for k, g in kinds)
+    assert "p2p" in Machine.from_dict(doc).tiers[0].collectives
     assert all(sec > 0 for *_, sec in doc["fits"])
+
+
+def test_the_one_way_transfer_delivers_the_first_ranks_items_to_the_second(spec):
+    import tensorflow as tf
+    from tfhybrid.oracle.calibration import fit
+    rank = backend.rank()
+    if rank > 1:      # the pair (0, 1) is calibration's own process set: ranks 2, 3 stay out
+        return
+    x = tf.constant([10.0 * rank + i for i in range(4)])
+    out = fit._collective("p2p", x, (0, 1), backend, 4).numpy().tolist()
+    assert out == ([0.0, 1.0, 2.0, 3.0] if rank == 1 else [0.0] * 4)
 
 
 def test_calibrated_machine_predicts(spec):

@@ -219,11 +219,14 @@ def test_calibration_names_each_collective_size_apart():
             names.append(name)
             return x
 
+        def rank(self):      # p2p's receiver: its result is what it received
+            return 1
+
     for kind in fit.COLLECTIVE_KINDS:
         for ranks in ((0, 1), (0, 1, 2, 3)):
             for n in (8, 16):
                 fit._collective(kind, list(range(n)), ranks, Recording(), n)
-    assert len(set(names)) == len(names) == 12
+    assert len(set(names)) == len(names) == 4 * len(fit.COLLECTIVE_KINDS) == 16
 
 
 # -- collective kinds ------------------------------------------------------------------
@@ -249,6 +252,21 @@ def test_each_collective_kind_pays_its_own_calibrated_cost():
     assert m.t_broadcast(2, 1e6) == pytest.approx(1e-3 + 1e6 * 1e-9)
     # beyond every tier: the machine's numbers (no collectives there)
     assert m.t_allgather(4, 1e6) == pytest.approx(3 * (1e-6 + 1e6 * 2e-9))
+    # a transfer one way: the alltoall's cost until a p2p kind is calibrated
+    assert m.t_p2p(1e6) == pytest.approx(4e-3 + 1e6 * 5e-9)
+    assert m.t_neighbours(2, 1e6, kind="p2p") == m.t_p2p(1e6)
+
+
+def test_a_calibrated_p2p_kind_prices_the_transfers_one_way():
+    m = _kinds_machine()
+    tier = m.to_dict()["tiers"][0]
+    tier["collectives"]["p2p"] = {"latency": 1e-3, "alpha": 0.0, "beta": 3.5e-9}
+    m = Machine.from_dict(dict(m.to_dict(), tiers=[tier]))
+    assert m.t_p2p(1e6) == pytest.approx(1e-3 + 1e6 * 3.5e-9)
+    assert m.t_neighbours(2, 1e6) == pytest.approx(4e-3 + 1e6 * 5e-9)    # halos: alltoall
+    # calibration fits it from one-way timings: latency + m beta
+    rows = [("p2p", 2, nb, 1e-3 + nb * 3.5e-9) for nb in (1e4, 1e5, 1e6)]
+    assert cal.fit_kind_costs(rows)["p2p"]["beta"] == pytest.approx(3.5e-9)
 
 
 def test_machine_level_collectives_serve_groups_beyond_the_tiers(tmp_path):
@@ -321,3 +339,18 @@ def test_allreduce_link_reads_the_machine_file(tmp_path):
     bad.write_text("{}")
     with pytest.raises(ValueError, match="TFHYBRID_MACHINE=.*cannot read it"):
         allreduce_link(bad, 2, 2)
+
+
+def test_interleaved_timings_keep_the_best_or_the_median(monkeypatch):
+    # each call of fn takes the next of these durations (perf_counter advances by them)
+    durations = iter([0.0, 3.0, 1.0, 2.0])     # a warm-up call, then 3 repetitions
+    clock = [0.0]
+
+    def fn():
+        clock[0] += next(durations)
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: clock[0])
+    assert cal.best_times_interleaved([fn], 3) == [1.0]
+    durations = iter([0.0, 3.0, 1.0, 2.0])
+    assert cal.best_times_interleaved([fn], 3, stat="median") == [2.0]
+    with pytest.raises(ValueError, match="stat='mean'"):
+        cal.best_times_interleaved([fn], 3, stat="mean")

@@ -30,7 +30,11 @@ may therefore carry ``collectives``: ``{kind: {"latency", "alpha",
 fitted by calibration from that kind's own timings; a cost function uses
 its kind's entry and falls back to the tier's own numbers. The alltoall
 entry also prices tfhybrid's reduce-scatter, rooted reduce and halo
-exchange, which are alltoalls.
+exchange, which are alltoalls. ``p2p`` prices a transfer one way (the
+pipeline's and the layer separation's): tfhybrid sends it as an alltoall
+too, but only one direction of the link carries data, and over TCP that
+direction moves about 1.4 times the bytes per second of a symmetric
+alltoall's; without a ``p2p`` entry the alltoall's serves.
 
 Approximations (what this model ignores): the collective algorithm switch
 (tree for small messages), link topology other than through tiers, external
@@ -54,7 +58,7 @@ import os
 import re
 from typing import Any, Mapping
 
-COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall", "broadcast")
+COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall", "broadcast", "p2p")
 _COST_KEYS = ("latency", "alpha", "beta")
 
 _NUMBER_FIELDS = ("alpha", "beta", "latency", "flop_rate", "memory_bytes", "phi", "gamma",
@@ -320,7 +324,9 @@ class Machine:
         numbers) for a group of span ``span``: the first tier holding it, its
         ``collectives[kind]`` when calibrated, else the tier's own numbers."""
         owner = next((t for t in self.tiers if span <= t.max_ranks), self)
-        own = (owner.collectives or {}).get(kind) if kind else None
+        table = owner.collectives or {}
+        own = table.get(kind, table.get("alltoall") if kind == "p2p" else None) if kind \
+            else None
         if own is not None:
             return own["latency"], own["alpha"], own["beta"]
         return owner.latency, owner.alpha, owner.beta
@@ -340,9 +346,10 @@ class Machine:
         return self._tier(span, kind)
 
     def t_p2p(self, nbytes: float, span: int = 2) -> float:
-        """Point-to-point message of ``nbytes``: lambda + alpha + m beta (tfhybrid
-        sends one as an alltoall on the pair's process set: the alltoall's cost)."""
-        lat, a, b = self._tier(span, "alltoall")
+        """Point-to-point message of ``nbytes``: lambda + alpha + m beta, with the
+        ``p2p`` kind's numbers (else the alltoall's: tfhybrid sends one as an alltoall
+        on the pair's process set)."""
+        lat, a, b = self._tier(span, "p2p")
         return lat + a + nbytes * b
 
     def t_allreduce(self, p: int, nbytes: float, span: int | None = None, phi: float = 1.0):
@@ -384,11 +391,13 @@ class Machine:
         lat, a, b = self._tier(self._span(p, span), "alltoall")
         return lat + (p - 1) * (a + nbytes * b)
 
-    def t_neighbours(self, p: int, nbytes_sent: float, span: int | None = None):
+    def t_neighbours(self, p: int, nbytes_sent: float, span: int | None = None,
+                     kind: str = "alltoall"):
         """One alltoall over ``p`` ranks in which the busiest rank sends
         ``nbytes_sent`` in all, to its neighbours only (tfhybrid's halo
         exchange): lambda + (p-1) alpha + m beta. Gloo's alltoall visits every
-        peer in turn, empty splits included, so each costs alpha.
+        peer in turn, empty splits included, so each costs alpha. ``kind="p2p"``:
+        the data moves one way (the layer separation's transfers), at that kind's cost.
 
         Example:
             >>> Machine(alpha=1.0, beta=0.5, latency=0.25, flop_rate=1.0).t_neighbours(4, 8)
@@ -396,7 +405,7 @@ class Machine:
         """
         if p <= 1:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span), "alltoall")
+        lat, a, b = self._tier(self._span(p, span), kind)
         return lat + (p - 1) * a + nbytes_sent * b
 
     def t_alltoall(self, p: int, nbytes: float, span: int | None = None):

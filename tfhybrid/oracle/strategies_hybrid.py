@@ -220,8 +220,9 @@ def _ls_one(ctx, p, n_f):
     g = math.ceil(per_fc)
     # as tfhybrid issues them: one alltoall on each FC worker's group (its g CONV
     # workers and itself) for the activations, one for their error, on the critical
-    # path (the predictions' alltoall runs during the CONV backward)
-    a2a = m.t_neighbours(g + 1, per_fc * K * A * d)
+    # path (the predictions' alltoall runs during the CONV backward); each moves data
+    # one way (CONV workers -> FC worker, then back): the p2p kind's cost
+    a2a = m.t_neighbours(g + 1, per_fc * K * A * d, kind="p2p")
     p2p = 2 * a2a
     P_c = sum(ctx.rows[i].params for i in conv)
     P_f = sum(ctx.rows[i].params for i in fc)

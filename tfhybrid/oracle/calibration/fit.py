@@ -57,20 +57,22 @@ Example:
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import numpy as np
 
 from tfhybrid.oracle.machine import Tier
 
-COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall")
+COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall", "p2p")
 
 
 def design_row(kind: str, p: int, nbytes: float) -> tuple:
     """Coefficients (of alpha, of beta) of one collective's ring cost.
 
     allreduce of m bytes: 2(p-1), 2(p-1)m/p; allgather of m bytes per rank:
-    (p-1), (p-1)m; alltoall of m bytes per rank: (p-1), (p-1)m/p.
+    (p-1), (p-1)m; alltoall of m bytes per rank: (p-1), (p-1)m/p; p2p, m bytes
+    one way: 1, m.
     """
     if kind == "allreduce":
         return 2 * (p - 1), 2 * (p - 1) * nbytes / p
@@ -78,6 +80,8 @@ def design_row(kind: str, p: int, nbytes: float) -> tuple:
         return p - 1, (p - 1) * nbytes
     if kind == "alltoall":
         return p - 1, (p - 1) * nbytes / p
+    if kind == "p2p":
+        return 1, nbytes
     raise ValueError(f"Received kind={kind!r}; expected one of {COLLECTIVE_KINDS}.")
 
 
@@ -260,30 +264,40 @@ def _best_time(fn, reps):
     return min(times)
 
 
-def best_times_interleaved(fns, reps, before=None):
+STATS = {"best": min, "median": statistics.median}
+
+
+def best_times_interleaved(fns, reps, before=None, stat="best"):
     """Minimum seconds of each of ``fns`` over ``reps`` rounds in which every
     function runs once in turn (after one warm-up call each): outside load
     that comes and goes hits every function alike, so their ratios and
     differences hold even when the absolute times drift.
 
+    ``stat="median"`` keeps each function's median instead: over a real
+    link a collective's time spreads with the network (TCP, the link's
+    queue, where Horovod's cycle falls), and a step pays the typical time of
+    each of its collectives, not the best.
+
     Example:
         >>> [t >= 0 for t in best_times_interleaved([lambda: None, lambda: 1], 2)]
         [True, True]
     """
+    if stat not in STATS:
+        raise ValueError(f"stat={stat!r}: expected one of {sorted(STATS)}")
     for fn in fns:
         fn()
-    best = [float("inf")] * len(fns)
+    times = [[] for _ in fns]
     for _ in range(reps):
         for i, fn in enumerate(fns):
             if before is not None:
                 before()
             t0 = time.perf_counter()
             fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
+            times[i].append(time.perf_counter() - t0)
+    return [STATS[stat](t) for t in times]
 
 
-def _collective(kind, x, ranks, backend, n):
+def _collective(kind, x, ranks, backend, n, step=0):
     """One collective of the ``n`` items of ``x`` whose output has ``n`` items
     again (allgather: the first block of the result).
 
@@ -296,11 +310,33 @@ def _collective(kind, x, ranks, backend, n):
     many small collectives (df, gmp) far too slow.
     """
     tag = f"{len(ranks)}.{n}"
+    if kind == "p2p":
+        return _one_way(x, ranks, backend, n, f"calib.p2p.{tag}.{step % 2}", step % 2)
     if kind == "allreduce":
         return backend.allreduce(x, ranks, f"calib.ar.{tag}")
     if kind == "allgather":
         return backend.allgather(x, ranks, f"calib.ag.{tag}")[:n]
     return backend.alltoall(x, [n // len(ranks)] * len(ranks), ranks, f"calib.a2a.{tag}")
+
+
+def _one_way(x, ranks, backend, n, name, src=0):
+    """Group rank ``src`` of a pair sends its ``n`` items to the other, which gets them
+    as its result (the sender: zeros computed from ``x``): a pipeline's or layer
+    separation's transfer, one direction of the link loaded. An alltoall with empty
+    splits elsewhere, as tfhybrid sends such transfers. A chain alternates ``src``
+    (:func:`collective_chain`), so each transfer starts once the previous one has
+    arrived, and the time counts its delivery, not only the sender's copy into its
+    socket buffers."""
+    import tensorflow as tf  # noqa: WPS433
+    me = backend.rank()
+    sender = me == ranks[src]
+    splits = [0] * len(ranks)
+    if sender:
+        splits[1 - src] = n
+    out = backend.alltoall(x if sender else x[:0], splits, ranks, name)
+    if me == ranks[1 - src]:
+        return out
+    return backend.zeros_reading(x) + tf.reduce_sum(out)
 
 
 def collective_chain(kind, ranks, backend, chain, n):
@@ -315,8 +351,8 @@ def collective_chain(kind, ranks, backend, chain, n):
 
     @tf.function(input_signature=[tf.TensorSpec([n], tf.float32)])
     def run(x):
-        for _ in range(chain):
-            x = tf.ensure_shape(_collective(kind, x, ranks, backend, n), [n])
+        for step in range(chain):
+            x = tf.ensure_shape(_collective(kind, x, ranks, backend, n, step), [n])
         return x
     return run
 
@@ -329,12 +365,12 @@ def sync(backend):
         backend.allreduce(tf.zeros([1]), tuple(range(backend.size())), "calib.sync").numpy()
 
 
-def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4) -> list:
+def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4, stat="best") -> list:
     """(kind, g, bytes, seconds) for every kind, group size and message size (rank 0's view).
 
-    Seconds are per collective: the best of ``reps`` runs of a traced chain
-    of ``chain`` dependent collectives (:func:`collective_chain`), divided
-    by ``chain``. Groups smaller than the world run side by side, one per
+    Seconds are per collective: the best (``stat="median"``: the median) of
+    ``reps`` runs of a traced chain of ``chain`` dependent collectives
+    (:func:`collective_chain`), divided by ``chain``. Groups smaller than the world run side by side, one per
     block of g consecutive ranks (as a hybrid strategy's model groups all
     communicate at once), so their timings include that contention.
     Collective: every rank must call it with the same arguments.
@@ -351,6 +387,8 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4) -> list:
         ranks = next((b for b in blocks.get(g, ()) if me in b), None)
         cases, calls = [], []
         for kind in COLLECTIVE_KINDS:
+            if kind == "p2p" and g != 2:      # a pair's transfer: one tier of two ranks
+                continue
             for nbytes in sizes:
                 n = max(g, int(nbytes) // 4 // g * g)
                 if ranks is not None:
@@ -363,7 +401,7 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4) -> list:
         # of one size's whole series (timed one series after the other, a load
         # spike inflates one size's minimum several times over its neighbours')
         sync(backend)
-        best = best_times_interleaved(calls, reps, before=lambda: sync(backend))
+        best = best_times_interleaved(calls, reps, before=lambda: sync(backend), stat=stat)
         samples += [(kind, g, nbytes, sec / chain) for (kind, nbytes), sec in zip(cases, best)]
         sync(backend)
         if backend.rank() == 0:

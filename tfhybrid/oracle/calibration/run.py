@@ -547,14 +547,21 @@ def measure_update_overhead(model, batch, fwd_bwd_s, reps=20) -> float:
     return max(t_train - fwd_bwd_s, 0.0)
 
 
-def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=print) -> dict:
-    """Run the whole calibration on every rank; rank 0 writes ``out``. Returns the spec."""
+def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=print,
+        collective_stat="best") -> dict:
+    """Run the whole calibration on every rank; rank 0 writes ``out``. Returns the spec.
+
+    ``collective_stat``: ``"best"`` (each collective's fastest repetition) or
+    ``"median"`` (its typical one: across nodes, where a step pays the
+    network's spread, :func:`tfhybrid.oracle.calibration.fit.best_times_interleaved`)."""
     from tfhybrid.comm import backend  # noqa: WPS433
     world, rank, _ = backend.init()
     say = log if rank == 0 else (lambda *_: None)
     t0 = time.time()
-    say(f"calibrating on {world} ranks: collectives up to {max_bytes} bytes")
-    samples = cal.time_collectives(_sizes(max_bytes, n_sizes), _group_sizes(world), reps, say)
+    say(f"calibrating on {world} ranks: collectives up to {max_bytes} bytes "
+        f"({collective_stat} of {reps})")
+    samples = cal.time_collectives(_sizes(max_bytes, n_sizes), _group_sizes(world), reps, say,
+                                   stat=collective_stat)
     cal.sync(backend)
     slots = cal.compute_slots()
     rate, overhead, times, gamma, fixed, scales = None, 0.0, None, 1.0, 0.0, None

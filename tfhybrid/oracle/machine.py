@@ -33,8 +33,9 @@ entry also prices tfhybrid's reduce-scatter, rooted reduce and halo
 exchange, which are alltoalls. ``p2p`` prices a transfer one way (the
 pipeline's and the layer separation's): tfhybrid sends it as an alltoall
 too, but only one direction of the link carries data, and over TCP that
-direction moves about 1.4 times the bytes per second of a symmetric
-alltoall's; without a ``p2p`` entry the alltoall's serves.
+direction moves 1.4 to 1.6 times the bytes per second of a symmetric
+alltoall's (about the ring allreduce's); without a ``p2p`` entry the
+alltoall's serves.
 
 Approximations (what this model ignores): the collective algorithm switch
 (tree for small messages), link topology other than through tiers, external

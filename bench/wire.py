@@ -703,9 +703,9 @@ def _table(res, args):
                 + (f"{r['bytes_vs_describe']:.3f}" if r["bytes_vs_describe"] else "-") + " | "
                 + (f"{r['payload_vs_describe']:.3f}" if r.get("payload_vs_describe") else "-")
                 + " |")
-        rates = {r["control_per_s"] for r in rows.values() if r.get("control_per_s")}
-        if rates:
-            lines.append(f"- coordination: Horovod's cycle sends {max(rates):,.0f} B/s per rank "
+        idle = {r["control_per_s"] for r in rows.values() if r.get("control_per_s")}
+        if idle:
+            lines.append(f"- coordination: Horovod's cycle sends {max(idle):,.0f} B/s per rank "
                          f"while idle (cycle {res.get('cycle_ms')} ms); (tx - coordination) "
                          "takes that rate times the step from tx")
         for s, r in rows.items():

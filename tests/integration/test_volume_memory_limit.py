@@ -36,10 +36,13 @@ ARGS = ["--model", "unet", "--size", "96", "--channels", "1", "--filters", "8", 
         "--samples", "3", "--steps", "1"]
 
 
+def _args(data, limit_mb):
+    return volume_memory._args(ARGS + ["--data_dir", data, "--limit_mb", str(limit_mb)])
+
+
 def _runs(data, limit_mb):
-    args = volume_memory._args(ARGS + ["--data_dir", data, "--limit_mb", str(limit_mb)])
-    if limit_mb == 0:
-        volume_memory.write_data(args, data)
+    """One process, then s at 4 ranks, each rank under ``limit_mb`` (0: no limit)."""
+    args = _args(data, limit_mb)
     single = volume_memory.run(args, 1, tempfile.mkdtemp(dir=data), timeout=600)
     spatial = volume_memory.run(args, 4, tempfile.mkdtemp(dir=data), timeout=900)
     return single, spatial
@@ -49,6 +52,7 @@ def _runs(data, limit_mb):
 def test_s_at_4_ranks_trains_within_a_limit_single_process_exceeds():
     data = tempfile.mkdtemp(prefix="volume_limit_")
     try:
+        volume_memory.write_data(_args(data, 0), data)
         (free_proc, free), (free4_proc, free4) = _runs(data, 0)
         assert free_proc.returncode == 0 and free[0]["ok"], free_proc.stderr[-3000:]
         assert free4_proc.returncode == 0 and len(free4) == 4, free4_proc.stderr[-3000:]

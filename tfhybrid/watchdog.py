@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import faulthandler
 import functools
 import itertools
 import math
@@ -347,8 +348,18 @@ class Watchdog:
             os.write(2, ("\n" + msg + "\n").encode(errors="replace"))
         except OSError:
             print(msg, file=sys.stderr, flush=True)
+        self.dump_stacks()
         time.sleep(self.grace)
         self.exit(EXIT_CODE)
+
+    def dump_stacks(self):
+        """Print where every Python thread of this process stands (the main
+        thread's frame shows the step, callback or collective it waits in)."""
+        try:
+            os.write(2, f"tfhybrid watchdog: Python stacks of rank {self.rank}:\n".encode())
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except (OSError, ValueError, RuntimeError):
+            pass                       # no usable stderr: the report above is what there is
 
     def _run(self):
         while True:

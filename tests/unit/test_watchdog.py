@@ -184,6 +184,10 @@ def test_fires_prints_and_exits_non_zero():
     assert re.search(r"tfhybrid watchdog: rank 0 of 2 has waited \d+ s \(bound 1 s\) in "
                      r"collective 'tfh.dense.reduce.model' \(allreduce over ranks \[0, 1\]\)",
                      proc.stderr), proc.stderr
+    # then where the main thread waits: in the collective's with-block, at the sleep
+    stacks = proc.stderr.split("tfhybrid watchdog: Python stacks of rank 0:")[-1]
+    assert re.search(r"Current thread|Thread 0x", stacks) and 'File "<string>", line 9' in stacks, \
+        proc.stderr[-2000:]
     assert time.time() - start < 30
 
 

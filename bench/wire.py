@@ -881,7 +881,7 @@ def parse_args(argv=None):
                     "tfhybrid.Config(cycle_time_ms=...)) of every job: a collective starts at "
                     "the next cycle, so on a slow link the default 5 ms delays every bucket "
                     "(default 1)")
-    ap.add_argument("--collective-stat", choices=("best", "median"), default="median",
+    ap.add_argument("--collective-stat", choices=("best", "median", "mean"), default="median",
                     help="calibrate's statistic per collective (tfhybrid calibrate "
                     "--collective-stat): across the link a collective's time spreads (a 128 KB "
                     "allgather at 100 Mbit/s: 11.6 to 27.6 ms), and a step pays the typical "

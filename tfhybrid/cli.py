@@ -324,10 +324,10 @@ def _calibrate_args(ap):
                     "this model (known name or .keras)")
     ap.add_argument("--batch", type=int, default=8, help="local batch for --model timings (also timed at batch x world)")
     ap.add_argument("--quick", action="store_true", help="small sizes, 3 reps (tests)")
-    ap.add_argument("--collective-stat", choices=("best", "median"), default="best",
+    ap.add_argument("--collective-stat", choices=("best", "median", "mean"), default="best",
                     help="each collective's best repetition (default: reproducible on a "
-                    "shared node) or its median (across nodes: a step pays the network's "
-                    "spread)")
+                    "shared node), its median, or its mean without the fastest and slowest "
+                    "fifth (across nodes: a step pays the network's spread)")
 
 
 @command("calibrate", "fit alpha/beta, flop rate, layer times and gamma on this machine")

@@ -341,7 +341,7 @@ def test_allreduce_link_reads_the_machine_file(tmp_path):
         allreduce_link(bad, 2, 2)
 
 
-def test_interleaved_timings_keep_the_best_or_the_median(monkeypatch):
+def test_interleaved_timings_keep_the_best_the_median_or_the_trimmed_mean(monkeypatch):
     # each call of fn takes the next of these durations (perf_counter advances by them)
     durations = iter([0.0, 3.0, 1.0, 2.0])     # a warm-up call, then 3 repetitions
     clock = [0.0]
@@ -352,5 +352,14 @@ def test_interleaved_timings_keep_the_best_or_the_median(monkeypatch):
     assert cal.best_times_interleaved([fn], 3) == [1.0]
     durations = iter([0.0, 3.0, 1.0, 2.0])
     assert cal.best_times_interleaved([fn], 3, stat="median") == [2.0]
-    with pytest.raises(ValueError, match="stat='mean'"):
-        cal.best_times_interleaved([fn], 3, stat="mean")
+    # two groups of times (a cycle caught or missed) and one outlier: the mean of the
+    # middle three of five, where the median would land in one group
+    durations = iter([0.0, 1.0, 5.0, 1.0, 40.0, 5.0])
+    assert cal.best_times_interleaved([fn], 5, stat="mean") == [pytest.approx(11 / 3)]
+    durations = iter([0.0, 1.0, 5.0, 1.0, 40.0, 5.0])
+    assert cal.best_times_interleaved([fn], 5, stat="median") == [5.0]
+    assert cal.trimmed_mean([2.0]) == 2.0
+    with pytest.raises(ValueError, match="stat='worst'"):
+        cal.best_times_interleaved([fn], 3, stat="worst")
+    with pytest.raises(ValueError, match="no times"):
+        cal.trimmed_mean([])

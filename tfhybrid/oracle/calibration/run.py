@@ -551,9 +551,10 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
         collective_stat="best") -> dict:
     """Run the whole calibration on every rank; rank 0 writes ``out``. Returns the spec.
 
-    ``collective_stat``: ``"best"`` (each collective's fastest repetition) or
-    ``"median"`` (its typical one: across nodes, where a step pays the
-    network's spread, :func:`tfhybrid.oracle.calibration.fit.best_times_interleaved`)."""
+    ``collective_stat``: ``"best"`` (each collective's fastest repetition),
+    ``"median"`` or ``"mean"`` (its typical one, or its trimmed mean: across
+    nodes, where a step pays the network's spread,
+    :func:`tfhybrid.oracle.calibration.fit.best_times_interleaved`)."""
     from tfhybrid.comm import backend  # noqa: WPS433
     world, rank, _ = backend.init()
     say = log if rank == 0 else (lambda *_: None)

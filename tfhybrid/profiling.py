@@ -90,7 +90,12 @@ def _synthetic_batch(model, local_batch):
     return out[0] if len(out) == 1 else out
 
 
-def _best(fn, reps, sync=None):
+def _timed(fn, reps, sync=None, stat="best"):
+    """``stat`` (calibration's statistics: best, median, mean) of ``reps``
+    timings of ``fn``, each after ``sync``."""
+    from tfhybrid.oracle.calibration.fit import STATS  # noqa: WPS433
+    if stat not in STATS:
+        raise ValueError(f"stat={stat!r}: expected one of {sorted(STATS)}")
     times = []
     for _ in range(reps):
         if sync is not None:
@@ -100,7 +105,7 @@ def _best(fn, reps, sync=None):
             if hasattr(t, "numpy"):
                 t.numpy()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return STATS[stat](times)
 
 
 def _replay_fn(op, ranks, inputs, splits):
@@ -121,9 +126,10 @@ def _replay_fn(op, ranks, inputs, splits):
     return tf.function(calls[op])
 
 
-def replay_collectives(calls, reps: int = 3) -> dict:
+def replay_collectives(calls, reps: int = 3, stat: str = "best") -> dict:
     """Seconds per oracle phase of the recorded collectives, each replayed alone
-    (traced, on zeros of the recorded shapes; best of ``reps``). Collective:
+    (traced, on zeros of the recorded shapes; the ``stat`` of ``reps``: best,
+    median or mean, as ``tfhybrid calibrate --collective-stat``). Collective:
     every rank replays the calls of its own groups in the recorded order."""
     out = {phase: 0.0 for phase in _COMM}
     me = backend.rank()
@@ -139,7 +145,7 @@ def replay_collectives(calls, reps: int = 3) -> dict:
         # the same collective on an oversubscribed node), and the compute left
         # over (forward+backward less the replays) comes out 0
         sync = _group_sync(ranks)
-        out[phase_of(op, name)] += _best(fn, reps, sync)
+        out[phase_of(op, name)] += _timed(fn, reps, sync, stat)
     return out
 
 
@@ -189,7 +195,7 @@ def executed_collectives(calls, graph):
     return out
 
 
-def measure_phases(model, local_batch: int, reps: int = 3) -> dict:
+def measure_phases(model, local_batch: int, reps: int = 3, stat: str = "best") -> dict:
     """Seconds of each phase of one step of ``model`` at ``local_batch`` (collective).
 
     Returns a dict with ``forward``, ``forward_backward`` (the traced passes
@@ -197,7 +203,14 @@ def measure_phases(model, local_batch: int, reps: int = 3) -> dict:
     collectives the traced forward+backward issues, replayed alone, and
     ``GE-allreduce``, the DistributedOptimizer's traced gradient reduction
     (0 without one). The model's non-trainable state is restored.
+
+    ``stat``: each phase's best repetition (default), or its median or
+    trimmed mean (compare with a machine file calibrated with the same
+    ``--collective-stat``).
     """
+    from tfhybrid.oracle.calibration.fit import STATS  # noqa: WPS433
+    if stat not in STATS:       # before any collective: every rank refuses alike
+        raise ValueError(f"measure_phases(stat={stat!r}): expected one of {sorted(STATS)}")
     x = _synthetic_batch(model, local_batch)
     weights = model.trainable_weights
     saved = [(v, v.numpy()) for v in model.non_trainable_variables]
@@ -222,17 +235,17 @@ def measure_phases(model, local_batch: int, reps: int = 3) -> dict:
         # ranks did not compute, faster than a step where every rank computes at
         # once (what calibration's compute_contention times)
         world = _group_sync(tuple(range(backend.size()))) if backend.size() > 1 else None
-        out = {"forward": _best(forward, reps, world),
-               "forward_backward": _best(both, reps, world)}
+        out = {"forward": _timed(forward, reps, world, stat),
+               "forward_backward": _timed(both, reps, world, stat)}
         backend.barrier()
-        out.update(replay_collectives(calls, reps))
+        out.update(replay_collectives(calls, reps, stat))
         optimizer = getattr(model, "optimizer", None)
         reduce = getattr(optimizer, "reduce_gradients", None)
         if reduce is not None and runtime.current_grid().size > 1:
             step = tf.function(lambda: reduce(local, weights))
             step()
             backend.barrier()
-            out["GE-allreduce"] = _best(step, reps, world)   # ranks start together
+            out["GE-allreduce"] = _timed(step, reps, world, stat)   # ranks start together
     finally:
         for v, value in saved:
             v.assign(value)

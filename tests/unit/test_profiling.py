@@ -62,3 +62,25 @@ def test_prediction_options_price_the_model_as_transform_built_it():
     assert _options_as_built("ls", SimpleNamespace(n_f=2), world) == {"n_f": 2}
     assert _options_as_built("df", None, SimpleNamespace(size=4, model_size=2)) == \
         {"grid": (2, 2), "fallback": "replicate"}
+
+
+def test_phase_timings_take_the_calibration_statistic(monkeypatch):
+    """measure_phases' ``stat`` is calibrate's --collective-stat: best, median or
+    the mean without the fastest and slowest fifth; anything else is refused."""
+    from tfhybrid import profiling
+
+    durations = [5.0, 1.0, 40.0, 1.0, 5.0]
+    clock, left = [0.0], []
+
+    def fn():
+        clock[0] += left.pop(0)
+        return []
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])
+    got = {}
+    for stat in ("best", "median", "mean"):
+        left[:] = durations
+        got[stat] = profiling._timed(fn, 5, None, stat)
+    assert got == {"best": 1.0, "median": 5.0, "mean": pytest.approx(11 / 3)}
+    with pytest.raises(ValueError, match="stat='fastest'"):
+        profiling.measure_phases(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]),
+                                 2, stat="fastest")

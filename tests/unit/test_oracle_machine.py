@@ -229,6 +229,52 @@ def test_calibration_names_each_collective_size_apart():
     assert len(set(names)) == len(names) == 4 * len(fit.COLLECTIVE_KINDS) == 16
 
 
+def _time_collectives_as(monkeypatch, rank, size, sizes, groups):
+    """Run calibration's collective timing as ``rank`` of ``size`` on a recording
+    backend: (syncs, chains run in order)."""
+    from tfhybrid.comm import backend
+    from tfhybrid.oracle.calibration import fit
+
+    syncs, chains = [], []
+
+    def allreduce(x, ranks, name):
+        syncs.append(name)
+        return x
+    monkeypatch.setattr(backend, "size", lambda: size)
+    monkeypatch.setattr(backend, "rank", lambda: rank)
+    monkeypatch.setattr(backend, "register_groups", lambda groups: None)
+    monkeypatch.setattr(backend, "allreduce", allreduce)
+
+    def chain(kind, ranks, backend_, length, n):
+        def run(x):
+            chains.append((kind, len(ranks), n))
+            return x
+        return run
+    monkeypatch.setattr(fit, "collective_chain", chain)
+    fit.time_collectives(sizes, groups, reps=2, log=lambda *_: None)
+    return syncs, chains
+
+
+def test_calibration_times_one_size_after_the_other_on_every_rank(monkeypatch):
+    """The kinds of a size interleave, sizes go from the smallest (a small
+    collective right after a 4 MB one took 1.5-3x its time), and a rank outside
+    every group of a size (6 ranks, groups of 4) joins the same syncs as the
+    others, without which the world's syncs pair up wrongly and the job hangs."""
+    from tfhybrid.oracle.calibration import fit
+
+    sizes = [4096, 65536]
+    syncs0, chains0 = _time_collectives_as(monkeypatch, 0, 6, sizes, [2, 4, 6])
+    syncs5, chains5 = _time_collectives_as(monkeypatch, 5, 6, sizes, [2, 4, 6])
+    assert syncs0 and syncs0 == syncs5
+    assert not any(g == 4 for _, g, _ in chains5) and any(g == 4 for _, g, _ in chains0)
+    timed = [c for c in chains0 if c[1] == 2]
+    per_size = len(fit.COLLECTIVE_KINDS) * 3     # warm-up + 2 repetitions of each kind
+    firsts = timed[:per_size]
+    assert {n for _, _, n in firsts} == {1024} and \
+        {k for k, _, _ in firsts} == set(fit.COLLECTIVE_KINDS)
+    assert {n for _, _, n in timed[per_size:]} == {16384}
+
+
 # -- collective kinds ------------------------------------------------------------------
 
 def _kinds_machine(**extra):

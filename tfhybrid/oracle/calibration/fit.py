@@ -388,14 +388,15 @@ def sync(backend):
 def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4, stat="best") -> list:
     """(kind, g, bytes, seconds) for every kind, group size and message size (rank 0's view).
 
-    Seconds are per collective: the best (``stat="median"``: the median) of
-    ``reps`` runs of a traced chain of ``chain`` dependent collectives
-    (:func:`collective_chain`), divided by ``chain``. Groups smaller than the world run side by side, one per
+    Seconds are per collective: the ``stat`` (best, median or trimmed mean,
+    :data:`STATS`) of ``reps`` runs of a traced chain of ``chain`` dependent
+    collectives (:func:`collective_chain`), divided by ``chain``; one message
+    size after the other, from the smallest, the kinds of each size
+    interleaved. Groups smaller than the world run side by side, one per
     block of g consecutive ranks (as a hybrid strategy's model groups all
     communicate at once), so their timings include that contention.
     Collective: every rank must call it with the same arguments.
     """
-    import tensorflow as tf  # noqa: WPS433
     from tfhybrid.comm import backend  # noqa: WPS433
 
     world, me = backend.size(), backend.rank()
@@ -405,25 +406,32 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4, stat="best"
     samples = []
     for g in group_sizes:
         ranks = next((b for b in blocks.get(g, ()) if me in b), None)
-        cases, calls = [], []
-        for kind in COLLECTIVE_KINDS:
-            if kind == "p2p" and g != 2:      # a pair's transfer: one tier of two ranks
-                continue
-            for nbytes in sizes:
-                n = max(g, int(nbytes) // 4 // g * g)
-                if ranks is not None:
-                    x = tf.ones([n], tf.float32)
-                    run = collective_chain(kind, ranks, backend, chain, n)
-                    cases.append((kind, 4 * n))
-                    calls.append(lambda run=run, x=x: run(x).numpy())
-        # every kind and size in turn, round after round (the same order on every
-        # rank): outside load that comes and goes hits all of them alike instead
-        # of one size's whole series (timed one series after the other, a load
-        # spike inflates one size's minimum several times over its neighbours')
-        sync(backend)
-        best = best_times_interleaved(calls, reps, before=lambda: sync(backend), stat=stat)
-        samples += [(kind, g, nbytes, sec / chain) for (kind, nbytes), sec in zip(cases, best)]
+        kinds = [k for k in COLLECTIVE_KINDS if k != "p2p" or g == 2]   # p2p: a pair's
+        for nbytes in sizes:
+            n = max(g, int(nbytes) // 4 // g * g)
+            calls = [_chain_call(kind, ranks, backend, chain, n) for kind in kinds]
+            # the kinds of one size in turn, round after round (the same order on
+            # every rank): outside load that comes and goes hits all of them alike
+            # instead of one kind's whole series. One size at a time: right after a
+            # 4 MB collective a small one took 1.5-3x its time after small ones
+            # (across two test hosts, each rank on one core), and a step's small
+            # collectives follow small ones and compute.
+            sync(backend)
+            times = best_times_interleaved(calls, reps, before=lambda: sync(backend), stat=stat)
+            samples += [(kind, g, 4 * n, sec / chain) for kind, sec in zip(kinds, times)]
         sync(backend)
         if backend.rank() == 0:
-            log(f"  group {g}: {', '.join(COLLECTIVE_KINDS)} timed at {len(sizes)} sizes")
+            log(f"  group {g}: {', '.join(kinds)} timed at {len(sizes)} sizes")
     return samples
+
+
+def _chain_call(kind, ranks, backend, chain, n):
+    """A call running one chain of ``kind`` on ``n`` items (:func:`collective_chain`);
+    a no-op on a rank outside every group of this size (world not a multiple of
+    it), which still joins the syncs between the timings."""
+    if ranks is None:
+        return lambda: None
+    import tensorflow as tf  # noqa: WPS433
+    x = tf.ones([n], tf.float32)
+    run = collective_chain(kind, ranks, backend, chain, n)
+    return lambda: run(x).numpy()

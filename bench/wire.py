@@ -420,7 +420,8 @@ def _oracle_part(args, say, barrier, set_all_rates):
             described = f"{type(err).__name__}: {str(err)[:120]}"
         phases = None
         if name not in ("ls", "p"):     # Profile's per-phase measurement, with the
-            from tfhybrid.profiling import measure_phases  # noqa: WPS433  # calibration's stat
+            from tfhybrid.profiling import measure_phases  # noqa: WPS433
+            # calibration's statistic, so that measured and predicted phases compare
             phases = measure_phases(model, step.local_batch, reps=5, stat=args.collective_stat)
         out[name] = dict(info, seconds=typical(times[name], args.steps),
                          best_s=min(times[name]), tx_bytes_per_step=nbytes / args.steps,

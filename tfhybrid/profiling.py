@@ -90,12 +90,9 @@ def _synthetic_batch(model, local_batch):
     return out[0] if len(out) == 1 else out
 
 
-def _timed(fn, reps, sync=None, stat="best"):
-    """``stat`` (calibration's statistics: best, median, mean) of ``reps``
+def _timed(fn, reps, sync=None, pick=min):
+    """``pick`` (one of calibration's statistics, :func:`_stat`) of ``reps``
     timings of ``fn``, each after ``sync``."""
-    from tfhybrid.oracle.calibration.fit import STATS  # noqa: WPS433
-    if stat not in STATS:
-        raise ValueError(f"stat={stat!r}: expected one of {sorted(STATS)}")
     times = []
     for _ in range(reps):
         if sync is not None:
@@ -105,7 +102,13 @@ def _timed(fn, reps, sync=None, stat="best"):
             if hasattr(t, "numpy"):
                 t.numpy()
         times.append(time.perf_counter() - start)
-    return STATS[stat](times)
+    return pick(times)
+
+
+def _stat(stat):
+    """Calibration's statistic named ``stat`` (best, median or mean)."""
+    from tfhybrid.oracle.calibration.fit import stat_function  # noqa: WPS433
+    return stat_function(stat)
 
 
 def _replay_fn(op, ranks, inputs, splits):
@@ -131,6 +134,7 @@ def replay_collectives(calls, reps: int = 3, stat: str = "best") -> dict:
     (traced, on zeros of the recorded shapes; the ``stat`` of ``reps``: best,
     median or mean, as ``tfhybrid calibrate --collective-stat``). Collective:
     every rank replays the calls of its own groups in the recorded order."""
+    pick = _stat(stat)
     out = {phase: 0.0 for phase in _COMM}
     me = backend.rank()
     for op, name, ranks, inputs, splits in calls:
@@ -145,7 +149,7 @@ def replay_collectives(calls, reps: int = 3, stat: str = "best") -> dict:
         # the same collective on an oversubscribed node), and the compute left
         # over (forward+backward less the replays) comes out 0
         sync = _group_sync(ranks)
-        out[phase_of(op, name)] += _timed(fn, reps, sync, stat)
+        out[phase_of(op, name)] += _timed(fn, reps, sync, pick)
     return out
 
 
@@ -208,9 +212,7 @@ def measure_phases(model, local_batch: int, reps: int = 3, stat: str = "best") -
     trimmed mean (compare with a machine file calibrated with the same
     ``--collective-stat``).
     """
-    from tfhybrid.oracle.calibration.fit import STATS  # noqa: WPS433
-    if stat not in STATS:       # before any collective: every rank refuses alike
-        raise ValueError(f"measure_phases(stat={stat!r}): expected one of {sorted(STATS)}")
+    pick = _stat(stat)          # before any collective: every rank refuses alike
     x = _synthetic_batch(model, local_batch)
     weights = model.trainable_weights
     saved = [(v, v.numpy()) for v in model.non_trainable_variables]
@@ -235,8 +237,8 @@ def measure_phases(model, local_batch: int, reps: int = 3, stat: str = "best") -
         # ranks did not compute, faster than a step where every rank computes at
         # once (what calibration's compute_contention times)
         world = _group_sync(tuple(range(backend.size()))) if backend.size() > 1 else None
-        out = {"forward": _timed(forward, reps, world, stat),
-               "forward_backward": _timed(both, reps, world, stat)}
+        out = {"forward": _timed(forward, reps, world, pick),
+               "forward_backward": _timed(both, reps, world, pick)}
         backend.barrier()
         out.update(replay_collectives(calls, reps, stat))
         optimizer = getattr(model, "optimizer", None)
@@ -245,7 +247,7 @@ def measure_phases(model, local_batch: int, reps: int = 3, stat: str = "best") -
             step = tf.function(lambda: reduce(local, weights))
             step()
             backend.barrier()
-            out["GE-allreduce"] = _timed(step, reps, world, stat)   # ranks start together
+            out["GE-allreduce"] = _timed(step, reps, world, pick)   # ranks start together
     finally:
         for v, value in saved:
             v.assign(value)

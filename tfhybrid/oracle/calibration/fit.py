@@ -284,6 +284,17 @@ def trimmed_mean(times):
 STATS = {"best": min, "median": statistics.median, "mean": trimmed_mean}
 
 
+def stat_function(stat):
+    """The function of :data:`STATS` named ``stat`` (a list of seconds -> seconds).
+
+    Raises:
+        ValueError: ``stat`` is not one of them.
+    """
+    if stat not in STATS:
+        raise ValueError(f"stat={stat!r}: expected one of {sorted(STATS)}")
+    return STATS[stat]
+
+
 def best_times_interleaved(fns, reps, before=None, stat="best"):
     """Minimum seconds of each of ``fns`` over ``reps`` rounds in which every
     function runs once in turn (after one warm-up call each): outside load
@@ -302,8 +313,7 @@ def best_times_interleaved(fns, reps, before=None, stat="best"):
         >>> [t >= 0 for t in best_times_interleaved([lambda: None, lambda: 1], 2)]
         [True, True]
     """
-    if stat not in STATS:
-        raise ValueError(f"stat={stat!r}: expected one of {sorted(STATS)}")
+    pick = stat_function(stat)
     for fn in fns:
         fn()
     times = [[] for _ in fns]
@@ -314,7 +324,7 @@ def best_times_interleaved(fns, reps, before=None, stat="best"):
             t0 = time.perf_counter()
             fn()
             times[i].append(time.perf_counter() - t0)
-    return [STATS[stat](t) for t in times]
+    return [pick(t) for t in times]
 
 
 def _collective(kind, x, ranks, backend, n, step=0):

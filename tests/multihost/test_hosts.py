@@ -57,7 +57,10 @@ def test_nothing_left_after_interrupt(sig, hosts):
     """A second set of hosts (its own name prefix, beside the session's) in a
     child process that is interrupted while the hosts are up."""
     env = dict(os.environ, TFHYBRID_TEST_HOSTS_PREFIX="tfhmt", PYTHONPATH=str(HERE))
-    code = ("import time, hosts\n"
+    # a suite started in the background (``cmd &`` in a script) inherits SIGINT
+    # ignored, and Python then leaves it so: the child takes Ctrl-C's default back
+    code = ("import signal, time, hosts\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "with hosts.TestHosts(1) as h:\n"
             "    h.run('h1', ['sh', '-c', 'sleep 3217 >/dev/null 2>&1 &'])\n"   # a process in the host to end
             "    print('up', flush=True)\n"

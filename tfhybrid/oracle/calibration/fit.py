@@ -295,11 +295,12 @@ def stat_function(stat):
     return STATS[stat]
 
 
-def best_times_interleaved(fns, reps, before=None, stat="best"):
-    """Minimum seconds of each of ``fns`` over ``reps`` rounds in which every
-    function runs once in turn (after one warm-up call each): outside load
-    that comes and goes hits every function alike, so their ratios and
-    differences hold even when the absolute times drift.
+def times_interleaved(fns, reps, before=None, stat="best"):
+    """Seconds of each of ``fns`` (the ``stat`` of its times: by default the
+    minimum) over ``reps`` rounds in which every function runs once in turn
+    (after one warm-up call each): outside load that comes and goes hits every
+    function alike, so their ratios and differences hold even when the
+    absolute times drift.
 
     ``stat="median"`` keeps each function's median instead, ``stat="mean"``
     its mean without the fastest and slowest fifth (:func:`trimmed_mean`):
@@ -310,7 +311,7 @@ def best_times_interleaved(fns, reps, before=None, stat="best"):
     the median lands on either, the mean between them, as many steps average.
 
     Example:
-        >>> [t >= 0 for t in best_times_interleaved([lambda: None, lambda: 1], 2)]
+        >>> [t >= 0 for t in times_interleaved([lambda: None, lambda: 1], 2)]
         [True, True]
     """
     pick = stat_function(stat)
@@ -427,7 +428,7 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4, stat="best"
             # (across two test hosts, each rank on one core), and a step's small
             # collectives follow small ones and compute.
             sync(backend)
-            times = best_times_interleaved(calls, reps, before=lambda: sync(backend), stat=stat)
+            times = times_interleaved(calls, reps, before=lambda: sync(backend), stat=stat)
             samples += [(kind, g, 4 * n, sec / chain) for kind, sec in zip(kinds, times)]
         sync(backend)
         if backend.rank() == 0:

@@ -75,7 +75,7 @@ def measure_layer_times(model, batches, reps=7):
     # every size in turn, round after round: a burst of outside load then hits
     # all sizes alike instead of tilting the line (timed one size after the
     # other, a loaded node can give an intercept many times the quiet one)
-    best = cal.best_times_interleaved(calls, reps)
+    best = cal.times_interleaved(calls, reps)
     t_f, t_fb = best[0::2], best[1::2]
     (f0, f1), (fb0, fb1) = cal.fit_line(sizes, t_f), cal.fit_line(sizes, t_fb)
     b1 = max(fb1 - f1, 0.0)
@@ -124,7 +124,7 @@ def layer_shares(model, names, batch, reps=7):
         fwd_bwd = _traced_fwd_bwd(layer, needs_grad.get(name, True))
         calls += [lambda fwd=fwd, a=arg: _run(fwd, a), lambda fb=fwd_bwd, a=arg: _run(fb, a)]
     # every layer in turn, round after round (a burst of outside load hits all alike)
-    best = cal.best_times_interleaved(calls, reps)
+    best = cal.times_interleaved(calls, reps)
     base, out = best[0], {}
     for k, name in enumerate(names):
         t_f = max(best[1 + 2 * k] - base, 0.0)
@@ -280,7 +280,7 @@ def measure_split_scales(model, names, batch, ks, reps=7, spatial_names=()) -> d
     level = logger.level
     logger.setLevel("ERROR")     # one traced function per variant: no retracing advice
     try:
-        best = cal.best_times_interleaved(calls, reps)
+        best = cal.times_interleaved(calls, reps)
     finally:
         logger.setLevel(level)
     base, whole, out = best[0], {}, {}
@@ -554,7 +554,7 @@ def run(out, max_bytes=4 << 20, n_sizes=6, reps=5, model=None, batch=8, log=prin
     ``collective_stat``: ``"best"`` (each collective's fastest repetition),
     ``"median"`` or ``"mean"`` (its typical one, or its trimmed mean: across
     nodes, where a step pays the network's spread,
-    :func:`tfhybrid.oracle.calibration.fit.best_times_interleaved`)."""
+    :func:`tfhybrid.oracle.calibration.fit.times_interleaved`)."""
     from tfhybrid.comm import backend  # noqa: WPS433
     world, rank, _ = backend.init()
     say = log if rank == 0 else (lambda *_: None)

@@ -47,3 +47,72 @@ def test_pipeline_and_layer_separation_are_refused_in_elastic_runs(monkeypatch):
         with pytest.raises(ValueError, match=f"strategy='{strategy}' in an elastic run.*df"):
             tfhybrid.transform(model, strategy)
     tfhybrid.shutdown()
+
+
+class _FakeHorovod:
+    """What backend.init and backend.reset call of horovod.tensorflow, recorded.
+    ``init(process_sets="dynamic")`` exports HOROVOD_DYNAMIC_PROCESS_SETS=1 as
+    Horovod 0.28.1's does."""
+
+    def __init__(self):
+        self.calls, self.up = [], False
+
+    def init(self, process_sets=None):
+        import os
+        if process_sets == "dynamic":
+            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+        self.calls.append(("init", process_sets,
+                           os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS")))
+        self.up = True
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+        self.up = False
+
+    def is_initialized(self):
+        return self.up
+
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 0
+
+    def local_rank(self):
+        return 0
+
+
+def test_elastic_runs_start_horovod_without_dynamic_process_sets(monkeypatch):
+    """Dynamic sets lock the process-set table through a world allgather every
+    cycle: after a lost worker a collective enqueued meanwhile could miss
+    Horovod's shutdown and hang the survivor's step (tests/multihost). An
+    elastic run starts Horovod with the world's set alone, also after a reset,
+    even when an earlier dynamic start left HOROVOD_DYNAMIC_PROCESS_SETS=1."""
+    from tfhybrid.comm import backend, hostcheck
+    fake = _FakeHorovod()
+    monkeypatch.setattr(backend, "_STATE", dict(backend._STATE, hvd=None, mpi_ops=None,
+                                                initialized=False, sets={}, restarts=0))
+    monkeypatch.setattr(backend, "_import_horovod", lambda: (fake, object()))
+    monkeypatch.setattr(hostcheck, "check", lambda: None)
+    monkeypatch.setattr(backend, "_exit_barrier_last", lambda: None)
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    monkeypatch.setenv("HOROVOD_SIZE", "2")
+    monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+    monkeypatch.delenv("TFHYBRID_GROUPS_OVER_WORLD", raising=False)
+    assert backend.init([(0, 1)]) == (2, 0, 0)
+    assert backend.process_set_mode() == "none"
+    backend.reset()
+    assert fake.calls == [("init", None, None), ("shutdown",), ("init", None, None)]
+
+
+def test_ordinary_runs_reset_to_dynamic_process_sets(monkeypatch):
+    from tfhybrid.comm import backend
+    fake = _FakeHorovod()
+    fake.up = True
+    monkeypatch.setattr(backend, "_STATE", dict(backend._STATE, hvd=fake, initialized=True,
+                                                over_world=False, sets={}, static=True))
+    monkeypatch.setattr(backend, "_exit_barrier_last", lambda: None)
+    monkeypatch.delenv("HOROVOD_DYNAMIC_PROCESS_SETS", raising=False)
+    backend.reset()
+    assert fake.calls == [("shutdown",), ("init", "dynamic", "1")]
+    assert backend.process_set_mode() == "dynamic"

@@ -51,7 +51,15 @@ background thread, on the way down, negotiates the removal of each set over
 the broken global Gloo context, and the ``gloo::IoException`` that throws
 there is uncaught (``terminate called``), so the survivors abort instead of
 recovering. Over the world alone, a lost worker fails the pending operations
-with Horovod's shutdown error, which the elastic loop handles. The groups of
+with Horovod's shutdown error, which the elastic loop handles. Nor does an
+elastic run start Horovod with *dynamic* process sets: their world allgather
+in every cycle runs with the process-set table locked, so after a lost worker
+it blocks until the Gloo timeout, and a collective the step enqueues meanwhile
+waits for that lock. The timeout's exception releases it just as Horovod
+shuts down: the collective can pass Horovod's shutdown check before the flag
+is set and enter the queue after Horovod has failed the queued operations,
+then never completes, and the survivor's step hangs (until the watchdog ends
+it) instead of failing and re-forming. The groups of
 one collective must partition the world, every group issuing it under the
 same name (the grid's model and data groups do: every strategy run by
 ``tfhybrid.transform`` except ``p`` and ``ls``, whose transfers run on pairs).
@@ -146,6 +154,8 @@ def init(groups=None):
                         hvd.shutdown()
                     if static is not None:
                         _STATE["sets"].update(zip(static, _init_static(hvd, static)))
+                    elif over_world:
+                        _init_world_only(hvd)
                     else:
                         hvd.init(process_sets="dynamic")
             _STATE.update(hvd=hvd, mpi_ops=mpi_ops, initialized=True, over_world=over_world,
@@ -171,6 +181,15 @@ def _init_static(hvd, groups):
     sets = [hvd.ProcessSet(list(ranks)) for ranks in groups]
     hvd.init(process_sets=sets)
     return sets
+
+
+def _init_world_only(hvd):
+    """``hvd.init`` with the world's process set alone and no dynamic sets (elastic
+    runs; the module docstring says why). ``hvd.init(process_sets="dynamic")``
+    exports ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, which every later ``hvd.init`` of
+    the process would follow: it is removed first."""
+    os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)
+    hvd.init()
 
 
 def _restart(hvd, new=(), dynamic=False):
@@ -714,7 +733,9 @@ def join():
 
 def reset():
     """Shut Horovod down and initialise it again for the current workers
-    (elastic re-formation); every registered process set is forgotten."""
+    (elastic re-formation); every registered process set is forgotten. An
+    elastic run (groups over the world) starts again without dynamic process
+    sets, as :func:`init` started it."""
     hvd = _hvd()
     if hvd is None:
         return
@@ -722,7 +743,10 @@ def reset():
         hvd.shutdown()
         _STATE["sets"].clear()
         _STATE["static"] = False
-        hvd.init(process_sets="dynamic")
+        if _STATE["over_world"]:
+            _init_world_only(hvd)
+        else:
+            hvd.init(process_sets="dynamic")
         _exit_barrier_last()
 
 
@@ -737,8 +761,8 @@ def elastic_object_state(**values):
 def elastic_run(func):
     """Horovod's elastic retry loop around ``func(state)``: on a lost worker
     (``HorovodInternalError``, including TensorFlow's wrapping of it) the state
-    is restored, Horovod re-initialised with dynamic process sets (:func:`reset`,
-    which keeps the exit barrier after Horovod's shutdown), and ``func`` run
+    is restored, Horovod re-initialised (:func:`reset`, which keeps the exit
+    barrier after Horovod's shutdown), and ``func`` run
     again after ``state.sync()``."""
     from horovod.common.elastic import run_fn
     from horovod.common.exceptions import HorovodInternalError

@@ -218,17 +218,10 @@ def check(job, seconds, plain, tmp_path, strategy, mp, fault):
     assert "tfhybrid watchdog:" not in out, tail
 
 
-# Known bug, open: run after the other multi-host tests (the suite's order; alone it
-# passes), the survivor's step can stay inside TensorFlow's train function after
-# Horovod's background loop ended on the Gloo timeout (the watchdog's stacks show
-# the main thread in the step's graph call, 101 s in): the job then ends instead of
-# going on at 1 rank. Kept running, so a pass shows as XPASS.
-_LOST_HANGS = pytest.mark.xfail(
-    strict=False, reason="survivor's step can hang after Horovod's shutdown (suite order)")
 
 
 @pytest.mark.parametrize("strategy, mp, fault", [
-    pytest.param("d", 1, "lost", marks=_LOST_HANGS),
+    pytest.param("d", 1, "lost"),
     pytest.param("d", 1, "removed", marks=full_tier),
     pytest.param("df", 2, "lost", marks=full_tier),
     pytest.param("df", 2, "removed", marks=full_tier),

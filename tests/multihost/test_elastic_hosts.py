@@ -218,10 +218,8 @@ def check(job, seconds, plain, tmp_path, strategy, mp, fault):
     assert "tfhybrid watchdog:" not in out, tail
 
 
-
-
 @pytest.mark.parametrize("strategy, mp, fault", [
-    pytest.param("d", 1, "lost"),
+    ("d", 1, "lost"),
     pytest.param("d", 1, "removed", marks=full_tier),
     pytest.param("df", 2, "lost", marks=full_tier),
     pytest.param("df", 2, "removed", marks=full_tier),

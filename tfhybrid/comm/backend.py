@@ -154,10 +154,8 @@ def init(groups=None):
                         hvd.shutdown()
                     if static is not None:
                         _STATE["sets"].update(zip(static, _init_static(hvd, static)))
-                    elif over_world:
-                        _init_world_only(hvd)
                     else:
-                        hvd.init(process_sets="dynamic")
+                        _init_without_sets(hvd, over_world)
             _STATE.update(hvd=hvd, mpi_ops=mpi_ops, initialized=True, over_world=over_world,
                           static=static is not None)
     return size(), rank(), local_rank()
@@ -183,11 +181,15 @@ def _init_static(hvd, groups):
     return sets
 
 
-def _init_world_only(hvd):
-    """``hvd.init`` with the world's process set alone and no dynamic sets (elastic
-    runs; the module docstring says why). ``hvd.init(process_sets="dynamic")``
-    exports ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, which every later ``hvd.init`` of
-    the process would follow: it is removed first."""
+def _init_without_sets(hvd, over_world):
+    """``hvd.init`` with no static process sets: with dynamic ones, or, when groups
+    run over the world (elastic runs; the module docstring says why), with the
+    world's set alone. ``hvd.init(process_sets="dynamic")`` exports
+    ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, which every later ``hvd.init`` of the
+    process would follow: the world-only start removes it first."""
+    if not over_world:
+        hvd.init(process_sets="dynamic")
+        return
     os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)
     hvd.init()
 
@@ -743,10 +745,7 @@ def reset():
         hvd.shutdown()
         _STATE["sets"].clear()
         _STATE["static"] = False
-        if _STATE["over_world"]:
-            _init_world_only(hvd)
-        else:
-            hvd.init(process_sets="dynamic")
+        _init_without_sets(hvd, _STATE["over_world"])
         _exit_barrier_last()
 
 

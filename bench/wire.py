@@ -7,15 +7,19 @@ interface patch, see tests/multihost/conftest.py)::
 
 The driver makes two test hosts (tests/multihost/hosts.py: network
 namespaces on a bridge, sshd in each), and launches ``horovodrun --gloo -H
-h1:1,h2:1 --network-interface eth0`` from h1 twice:
+h1:1,h2:1 --network-interface eth0`` from h1:
 
 1. ``tfhybrid calibrate --model <oracle model>`` at the first rate (the link's
    latency and bandwidth into a machine file), then ``tfhybrid plan`` on it;
-2. the measuring job (``--worker``): each rank pins itself to one core
+   ``tfhybrid calibrate`` (collectives only) at every other rate;
+2. the measuring jobs (``--worker``), one for the models below and one for
+   the oracle's strategies, as a user runs one model per job (a process that
+   has traced many functions dispatches every op more slowly): each rank pins itself to one core
    (rank r on core r) and shapes its own host's egress (``tc qdisc replace dev
    eth0 root tbf rate R``: each direction of the link is shaped once); the
    contenders below take turns in every round and at every rate (rounds x
-   rates x contenders), so outside load on this shared machine hits all alike.
+   rates x contenders), so outside load on this shared machine hits all alike
+   (faster links, shorter steps: more steps per round, :func:`steps_at`).
 
 Per model (a small CNN with a large dense head; a VGG-like conv stack at
 32x32 input) and rate, in a GradientTape step traced with ``tf.function``:
@@ -204,6 +208,21 @@ def wire_line(overlap_hidden, fusion_default_vs_best, bytes_vs_ring, fp16_speedu
             f"fusion_default_vs_best={num(fusion_default_vs_best)} "
             f"bytes_vs_ring={num(bytes_vs_ring)} fp16_speedup={num(fp16_speedup)} "
             f"oracle_mean={num(oracle_mean)} oracle_worst={num(oracle_worst)} pick={pick_text}")
+
+
+def steps_at(rate, steps):
+    """Steps per contender per round at ``rate``: ``steps`` at 100 Mbit/s and below,
+    ceil(sqrt(rate / 100 Mbit/s)) times as many on faster links (6 times unlimited).
+    A step there takes a few milliseconds, where one scheduler hiccup is a tenth of
+    it; more steps per round cost little and make each round's best steadier.
+
+    Example:
+        >>> [steps_at(r, 5) for r in ("100mbit", "250mbit", "1gbit", "unlimited")]
+        [5, 10, 20, 30]
+    """
+    bits = rate_bits(rate)
+    scale = 6 if bits is None else min(6, max(1, math.ceil(math.sqrt(bits / 100e6) - 1e-9)))
+    return steps * scale
 
 
 def bucket_label(nbytes):
@@ -467,16 +486,17 @@ def worker(args):
             for rate in args.rates:
                 set_all_rates(rate)
                 for m in built:
+                    n_steps = steps_at(rate, args.steps)
                     for k, fn in at_rate(m, rate).items():
-                        t, nb = _timed_steps(fn, args.steps, dp.barrier, busy[(m, rate, k)])
+                        t, nb = _timed_steps(fn, n_steps, dp.barrier, busy[(m, rate, k)])
                         times[(m, rate, k)] += t
-                        sent[(m, rate, k)].append(nb / args.steps)
+                        sent[(m, rate, k)].append(nb / n_steps)
             say(f"round {rnd + 1}/{args.rounds} done")
         for m, (_, param_bytes, defaults) in built.items():
             res["models"][m] = {"param_bytes": param_bytes, "rates": {}}
             for rate in args.rates:
                 steps = at_rate(m, rate)
-                t = {k: typical(times[(m, rate, k)], args.steps) for k in steps}
+                t = {k: typical(times[(m, rate, k)], steps_at(rate, args.steps)) for k in steps}
                 b = {k: statistics.median(sent[(m, rate, k)]) for k in steps}
                 # bytes: the mean over the ranks of what each one's interface sent
                 b = dict(zip(b, backend.allreduce(
@@ -824,22 +844,41 @@ def driver(args):
         _shape_hosts(hosts, "unlimited")
         out = RESULTS / "wire_measured.json"
         out.unlink(missing_ok=True)
-        wargs = ["--worker", "--out", out, "--rounds", args.rounds, "--steps", args.steps,
-                 "--batch", args.batch, "--rates", *args.rates,
-                 "--models", *(args.models or ["none"]),
-                 "--strategies", *(args.strategies or ["none"]),
-                 "--machine", args.machine, "--oracle-model", args.oracle_model,
-                 "--collective-stat", args.collective_stat]
-        wargs += ["--rate-machines", *machines] if machines else []
-        wargs += ["--p-segments", plan_segments(plan)] if plan and plan_segments(plan) else []
-        t0 = time.time()
-        run = _launch(hosts, jobs, Path(__file__), wargs, args.timeout, log)
-        for line in run.out.splitlines():
-            if "[0]<stdout>" in line:
-                log(line.split(">:", 1)[-1].strip())
-        if run.rc != 0 or not out.exists():
-            raise SystemExit(f"the measuring job failed (exit {run.rc}): {run.out[-4000:]}")
-        log(f"measured in {time.time() - t0:.0f} s")
+        common = ["--rounds", args.rounds, "--steps", args.steps, "--batch", args.batch,
+                  "--rates", *args.rates, "--machine", args.machine,
+                  "--oracle-model", args.oracle_model, "--collective-stat", args.collective_stat]
+        common += ["--p-segments", plan_segments(plan)] if plan and plan_segments(plan) else []
+        # two jobs, as a user runs one model per job: the models part traces some sixty
+        # functions of 22 contenders, after which TensorFlow dispatches every op of the
+        # process more slowly (a 256x256 matmul +20%, a small function's call +36%),
+        # which put 8-17 ms on the strategies with many small collectives (gmp, s, ls)
+        parts = []
+        if args.models:
+            parts.append(("models", ["--models", *args.models, "--strategies", "none",
+                                     *(["--rate-machines", *machines] if machines else [])]))
+        if args.strategies:
+            parts.append(("oracle", ["--models", "none", "--strategies", *args.strategies]))
+        measured = {}
+        for part, extra in parts:
+            part_out = RESULTS / f"wire_measured_{part}.json"
+            part_out.unlink(missing_ok=True)
+            t0 = time.time()
+            run = _launch(hosts, jobs, Path(__file__),
+                          ["--worker", "--out", part_out, *common, *extra], args.timeout, log)
+            for line in run.out.splitlines():
+                if "[0]<stdout>" in line:
+                    log(line.split(">:", 1)[-1].strip())
+            if run.rc != 0 or not part_out.exists():
+                raise SystemExit(f"the measuring job ({part}) failed (exit {run.rc}): "
+                                 f"{run.out[-4000:]}")
+            log(f"measured the {part} in {time.time() - t0:.0f} s")
+            got = json.loads(part_out.read_text())
+            part_out.unlink()
+            measured.update({k: v for k, v in got.items() if k != "models"})
+            if got.get("models"):
+                measured["models"] = got["models"]
+        measured.setdefault("models", {})
+        out.write_text(json.dumps(measured, indent=1, default=str))
     return report(args, json.loads(out.read_text()), plan, res)
 
 
@@ -857,7 +896,8 @@ def report(args, measured, plan, res):
     (RESULTS / "wire.md").write_text(
         f"{res.get('date')}, {res.get('machine')} ({res.get('cores')} cores, load "
         f"{os.getloadavg()[0]:.1f}), rates {' '.join(args.rates)}, rounds {args.rounds} x "
-        f"{args.steps} steps\n{text}\n\n`{line}`\n")
+        f"{args.steps} steps (x {steps_at(args.rates[-1], 1)} at {args.rates[-1]}, "
+        f"bench/wire.py steps_at)\n{text}\n\n`{line}`\n")
     table = readme_table(res)
     if table:
         (RESULTS / "wire_readme.md").write_text(table + "\n")

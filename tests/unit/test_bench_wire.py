@@ -58,6 +58,13 @@ def test_rates_and_tc_argv(wire):
     assert wire.tc_argv("unlimited") == ["tc", "qdisc", "del", "dev", "eth0", "root"]
 
 
+def test_steps_grow_with_the_rate(wire):
+    """Faster links, shorter steps: more of them per round, at most 6 times."""
+    assert [wire.steps_at(r, 5) for r in ("10mbit", "100mbit", "101mbit", "400mbit",
+                                         "1gbit", "10gbit", "unlimited")] == [
+        5, 5, 10, 10, 20, 30, 30]
+
+
 def test_formulas(wire):
     assert wire.ring_minimum(1000, 2) == 1000
     assert wire.ring_minimum(1000, 4) == 1500

@@ -257,6 +257,10 @@ def test_auto_bucket_size_follows_the_calibrated_link(tmp_path, monkeypatch):
     assert opt._bucket_size(items) == fusion_bytes(1_675_176, 3e-4, 1e-9) > 2 * small
     assert DistributedOptimizer(keras.optimizers.SGD(0.1), bucket_bytes=4096)._bucket_size(
         items) == 4096
+    # a fast link where the square root asks for one bucket: the first closes at half
+    # the bytes instead, so the last layers' gradients travel during back-propagation
+    assert fusion_bytes(2_128_808, 9.7e-3, 2.5e-9) == 1_064_404
+    assert fusion_bytes(100_000, 1e-2, 1e-12) == 64 * 2**10     # never below 64 KiB
     monkeypatch.setenv("TFHYBRID_MACHINE", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="TFHYBRID_MACHINE=.*unset TFHYBRID_MACHINE"):
         opt._bucket_size(items)

@@ -45,7 +45,8 @@ MACHINE_ENV = "TFHYBRID_MACHINE"
 
 def fusion_bytes(total_bytes, fixed_s, per_byte_s, cap=DEFAULT_BUCKET_BYTES):
     """The bucket size ``bucket_bytes="auto"`` picks on a measured link:
-    sqrt(total x fixed / per_byte), between 64 KiB and ``cap``.
+    sqrt(total x fixed / per_byte), at most half of ``total_bytes`` (and
+    ``cap``), at least 64 KiB.
 
     ``total_bytes`` is what the step reduces, ``fixed_s`` one allreduce's fixed
     cost (latency) and ``per_byte_s`` its seconds per payload byte. Splitting
@@ -55,16 +56,22 @@ def fusion_bytes(total_bytes, fixed_s, per_byte_s, cap=DEFAULT_BUCKET_BYTES):
     A slow link (large per_byte) wants small buckets, a fast one with costly
     collectives large ones.
 
+    At most half the total: on a link fast enough that the square root asks for
+    one bucket, that bucket could only start once back-propagation has ended,
+    so none of the transfer would run beside it. Closing the first bucket at
+    half the bytes sends the gradients back-propagation produces first (the
+    last layers', often a large dense head) while it computes the others, for
+    one more collective, whose fixed cost also passes during back-propagation.
+
     Example:
         >>> fusion_bytes(1_675_176, 3e-3, 8.4e-8)   # 100 Mbit/s, 3 ms per collective
         244597
         >>> fusion_bytes(1_675_176, 1e-4, 0.0)      # a link that costs nothing per byte
-        26214400
+        837588
     """
-    if per_byte_s <= 0:
-        return int(cap)
-    size = math.sqrt(max(total_bytes, 1) * max(fixed_s, 0.0) / per_byte_s)
-    return int(min(cap, max(MIN_AUTO_BUCKET_BYTES, size)))
+    size = cap if per_byte_s <= 0 else \
+        math.sqrt(max(total_bytes, 1) * max(fixed_s, 0.0) / per_byte_s)
+    return int(max(MIN_AUTO_BUCKET_BYTES, min(cap, size, max(total_bytes, 1) / 2)))
 
 
 def _check_int(value, what, minimum):

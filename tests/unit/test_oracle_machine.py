@@ -229,9 +229,9 @@ def test_calibration_names_each_collective_size_apart():
     assert len(set(names)) == len(names) == 4 * len(fit.COLLECTIVE_KINDS) == 16
 
 
-def _time_collectives_as(monkeypatch, rank, size, sizes, groups):
-    """Run calibration's collective timing as ``rank`` of ``size`` on a recording
-    backend: (syncs, chains run in order)."""
+def _time_collectives_as(monkeypatch, rank, size, sizes, groups, local=None):
+    """Run calibration's collective timing as ``rank`` of ``size`` (``local`` per node,
+    default all) on a recording backend: (syncs, chains run in order)."""
     from tfhybrid.comm import backend
     from tfhybrid.oracle.calibration import fit
 
@@ -242,12 +242,13 @@ def _time_collectives_as(monkeypatch, rank, size, sizes, groups):
         return x
     monkeypatch.setattr(backend, "size", lambda: size)
     monkeypatch.setattr(backend, "rank", lambda: rank)
+    monkeypatch.setattr(backend, "local_size", lambda: size if local is None else local)
     monkeypatch.setattr(backend, "register_groups", lambda groups: None)
     monkeypatch.setattr(backend, "allreduce", allreduce)
 
     def chain(kind, ranks, backend_, length, n):
         def run(x):
-            chains.append((kind, len(ranks), n))
+            chains.append((kind, len(ranks), n, length))
             return x
         return run
     monkeypatch.setattr(fit, "collective_chain", chain)
@@ -266,13 +267,29 @@ def test_calibration_times_one_size_after_the_other_on_every_rank(monkeypatch):
     syncs0, chains0 = _time_collectives_as(monkeypatch, 0, 6, sizes, [2, 4, 6])
     syncs5, chains5 = _time_collectives_as(monkeypatch, 5, 6, sizes, [2, 4, 6])
     assert syncs0 and syncs0 == syncs5
-    assert not any(g == 4 for _, g, _ in chains5) and any(g == 4 for _, g, _ in chains0)
+    assert not any(g == 4 for _, g, _, _ in chains5) and any(g == 4 for _, g, _, _ in chains0)
     timed = [c for c in chains0 if c[1] == 2]
     per_size = len(fit.COLLECTIVE_KINDS) * 3     # warm-up + 2 repetitions of each kind
     firsts = timed[:per_size]
-    assert {n for _, _, n in firsts} == {1024} and \
-        {k for k, _, _ in firsts} == set(fit.COLLECTIVE_KINDS)
-    assert {n for _, _, n in timed[per_size:]} == {16384}
+    assert {n for _, _, n, _ in firsts} == {1024} and \
+        {k for k, _, _, _ in firsts} == set(fit.COLLECTIVE_KINDS)
+    assert {n for _, _, n, _ in timed[per_size:]} == {16384}
+    assert {length for *_, length in chains0} == {4}     # inside one node: chains of 4
+
+
+def test_calibration_across_nodes_times_one_collective_at_a_time(monkeypatch):
+    """Across nodes (one rank per node): one collective per timing (p2p: there and
+    back, so the time counts delivery), and the seconds per collective follow."""
+    from tfhybrid.oracle.calibration import fit
+
+    _, chains = _time_collectives_as(monkeypatch, 0, 2, [4096], [2], local=1)
+    assert {(k, length) for k, _, _, length in chains} == {
+        (k, 2 if k == "p2p" else 1) for k in fit.COLLECTIVE_KINDS}
+    monkeypatch.setattr(fit, "repetitions_interleaved",
+                        lambda calls, reps, before=None: [[0.5] * reps for _ in calls])
+    samples = fit.time_collectives([4096], [2], reps=2, log=lambda *_: None)
+    assert {k: sec for k, _, _, sec in samples} == {
+        k: (0.25 if k == "p2p" else 0.5) for k in fit.COLLECTIVE_KINDS}
 
 
 # -- collective kinds ------------------------------------------------------------------

@@ -315,6 +315,12 @@ def times_interleaved(fns, reps, before=None, stat="best"):
         [True, True]
     """
     pick = stat_function(stat)
+    return [pick(t) for t in repetitions_interleaved(fns, reps, before)]
+
+
+def repetitions_interleaved(fns, reps, before=None):
+    """Every repetition's seconds of each of ``fns``, run as :func:`times_interleaved`
+    runs them (one warm-up call each, then ``reps`` rounds of one call each in turn)."""
     for fn in fns:
         fn()
     times = [[] for _ in fns]
@@ -325,7 +331,7 @@ def times_interleaved(fns, reps, before=None, stat="best"):
             t0 = time.perf_counter()
             fn()
             times[i].append(time.perf_counter() - t0)
-    return [pick(t) for t in times]
+    return times
 
 
 def _collective(kind, x, ranks, backend, n, step=0):
@@ -396,21 +402,47 @@ def sync(backend):
         backend.allreduce(tf.zeros([1]), tuple(range(backend.size())), "calib.sync").numpy()
 
 
+def chain_length(kind, group, local_size, chain=4):
+    """Collectives per timed chain: ``chain`` for a group inside one node, 1 for one
+    that spans nodes (2 for ``p2p``: there and back, so the time counts delivery).
+
+    Inside a node a chain of dependent collectives shows what a step pays per
+    collective (graph dispatch and Horovod's negotiation, one after the other).
+    Across a link, back-to-back transfers pay what a step, whose collectives have
+    compute between them, does not: the acknowledgements of one transfer queue
+    behind the next one's data (between two test hosts at 100 Mbit/s, 128 KB-1 MB
+    allgathers took 1.3-1.5 times as long in a chain of 4 as alone after a sync).
+
+    Example:
+        >>> [chain_length(k, 2, 2) for k in ("allgather", "p2p")]
+        [4, 4]
+        >>> [chain_length(k, 2, 1) for k in ("allgather", "p2p")]
+        [1, 2]
+    """
+    if group <= max(local_size, 1):
+        return chain
+    return 2 if kind == "p2p" else 1
+
+
 def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4, stat="best") -> list:
     """(kind, g, bytes, seconds) for every kind, group size and message size (rank 0's view).
 
     Seconds are per collective: the ``stat`` (best, median or trimmed mean,
-    :data:`STATS`) of ``reps`` runs of a traced chain of ``chain`` dependent
-    collectives (:func:`collective_chain`), divided by ``chain``; one message
-    size after the other, from the smallest, the kinds of each size
-    interleaved. Groups smaller than the world run side by side, one per
-    block of g consecutive ranks (as a hybrid strategy's model groups all
-    communicate at once), so their timings include that contention.
+    :data:`STATS`) of ``reps`` runs of a traced chain of dependent collectives
+    (:func:`collective_chain`; ``chain`` of them inside a node, one across nodes:
+    :func:`chain_length`; a shorter chain is repeated more, so that as many
+    collectives are timed), divided by its length; one message size after the
+    other, from the smallest, the kinds of each size interleaved.
+    Groups smaller than the world run side by side, one per block of g
+    consecutive ranks (as a hybrid strategy's model groups all communicate at
+    once), so their timings include that contention.
     Collective: every rank must call it with the same arguments.
     """
     from tfhybrid.comm import backend  # noqa: WPS433
 
     world, me = backend.size(), backend.rank()
+    local = backend.local_size()
+    pick = stat_function(stat)
     blocks = {g: [tuple(range(s, s + g)) for s in range(0, world - g + 1, g)]
               for g in group_sizes if 1 < g <= world}
     backend.register_groups([b for g, bs in blocks.items() if g < world for b in bs])
@@ -418,9 +450,11 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4, stat="best"
     for g in group_sizes:
         ranks = next((b for b in blocks.get(g, ()) if me in b), None)
         kinds = [k for k in COLLECTIVE_KINDS if k != "p2p" or g == 2]   # p2p: a pair's
+        lengths = [chain_length(kind, g, local, chain) for kind in kinds]
         for nbytes in sizes:
             n = max(g, int(nbytes) // 4 // g * g)
-            calls = [_chain_call(kind, ranks, backend, chain, n) for kind in kinds]
+            calls = [_chain_call(kind, ranks, backend, length, n)
+                     for kind, length in zip(kinds, lengths)]
             # the kinds of one size in turn, round after round (the same order on
             # every rank): outside load that comes and goes hits all of them alike
             # instead of one kind's whole series. One size at a time: right after a
@@ -428,8 +462,12 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4, stat="best"
             # (across two test hosts, each rank on one core), and a step's small
             # collectives follow small ones and compute.
             sync(backend)
-            times = times_interleaved(calls, reps, before=lambda: sync(backend), stat=stat)
-            samples += [(kind, g, 4 * n, sec / chain) for kind, sec in zip(kinds, times)]
+            # as many collectives timed as chains of ``chain`` would: a lone collective's
+            # time spreads more than a chain's mean over its links
+            reps_s = repetitions_interleaved(calls, reps * max(1, chain // min(lengths)),
+                                             before=lambda: sync(backend))
+            samples += [(kind, g, 4 * n, pick(sec) / length)
+                        for kind, sec, length in zip(kinds, reps_s, lengths)]
         sync(backend)
         if backend.rank() == 0:
             log(f"  group {g}: {', '.join(kinds)} timed at {len(sizes)} sizes")

@@ -779,8 +779,11 @@ def headline(res):
     cases = [(m, r, v) for m, mres in res.get("models", {}).items()
              for r, v in mres["rates"].items()]
     if cases:
-        # overlap: the case whose communication is closest to its compute
-        m, r, v = min(cases, key=lambda c: abs(math.log(max(c[2]["comm_over_compute"], 1e-9))))
+        # overlap: the case whose communication is closest to its compute, on a shaped
+        # link: unshaped, the veth moves the bytes at memory speed on the rank's own
+        # core, so "communication" is CPU work that cannot hide behind compute there
+        shaped = [c for c in cases if rate_bits(c[1]) is not None] or cases
+        m, r, v = min(shaped, key=lambda c: abs(math.log(max(c[2]["comm_over_compute"], 1e-9))))
         overlap = v["overlap_hidden"]
         fusion = max(v["fusion_default_vs_best"] for _, _, v in cases)
         ring_cases = [v["bytes_vs_ring"] for _, _, v in cases if v.get("bytes_vs_ring")]

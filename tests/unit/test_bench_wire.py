@@ -143,3 +143,8 @@ def test_headline_from_results(wire):
     assert line.startswith("WIRE overlap_hidden=0.500 fusion_default_vs_best=1.250 "
                            "bytes_vs_ring=1.020 fp16_speedup=1.250 oracle_mean=0.950 "
                            "oracle_worst=0.900 pick=ok")
+    # an unshaped link whose comm is as long as its compute does not stand for the overlap
+    fast = wire.summarise_rate(dict(t, comm=0.3, after=0.6), b, 2000, 2)
+    res["rates"].append("unlimited")
+    res["models"]["m"]["rates"]["unlimited"] = fast
+    assert wire.headline(res).startswith("WIRE overlap_hidden=0.500 ")

@@ -225,6 +225,21 @@ def steps_at(rate, steps):
     return steps * scale
 
 
+def merge_parts(measured, part):
+    """One measuring job's result (``--worker``'s JSON) added to those of the jobs
+    before it: its ``models`` when it measured any, every other key as it says.
+
+    Example:
+        >>> merge_parts({"rates": ["100mbit"], "models": {"vgg": 1}},
+        ...             {"rates": ["100mbit"], "models": {}, "oracle": {"d": 2}})
+        {'rates': ['100mbit'], 'models': {'vgg': 1}, 'oracle': {'d': 2}}
+    """
+    out = dict(measured)
+    out.update({k: v for k, v in part.items() if k != "models"})
+    out["models"] = part.get("models") or measured.get("models") or {}
+    return out
+
+
 def bucket_label(nbytes):
     if nbytes >= 2**20:
         return f"bucket {nbytes / 2**20:g}MiB"
@@ -875,13 +890,9 @@ def driver(args):
                 raise SystemExit(f"the measuring job ({part}) failed (exit {run.rc}): "
                                  f"{run.out[-4000:]}")
             log(f"measured the {part} in {time.time() - t0:.0f} s")
-            got = json.loads(part_out.read_text())
+            measured = merge_parts(measured, json.loads(part_out.read_text()))
             part_out.unlink()
-            measured.update({k: v for k, v in got.items() if k != "models"})
-            if got.get("models"):
-                measured["models"] = got["models"]
-        measured.setdefault("models", {})
-        out.write_text(json.dumps(measured, indent=1, default=str))
+        out.write_text(json.dumps(merge_parts(measured, {}), indent=1, default=str))
     return report(args, json.loads(out.read_text()), plan, res)
 
 

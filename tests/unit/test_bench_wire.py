@@ -65,6 +65,17 @@ def test_steps_grow_with_the_rate(wire):
         5, 5, 10, 10, 20, 30, 30]
 
 
+def test_the_two_measuring_jobs_merge(wire):
+    """The models job and the oracle's job write one result: each part's own keys,
+    the models from the job that measured them, whichever ran first."""
+    models = {"rates": ["100mbit"], "models": {"vgg": {"rates": {}}}}
+    oracle = {"rates": ["100mbit"], "models": {}, "oracle": {"d": {"seconds": 0.2}}}
+    both = wire.merge_parts(wire.merge_parts({}, models), oracle)
+    assert both == wire.merge_parts(wire.merge_parts({}, oracle), models)
+    assert both["models"] == models["models"] and both["oracle"] == oracle["oracle"]
+    assert wire.merge_parts({}, {}) == {"models": {}}
+
+
 def test_formulas(wire):
     assert wire.ring_minimum(1000, 2) == 1000
     assert wire.ring_minimum(1000, 4) == 1500

@@ -14,8 +14,8 @@ h1:1,h2:1 --network-interface eth0`` from h1:
    ``tfhybrid calibrate`` (collectives only) at every other rate;
 2. the measuring jobs (``--worker``), one for the models below and one for
    the oracle's strategies, as a user runs one model per job (a process that
-   has traced many functions dispatches every op more slowly): each rank pins itself to one core
-   (rank r on core r) and shapes its own host's egress (``tc qdisc replace dev
+   has traced many functions dispatches every op more slowly): each rank pins
+   itself to one core (rank r on core r) and shapes its own host's egress (``tc qdisc replace dev
    eth0 root tbf rate R``: each direction of the link is shaped once); the
    contenders below take turns in every round and at every rate (rounds x
    rates x contenders), so outside load on this shared machine hits all alike

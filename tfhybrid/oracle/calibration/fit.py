@@ -315,12 +315,6 @@ def times_interleaved(fns, reps, before=None, stat="best"):
         [True, True]
     """
     pick = stat_function(stat)
-    return [pick(t) for t in repetitions_interleaved(fns, reps, before)]
-
-
-def repetitions_interleaved(fns, reps, before=None):
-    """Every repetition's seconds of each of ``fns``, run as :func:`times_interleaved`
-    runs them (one warm-up call each, then ``reps`` rounds of one call each in turn)."""
     for fn in fns:
         fn()
     times = [[] for _ in fns]
@@ -331,7 +325,7 @@ def repetitions_interleaved(fns, reps, before=None):
             t0 = time.perf_counter()
             fn()
             times[i].append(time.perf_counter() - t0)
-    return times
+    return [pick(t) for t in times]
 
 
 def _collective(kind, x, ranks, backend, n, step=0):
@@ -442,7 +436,6 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4, stat="best"
 
     world, me = backend.size(), backend.rank()
     local = backend.local_size()
-    pick = stat_function(stat)
     blocks = {g: [tuple(range(s, s + g)) for s in range(0, world - g + 1, g)]
               for g in group_sizes if 1 < g <= world}
     backend.register_groups([b for g, bs in blocks.items() if g < world for b in bs])
@@ -464,10 +457,10 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4, stat="best"
             sync(backend)
             # as many collectives timed as chains of ``chain`` would: a lone collective's
             # time spreads more than a chain's mean over its links
-            reps_s = repetitions_interleaved(calls, reps * max(1, chain // min(lengths)),
-                                             before=lambda: sync(backend))
-            samples += [(kind, g, 4 * n, pick(sec) / length)
-                        for kind, sec, length in zip(kinds, reps_s, lengths)]
+            times = times_interleaved(calls, reps * max(1, chain // min(lengths)),
+                                      before=lambda: sync(backend), stat=stat)
+            samples += [(kind, g, 4 * n, sec / length)
+                        for kind, sec, length in zip(kinds, times, lengths)]
         sync(backend)
         if backend.rank() == 0:
             log(f"  group {g}: {', '.join(kinds)} timed at {len(sizes)} sizes")

@@ -79,6 +79,7 @@ import tensorflow as tf
 
 from tfhybrid import errors
 from tfhybrid import hooks
+from tfhybrid.comm import priority
 
 _LOCK = threading.Lock()
 _STATE = {"hvd": None, "mpi_ops": None, "initialized": False, "sets": {}, "over_world": False,
@@ -177,8 +178,21 @@ def _init_static(hvd, groups):
     """``hvd.init`` with ``groups`` as static process sets, in order (Horovod
     numbers them 1, 2, ...); returns the sets."""
     sets = [hvd.ProcessSet(list(ranks)) for ranks in groups]
-    hvd.init(process_sets=sets)
+    _hvd_init(hvd, process_sets=sets)
     return sets
+
+
+def _hvd_init(hvd, **kwargs):
+    """``hvd.init(**kwargs)``, then the compute threads below the communication
+    threads in CPU priority (:mod:`tfhybrid.comm.priority`): Horovod's and Gloo's
+    threads, which this call starts, keep the process's priority (where a restart
+    started them from a lowered thread, they get it back where the process may)."""
+    before = priority.thread_ids()
+    hvd.init(**kwargs)
+    levels = priority.levels_from_env()
+    if levels and hvd.size() > 1:     # alone, nothing communicates
+        priority.restore_priority(priority.thread_ids() - before)
+        priority.lower_compute_priority(levels)
 
 
 def _init_without_sets(hvd, over_world):
@@ -188,10 +202,10 @@ def _init_without_sets(hvd, over_world):
     ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, which every later ``hvd.init`` of the
     process would follow: the world-only start removes it first."""
     if not over_world:
-        hvd.init(process_sets="dynamic")
+        _hvd_init(hvd, process_sets="dynamic")
         return
     os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)
-    hvd.init()
+    _hvd_init(hvd)
 
 
 def _restart(hvd, new=(), dynamic=False):
@@ -210,7 +224,7 @@ def _restart(hvd, new=(), dynamic=False):
         barrier()
     hvd.shutdown()
     if dynamic:
-        hvd.init(process_sets="dynamic")
+        _hvd_init(hvd, process_sets="dynamic")
         sets = [hvd.add_process_set(list(ranks)) for ranks in known]
     else:
         sets = _init_static(hvd, known + list(new))

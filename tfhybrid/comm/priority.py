@@ -1,0 +1,120 @@
+"""Communication before compute on a busy CPU: the compute threads' nice value.
+
+On CPU ranks back-propagation keeps every core a rank may use busy, while the
+threads that move its gradients (Horovod's background thread, which starts each
+collective, and Gloo's, which send and receive) mostly sleep on a socket. When
+data arrives or a bucket is ready they wake and queue behind the compute
+threads for the CPU, so the link idles between transfers that back-propagation
+was meant to hide. With the compute threads a few nice levels below them, the
+kernel runs a waking communication thread first: between two test hosts at
+250 Mbit/s (one core per rank, a VGG-like model, 256 KiB buckets), the share
+of communication hidden behind back-propagation went from 0.44-0.45 to
+0.60-0.65 (``bench/wire.py``, docs/benchmarks.md).
+
+:func:`lower_compute_priority` raises (by ``levels``) the nice value of the
+process's main thread and of TensorFlow's threads (named ``tf_...``); the
+threads they start later inherit it. Horovod's and Gloo's threads, started by
+``hvd.init`` before it runs, keep the process's priority. Raising a nice value
+needs no privilege; lowering it again does, so it happens once per thread and
+threads Horovod starts again after a restart (an elastic reset, a new process
+set) run at the compute threads' priority unless the process may lower a nice
+value (root, ``CAP_SYS_NICE`` or ``RLIMIT_NICE``).
+
+Linux only (per-thread nice values through ``/proc/self/task``); elsewhere a
+no-op. ``TFHYBRID_COMM_PRIORITY`` (set by :class:`tfhybrid.Config`'s
+``comm_priority``, default 10; 0 turns it off) gives the levels.
+"""
+from __future__ import annotations
+
+import os
+
+ENV = "TFHYBRID_COMM_PRIORITY"
+DEFAULT_LEVELS = 10
+_TASKS = "/proc/self/task"
+_DONE = {"base": None}
+
+
+def levels_from_env(env=None) -> int:
+    """The nice levels ``TFHYBRID_COMM_PRIORITY`` asks for (default 10).
+
+    Raises:
+        ValueError: not an integer from 0 to 19.
+
+    Example:
+        >>> levels_from_env({}), levels_from_env({"TFHYBRID_COMM_PRIORITY": "0"})
+        (10, 0)
+    """
+    raw = (os.environ if env is None else env).get(ENV, "").strip()
+    if not raw:
+        return DEFAULT_LEVELS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 19:
+        raise ValueError(f"{ENV}={raw!r}: expected an integer from 0 (off) to 19, the nice "
+                         "levels TensorFlow's compute threads run below the communication "
+                         f"threads (default {DEFAULT_LEVELS}).")
+    return value
+
+
+def compute_threads(tasks=_TASKS, main=None) -> list:
+    """Thread ids of the main thread and of TensorFlow's threads (``tf_...``)."""
+    main = os.getpid() if main is None else main
+    out = []
+    try:
+        tids = sorted(int(t) for t in os.listdir(tasks))
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:         # the thread ended meanwhile
+            continue
+        if tid == main or name.startswith("tf_"):
+            out.append(tid)
+    return out
+
+
+def lower_compute_priority(levels=None, tasks=_TASKS) -> list:
+    """Run the compute threads ``levels`` nice values below the process's own
+    priority (taken the first time, from the main thread); returns the thread
+    ids changed. Idempotent: a thread already there is left alone."""
+    levels = levels_from_env() if levels is None else int(levels)
+    if levels <= 0 or not hasattr(os, "setpriority") or not os.path.isdir(tasks):
+        return []
+    if _DONE["base"] is None:
+        _DONE["base"] = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    target = min(19, _DONE["base"] + levels)
+    changed = []
+    for tid in compute_threads(tasks):
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < target:
+                os.setpriority(os.PRIO_PROCESS, tid, target)
+                changed.append(tid)
+        except OSError:          # ended meanwhile, or not ours to change
+            continue
+    return changed
+
+
+def restore_priority(tids) -> None:
+    """Give ``tids`` (threads Horovod started again, which inherited the compute
+    threads' nice value) the process's own priority, where the process may lower
+    a nice value; elsewhere they keep it."""
+    if _DONE["base"] is None or not hasattr(os, "setpriority"):
+        return
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > _DONE["base"]:
+                os.setpriority(os.PRIO_PROCESS, tid, _DONE["base"])
+        except OSError:
+            continue
+
+
+def thread_ids(tasks=_TASKS) -> set:
+    """This process's thread ids (empty where ``/proc`` has none)."""
+    try:
+        return {int(t) for t in os.listdir(tasks)}
+    except OSError:
+        return set()

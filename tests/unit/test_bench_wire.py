@@ -124,6 +124,13 @@ def test_summarise_rate(wire):
     assert r["fusion_default_vs_best"] == pytest.approx(0.42 / 0.40)
     r = wire.summarise_rate(dict(t, default=0.38), b, param_bytes=2000, p=2)
     assert r["fusion_best"] == "default" and r["fusion_default_vs_best"] == 1.0
+    # confirmation rounds: the default against the sweep's fastest fixed size, timed again
+    assert wire.fusion_rival(dict(t, default=0.30)) == "bucket 1MiB"
+    r = wire.summarise_rate(dict(t, default=0.42), b, param_bytes=2000, p=2,
+                            confirm={"default": 0.43, "bucket 1MiB": 0.44})
+    assert r["fusion_sweep_default_vs_best"] == pytest.approx(0.42 / 0.40)
+    assert r["fusion_default_vs_best"] == pytest.approx(0.43 / 0.44)
+    assert r["fusion_confirm"] == {"default": 0.43, "bucket 1MiB": 0.44}
 
 
 def test_payload_bytes_leaves_out_the_coordination(wire):

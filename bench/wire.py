@@ -12,8 +12,8 @@ h1:1,h2:1 --network-interface eth0`` from h1:
 1. ``tfhybrid calibrate --model <oracle model>`` at the first rate (the link's
    latency and bandwidth into a machine file), then ``tfhybrid plan`` on it;
    ``tfhybrid calibrate`` (collectives only) at every other rate;
-2. the measuring jobs (``--worker``), one for the models below and one for
-   the oracle's strategies, as a user runs one model per job (a process that
+2. the measuring jobs (``--worker``), one per model below and one for the
+   oracle's strategies, as a user runs one model per job (a process that
    has traced many functions dispatches every op more slowly): each rank pins
    itself to one core (rank r on core r) and shapes its own host's egress (``tc qdisc replace dev
    eth0 root tbf rate R``: each direction of the link is shaped once); the
@@ -38,9 +38,10 @@ back-propagation needs (copies into Horovod's fusion buffer, Gloo's sends and re
 Overlap: hidden = (compute + comm - step) / min(compute, comm) (1: the
 shorter of the two is wholly hidden, 0: none). Fusion: each bucket size's
 step against the best; then the default and the sweep's fastest fixed size timed
-again in fresh rounds (:func:`summarise_rate` says why), whose ratio is the headline. Bytes: the interface's ``tx_bytes`` (TCP/IP headers
-included) per step, against the ring minimum 2(p-1)/p |W|. Compression: fp16's
-bytes and step against fp32. Oracle: every strategy of
+again in fresh rounds (:func:`summarise_rate` says why), whose ratio is the
+headline. Bytes: the interface's ``tx_bytes`` (TCP/IP headers included) per step,
+against the ring minimum 2(p-1)/p |W|. Compression: fp16's bytes and step against
+fp32. Oracle: every strategy of
 bench/oracle_accuracy.py built by ``tfhybrid.transform`` and timed the same
 way at the calibrated rate, against the prediction on the calibrated machine
 file; bytes per step against :func:`tfhybrid.describe`'s ``sent_bytes`` (what its analysis
@@ -228,16 +229,16 @@ def steps_at(rate, steps):
 
 def merge_parts(measured, part):
     """One measuring job's result (``--worker``'s JSON) added to those of the jobs
-    before it: its ``models`` when it measured any, every other key as it says.
+    before it: its ``models`` next to theirs, every other key as it says.
 
     Example:
         >>> merge_parts({"rates": ["100mbit"], "models": {"vgg": 1}},
-        ...             {"rates": ["100mbit"], "models": {}, "oracle": {"d": 2}})
-        {'rates': ['100mbit'], 'models': {'vgg': 1}, 'oracle': {'d': 2}}
+        ...             {"rates": ["100mbit"], "models": {"cnn_head": 3}, "oracle": {"d": 2}})
+        {'rates': ['100mbit'], 'models': {'vgg': 1, 'cnn_head': 3}, 'oracle': {'d': 2}}
     """
     out = dict(measured)
     out.update({k: v for k, v in part.items() if k != "models"})
-    out["models"] = part.get("models") or measured.get("models") or {}
+    out["models"] = {**(measured.get("models") or {}), **(part.get("models") or {})}
     return out
 
 
@@ -937,19 +938,20 @@ def driver(args):
                   "--rates", *args.rates, "--machine", args.machine,
                   "--oracle-model", args.oracle_model, "--collective-stat", args.collective_stat]
         common += ["--p-segments", plan_segments(plan)] if plan and plan_segments(plan) else []
-        # two jobs, as a user runs one model per job: the models part traces some sixty
-        # functions of 22 contenders, after which TensorFlow dispatches every op of the
-        # process more slowly (a 256x256 matmul +20%, a small function's call +36%),
-        # which put 8-17 ms on the strategies with many small collectives (gmp, s, ls)
-        parts = []
-        if args.models:
-            parts.append(("models", ["--models", *args.models, "--strategies", "none",
-                                     *(["--rate-machines", *machines] if machines else [])]))
+        # one job per model and one for the oracle's strategies, as a user runs one model
+        # per job: a process that has traced many functions dispatches every op more
+        # slowly (after both models' 24 contenders: a 256x256 matmul +20%, a small
+        # function's call +36%, 8-17 ms more on gmp, s and ls; with 4 more contenders
+        # traced next to vgg's, its bucketed steps took 2-5 ms more, and the share of
+        # communication hidden at 1 Gbit/s fell from 0.59 to 0.40)
+        parts = [(f"model {m}", ["--models", m, "--strategies", "none",
+                                 *(["--rate-machines", *machines] if machines else [])])
+                 for m in args.models]
         if args.strategies:
             parts.append(("oracle", ["--models", "none", "--strategies", *args.strategies]))
         measured = {}
         for part, extra in parts:
-            part_out = RESULTS / f"wire_measured_{part}.json"
+            part_out = RESULTS / f"wire_measured_{part.replace(' ', '_')}.json"
             part_out.unlink(missing_ok=True)
             t0 = time.time()
             run = _launch(hosts, jobs, Path(__file__),

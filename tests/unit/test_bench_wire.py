@@ -65,14 +65,16 @@ def test_steps_grow_with_the_rate(wire):
         5, 5, 10, 10, 20, 30, 30]
 
 
-def test_the_two_measuring_jobs_merge(wire):
-    """The models job and the oracle's job write one result: each part's own keys,
-    the models from the job that measured them, whichever ran first."""
-    models = {"rates": ["100mbit"], "models": {"vgg": {"rates": {}}}}
+def test_the_measuring_jobs_merge(wire):
+    """One job per model and one for the oracle write one result: each part's own keys,
+    every job's models, whichever ran first."""
+    vgg = {"rates": ["100mbit"], "models": {"vgg": {"rates": {}}}}
+    head = {"rates": ["100mbit"], "models": {"cnn_head": {"rates": {"x": 1}}}}
     oracle = {"rates": ["100mbit"], "models": {}, "oracle": {"d": {"seconds": 0.2}}}
-    both = wire.merge_parts(wire.merge_parts({}, models), oracle)
-    assert both == wire.merge_parts(wire.merge_parts({}, oracle), models)
-    assert both["models"] == models["models"] and both["oracle"] == oracle["oracle"]
+    merged = wire.merge_parts(wire.merge_parts(wire.merge_parts({}, vgg), head), oracle)
+    assert merged == wire.merge_parts(wire.merge_parts(wire.merge_parts({}, oracle), head), vgg)
+    assert merged["models"] == {**vgg["models"], **head["models"]}
+    assert merged["oracle"] == oracle["oracle"]
     assert wire.merge_parts({}, {}) == {"models": {}}
 
 

@@ -71,8 +71,8 @@ class Config:
             that move the gradients sleep on a socket; when a bucket is ready
             or data arrives they then run first, so the link does not idle
             behind compute (between two hosts at 250 Mbit/s the share of
-            communication hidden behind back-propagation rose from 0.45 to
-            0.6). It changes this process's threads only, at ``init``, and
+            communication hidden behind back-propagation rose from 0.44-0.48
+            to 0.60-0.65). It changes this process's threads only, at ``init``, and
             needs no privilege. See :mod:`tfhybrid.comm.priority`.
 
     Example:

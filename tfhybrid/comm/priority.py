@@ -8,7 +8,7 @@ threads for the CPU, so the link idles between transfers that back-propagation
 was meant to hide. With the compute threads a few nice levels below them, the
 kernel runs a waking communication thread first: between two test hosts at
 250 Mbit/s (one core per rank, a VGG-like model, 256 KiB buckets), the share
-of communication hidden behind back-propagation went from 0.44-0.45 to
+of communication hidden behind back-propagation went from 0.44-0.48 to
 0.60-0.65 (``bench/wire.py``, docs/benchmarks.md).
 
 :func:`lower_compute_priority` raises (by ``levels``) the nice value of the

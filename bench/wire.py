@@ -20,6 +20,9 @@ h1:1,h2:1 --network-interface eth0`` from h1:
    contenders below take turns in every round and at every rate (rounds x
    rates x contenders), so outside load on this shared machine hits all alike
    (faster links, shorter steps: more steps per round, :func:`steps_at`).
+   Every job runs with tfhybrid's defaults, among them ``comm_priority``
+   (TensorFlow's threads 10 nice levels below Horovod's and Gloo's;
+   ``TFHYBRID_COMM_PRIORITY=0`` in the driver's environment measures without it).
 
 Per model (a small CNN with a large dense head; a VGG-like conv stack at
 32x32 input) and rate, in a GradientTape step traced with ``tf.function``:

@@ -31,45 +31,45 @@ def test_config_comm_priority():
             tfhybrid.Config(comm_priority=bad)
 
 
-def test_compute_threads_by_name(tmp_path):
-    for tid, name in ((100, "python"), (101, "tf_Compute"), (102, "python"),
-                      (103, "tf_graph_runner"), (104, "gloo")):
+def test_compute_threads_are_all_but_the_kept(tmp_path):
+    for tid in (100, 101, 102, 103):
         (tmp_path / str(tid)).mkdir()
-        (tmp_path / str(tid) / "comm").write_text(name + "\n")
-    assert priority.compute_threads(str(tmp_path), main=100) == [100, 101, 103]
-    assert priority.compute_threads(str(tmp_path / "missing")) == []
+    assert priority.compute_threads(keep={101, 103}, tasks=str(tmp_path)) == [100, 102]
+    assert priority.compute_threads(tasks=str(tmp_path / "missing")) == []
 
 
 @linux_only
-def test_lower_compute_priority_leaves_other_threads():
+def test_lower_compute_priority_leaves_the_kept_threads():
     # in a child process: a nice value raised cannot be lowered again without privilege
     script = textwrap.dedent("""
         import json, os, threading
         import tensorflow as tf
         from tfhybrid.comm import priority
+        tf.reduce_sum(tf.ones([64, 64]) @ tf.ones([64, 64])).numpy()   # TensorFlow's threads
+        before = priority.thread_ids()
         ready, stop, other = threading.Event(), threading.Event(), {}
-        def comm_thread():          # stands for Horovod's background thread: started first
+        def comm_thread():          # stands for Horovod's background thread
             other["tid"] = threading.get_native_id()
             ready.set()
             stop.wait()
         threading.Thread(target=comm_thread, daemon=True).start()
         ready.wait()
-        tf.reduce_sum(tf.ones([64, 64]) @ tf.ones([64, 64])).numpy()   # TensorFlow's threads
+        started = priority.thread_ids() - before
         nice = lambda t: os.getpriority(os.PRIO_PROCESS, t)
         base = nice(os.getpid())
-        changed = priority.lower_compute_priority(4)
-        again = priority.lower_compute_priority(4)
-        tf_threads = [t for t in priority.compute_threads() if t != os.getpid()]
+        changed = priority.lower_compute_priority(4, keep=started)
+        again = priority.lower_compute_priority(4, keep=started)
         late = {}
         def later():                 # started by the lowered main thread: inherits
             late["nice"] = nice(threading.get_native_id())
         t = threading.Thread(target=later)
         t.start()
         t.join()
+        others = sorted(before - {os.getpid()})
         print(json.dumps({"base": base, "main": nice(os.getpid()), "late": late["nice"],
-                          "tf": sorted({nice(t) for t in tf_threads}), "n_tf": len(tf_threads),
-                          "other": nice(other["tid"]), "changed": len(changed),
-                          "again": again}))
+                          "others": sorted({nice(t) for t in others}), "n": len(others),
+                          "kept": nice(other["tid"]), "started": sorted(started),
+                          "tid": other["tid"], "changed": len(changed), "again": again}))
         stop.set()
     """)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_NUM_INTRAOP_THREADS="1")
@@ -78,7 +78,8 @@ def test_lower_compute_priority_leaves_other_threads():
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     want = min(19, got["base"] + 4)
+    assert got["started"] == [got["tid"]]
     assert got["main"] == want and got["late"] == want
-    assert got["n_tf"] > 0 and got["tf"] == [want]
-    assert got["other"] == got["base"]        # the communication thread keeps its priority
-    assert got["changed"] == 1 + got["n_tf"] and got["again"] == []
+    assert got["n"] > 0 and got["others"] == [want]      # TensorFlow's threads
+    assert got["kept"] == got["base"]         # the communication thread keeps its priority
+    assert got["changed"] == 1 + got["n"] and got["again"] == []

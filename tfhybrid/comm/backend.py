@@ -183,16 +183,18 @@ def _init_static(hvd, groups):
 
 
 def _hvd_init(hvd, **kwargs):
-    """``hvd.init(**kwargs)``, then the compute threads below the communication
-    threads in CPU priority (:mod:`tfhybrid.comm.priority`): Horovod's and Gloo's
-    threads, which this call starts, keep the process's priority (where a restart
-    started them from a lowered thread, they get it back where the process may)."""
+    """``hvd.init(**kwargs)`` (Horovod not running), then every other thread below
+    the communication threads in CPU priority (:mod:`tfhybrid.comm.priority`):
+    Horovod's and Gloo's threads, which this call starts, keep the process's
+    priority (where a restart started them from a lowered thread, they get it back
+    where the process may)."""
     before = priority.thread_ids()
     hvd.init(**kwargs)
     levels = priority.levels_from_env()
     if levels and hvd.size() > 1:     # alone, nothing communicates
-        priority.restore_priority(priority.thread_ids() - before)
-        priority.lower_compute_priority(levels)
+        started = priority.thread_ids() - before
+        priority.restore_priority(started)
+        priority.lower_compute_priority(levels, keep=started)
 
 
 def _init_without_sets(hvd, over_world):

@@ -11,10 +11,12 @@ kernel runs a waking communication thread first: between two test hosts at
 of communication hidden behind back-propagation went from 0.44-0.48 to
 0.60-0.65 (``bench/wire.py``, docs/benchmarks.md).
 
-:func:`lower_compute_priority` raises (by ``levels``) the nice value of the
-process's main thread and of TensorFlow's threads (named ``tf_...``); the
-threads they start later inherit it. Horovod's and Gloo's threads, started by
-``hvd.init`` before it runs, keep the process's priority. Raising a nice value
+:func:`lower_compute_priority` raises (by ``levels``) the nice value of every
+thread of the process but Horovod's and Gloo's, which ``hvd.init`` has just
+started (tfhybrid starts Horovod only where it is not running, so every other
+thread then computes or feeds compute: the main thread, TensorFlow's pools);
+the threads they start later inherit it. Horovod's and Gloo's threads keep the
+process's priority. Raising a nice value
 needs no privilege; lowering it again does, so it happens once per thread and
 threads Horovod starts again after a restart (an elastic reset, a new process
 set) run at the compute threads' priority unless the process may lower a nice
@@ -58,29 +60,22 @@ def levels_from_env(env=None) -> int:
     return value
 
 
-def compute_threads(tasks=_TASKS, main=None) -> list:
-    """Thread ids of the main thread and of TensorFlow's threads (``tf_...``)."""
-    main = os.getpid() if main is None else main
-    out = []
+def compute_threads(keep=(), tasks=_TASKS) -> list:
+    """Thread ids of this process but ``keep`` (the communication threads)."""
     try:
-        tids = sorted(int(t) for t in os.listdir(tasks))
+        return sorted(int(t) for t in os.listdir(tasks) if int(t) not in set(keep))
     except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"{tasks}/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:         # the thread ended meanwhile
-            continue
-        if tid == main or name.startswith("tf_"):
-            out.append(tid)
-    return out
+        return []
 
 
-def lower_compute_priority(levels=None, tasks=_TASKS) -> list:
-    """Run the compute threads ``levels`` nice values below the process's own
-    priority (taken the first time, from the main thread); returns the thread
-    ids changed. Idempotent: a thread already there is left alone."""
+def lower_compute_priority(levels=None, keep=(), tasks=_TASKS) -> list:
+    """Run every thread of the process but ``keep`` ``levels`` nice values below the
+    process's own priority (taken the first time, from the main thread); returns
+    the thread ids changed. Idempotent: a thread already there is left alone.
+
+    Called right after ``hvd.init`` with ``keep`` the threads it started, every
+    other thread (the main thread, TensorFlow's pools, the script's own) computes
+    or feeds compute; threads they start later inherit the value."""
     levels = levels_from_env() if levels is None else int(levels)
     if levels <= 0 or not hasattr(os, "setpriority") or not os.path.isdir(tasks):
         return []
@@ -88,7 +83,7 @@ def lower_compute_priority(levels=None, tasks=_TASKS) -> list:
         _DONE["base"] = os.getpriority(os.PRIO_PROCESS, os.getpid())
     target = min(19, _DONE["base"] + levels)
     changed = []
-    for tid in compute_threads(tasks):
+    for tid in compute_threads(keep, tasks):
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) < target:
                 os.setpriority(os.PRIO_PROCESS, tid, target)

@@ -39,13 +39,14 @@ process ran on its one core: what communication alone takes of the core that
 back-propagation needs (copies into Horovod's fusion buffer, Gloo's sends and receives).
 
 Overlap: hidden = (compute + comm - step) / min(compute, comm) (1: the
-shorter of the two is wholly hidden, 0: none). Fusion: each bucket size's
-step against the best; then the default and the sweep's fastest fixed size timed
-again in fresh rounds (:func:`summarise_rate` says why), whose ratio is the
-headline. Bytes: the interface's ``tx_bytes`` (TCP/IP headers included) per step,
-against the ring minimum 2(p-1)/p |W|. Compression: fp16's bytes and step against
-fp32. Oracle: every strategy of
-bench/oracle_accuracy.py built by ``tfhybrid.transform`` and timed the same
+shorter of the two is wholly hidden, 0: none). Fusion: the sweep above picks
+the fastest fixed size; then the ``default`` (``bucket_bytes="auto"`` on each
+rate's calibrated link, traced only now: a function traced before the sweep
+would slow its steps) and that size run in turn in fresh rounds, whose ratio is
+the headline (:func:`summarise_rate` says why not the sweep's own). Bytes: the
+interface's ``tx_bytes`` (TCP/IP headers included) per step, against the ring
+minimum 2(p-1)/p |W|. Compression: fp16's bytes and step against fp32. Oracle:
+every strategy of bench/oracle_accuracy.py built by ``tfhybrid.transform`` and timed the same
 way at the calibrated rate, against the prediction on the calibrated machine
 file; bytes per step against :func:`tfhybrid.describe`'s ``sent_bytes`` (what its analysis
 says one rank sends: ring allreduce, allgather blocks, halo rows to real neighbours), as
@@ -272,7 +273,11 @@ def summarise_rate(t, b, param_bytes, p, buckets=BUCKETS, confirm=None):
     is the confirmation's default / rival when there is one: the fastest of five
     contenders whose steps spread by 5-10% from round to round is, on the very
     rounds that chose it, faster than its own typical step (the winner's curse),
-    so the sweep's own ratio (``fusion_sweep_default_vs_best``) is biased upwards."""
+    so the sweep's own ratio (``fusion_sweep_default_vs_best``; None when the
+    default was timed in the confirmation rounds only) is biased upwards."""
+    swept = "default" in t
+    if confirm and not swept:       # the default's step: the confirmation's
+        t = dict(t, default=confirm["default"])
     # the default: bucket_bytes="auto" on this rate's calibrated link ("default"), or
     # the fixed 25 MiB ("after") when the run had no calibration per rate
     default = t.get("default", t["after"])
@@ -289,7 +294,8 @@ def summarise_rate(t, b, param_bytes, p, buckets=BUCKETS, confirm=None):
         "overlap_case": bucketed,
         "overlap_hidden": hidden_fraction(t["compute"], comm, t[bucketed]),
         "fusion_best": best_name,
-        "fusion_sweep_default_vs_best": default / sweep[best_name],
+        "fusion_sweep_default_vs_best": default / sweep[best_name] if swept or not confirm
+        else None,
         "fusion_default_vs_best": default / sweep[best_name],
         "ring_min_bytes": ring_minimum(param_bytes, p),
         "bytes_vs_ring": b["after"] / ring_minimum(param_bytes, p) if b.get("after") else None,
@@ -365,9 +371,11 @@ MODELS = {"cnn_head": make_cnn_head, "vgg": make_vgg}
 
 
 def _contenders(make, local_batch, buckets, rate_machines=None):
-    """{name: step callable} of one model, its parameter bytes, and per rate the
-    ``default`` step (``bucket_bytes="auto"`` traced with that rate's calibrated
-    machine in ``TFHYBRID_MACHINE``) with the bucket sizes it chose."""
+    """{name: step callable} of one model, its parameter bytes, and a function that
+    traces, per rate, the ``default`` step (``bucket_bytes="auto"`` traced with that
+    rate's calibrated machine in ``TFHYBRID_MACHINE``) and returns {rate: (step,
+    the bucket sizes it chose)}. The worker traces the defaults after the sweep:
+    every function traced in a process slows its steps a little (:func:`worker`)."""
     import keras  # noqa: WPS433
     import numpy as np  # noqa: WPS433
     import tensorflow as tf  # noqa: WPS433
@@ -408,21 +416,24 @@ def _contenders(make, local_batch, buckets, rate_machines=None):
     for fn in steps.values():      # trace, and build the optimizers' slots
         fn()
         fn()
-    defaults = {}
-    for i, (rate, machine) in enumerate((rate_machines or {}).items()):
-        # the default optimizer as a user on a link of this rate runs it: its machine
-        # file in TFHYBRID_MACHINE when the step is traced (when "auto" is resolved)
-        os.environ["TFHYBRID_MACHINE"] = str(machine)
-        try:
-            opt = dist(f"wire_auto{i}")
-            fn = train_step(opt)[1]
-            fn()
-            fn()
-        finally:
-            os.environ.pop("TFHYBRID_MACHINE", None)
-        defaults[rate] = (fn, [b["bytes"] for b in opt.communication_plan()["buckets"]])
+
+    def trace_defaults():
+        defaults = {}
+        for i, (rate, machine) in enumerate((rate_machines or {}).items()):
+            # the default optimizer as a user on a link of this rate runs it: its machine
+            # file in TFHYBRID_MACHINE when the step is traced (when "auto" is resolved)
+            os.environ["TFHYBRID_MACHINE"] = str(machine)
+            try:
+                opt = dist(f"wire_auto{i}")
+                fn = train_step(opt)[1]
+                fn()
+                fn()
+            finally:
+                os.environ.pop("TFHYBRID_MACHINE", None)
+            defaults[rate] = (fn, [b["bytes"] for b in opt.communication_plan()["buckets"]])
+        return defaults
     param_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
-    return steps, param_bytes, defaults
+    return steps, param_bytes, trace_defaults
 
 
 def _control_rate(barrier, seconds=2.0):
@@ -493,10 +504,10 @@ def _oracle_part(args, say, barrier, set_all_rates):
     return out
 
 
-def _confirm_default(built, at_rate, times, args, set_all_rates, say, barrier):
+def _confirm_default(built, defaults, times, args, set_all_rates, say, barrier):
     """{(model, rate): {"default": s, rival: s}}: the default step and the sweep's
     fastest fixed bucket size (:func:`fusion_rival`, chosen on the ranks' mean
-    steps, so that every rank runs the same pair) timed again in ``args.rounds``
+    steps, so that every rank runs the same pair) timed in ``args.rounds``
     fresh rounds, in turn, which of the two first alternating."""
     import tensorflow as tf  # noqa: WPS433
     from tfhybrid.comm import backend  # noqa: WPS433
@@ -505,13 +516,14 @@ def _confirm_default(built, at_rate, times, args, set_all_rates, say, barrier):
     mean = backend.allreduce(tf.constant(local, tf.float64), tuple(range(backend.size())),
                              "wire.confirm").numpy() / backend.size()
     agreed = dict(zip(keys, mean.tolist()))
-    pairs = {}
+    pairs, fns = {}, {}
     for m in built:
         for rate in args.rates:
-            contenders = at_rate(m, rate)
-            if "default" in contenders:
-                t = {k: agreed[(m, rate, k)] for k in contenders if (m, rate, k) in agreed}
+            if rate in defaults[m]:
+                t = {k: agreed[(m, rate, k)] for k in built[m][0] if (m, rate, k) in agreed}
                 pairs[(m, rate)] = ("default", fusion_rival(t))
+                fns[(m, rate)] = {"default": defaults[m][rate][0],
+                                  pairs[(m, rate)][1]: built[m][0][pairs[(m, rate)][1]]}
     if not pairs:
         return {}
     got = {(m, r, k): [] for (m, r), pair in pairs.items() for k in pair}
@@ -523,7 +535,7 @@ def _confirm_default(built, at_rate, times, args, set_all_rates, say, barrier):
                     continue
                 pair = pairs[(m, rate)][::(-1) ** rnd]
                 for k in pair:
-                    t, _ = _timed_steps(at_rate(m, rate)[k], steps_at(rate, args.steps),
+                    t, _ = _timed_steps(fns[(m, rate)][k], steps_at(rate, args.steps),
                                         barrier)
                     got[(m, rate, k)] += t
         say(f"confirmation round {rnd + 1}/{args.rounds} done")
@@ -556,9 +568,8 @@ def worker(args):
         machines = dict(zip(args.rates, args.rate_machines or ()))
         built = {m: _contenders(MODELS[m], local, BUCKETS, machines) for m in args.models}
 
-        def at_rate(m, rate):    # the contenders timed at one rate
-            steps, _, defaults = built[m]
-            return {**steps, "default": defaults[rate][0]} if rate in defaults else steps
+        def at_rate(m, rate):    # the contenders timed at one rate in the sweep
+            return built[m][0]
         say(f"traced {sum(len(at_rate(m, args.rates[0])) for m in built)} contenders per rate")
         times = {(m, r, k): [] for m in built for r in args.rates for k in at_rate(m, r)}
         sent = {key: [] for key in times}
@@ -573,9 +584,11 @@ def worker(args):
                         times[(m, rate, k)] += t
                         sent[(m, rate, k)].append(nb / n_steps)
             say(f"round {rnd + 1}/{args.rounds} done")
-        confirm = _confirm_default(built, at_rate, times, args, set_all_rates, say,
+        # the defaults, traced now: each function traced before the sweep would slow it
+        defaults = {m: built[m][2]() for m in built}
+        confirm = _confirm_default(built, defaults, times, args, set_all_rates, say,
                                    dp.barrier)
-        for m, (_, param_bytes, defaults) in built.items():
+        for m, (_, param_bytes, _) in built.items():
             res["models"][m] = {"param_bytes": param_bytes, "rates": {}}
             for rate in args.rates:
                 steps = at_rate(m, rate)
@@ -590,8 +603,8 @@ def worker(args):
                     t, b, param_bytes, size, confirm=confirm.get((m, rate)))
                 res["models"][m]["rates"][rate]["cpu_share"] = {
                     k: statistics.median(busy[(m, rate, k)]) for k in steps}
-                if rate in defaults:
-                    res["models"][m]["rates"][rate]["auto_buckets"] = defaults[rate][1]
+                if rate in defaults[m]:
+                    res["models"][m]["rates"][rate]["auto_buckets"] = defaults[m][rate][1]
     if args.strategies:
         res["oracle"] = _oracle_part(args, say, dp.barrier, set_all_rates)
     set_all_rates("unlimited")
@@ -752,6 +765,10 @@ def _oracle_rows(measured, args, plan):
     return rows
 
 
+def _count(v):
+    return "-" if v is None else f"{v:,.0f}"
+
+
 def _table(res, args):
     lines = []
     for m, mres in res.get("models", {}).items():
@@ -764,7 +781,7 @@ def _table(res, args):
         for k in names:
             lines.append(f"| {k} | " + " | ".join(
                 f"{mres['rates'][r]['step_s'][k] * 1e3:.1f}" for r in rates)
-                + f" | {mres['rates'][rates[0]]['tx_bytes_per_step'][k]:,.0f} |")
+                + " | " + _count(mres['rates'][rates[0]]['tx_bytes_per_step'].get(k)) + " |")
         for label, key, fmt in (("comm/compute", "comm_over_compute", "{:.2f}"),
                                 ("hidden (best bucketed)", "overlap_hidden", "{:.2f}"),
                                 ("hidden (one bucket, after)", None, "{:.2f}"),

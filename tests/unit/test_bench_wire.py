@@ -133,6 +133,12 @@ def test_summarise_rate(wire):
     assert r["fusion_sweep_default_vs_best"] == pytest.approx(0.42 / 0.40)
     assert r["fusion_default_vs_best"] == pytest.approx(0.43 / 0.44)
     assert r["fusion_confirm"] == {"default": 0.43, "bucket 1MiB": 0.44}
+    # the worker times the default in the confirmation rounds only: its step comes from them
+    r = wire.summarise_rate(t, b, param_bytes=2000, p=2,
+                            confirm={"default": 0.41, "bucket 1MiB": 0.40})
+    assert r["step_s"]["default"] == 0.41 and "default" not in t
+    assert r["fusion_sweep_default_vs_best"] is None
+    assert r["fusion_default_vs_best"] == pytest.approx(0.41 / 0.40)
 
 
 def test_payload_bytes_leaves_out_the_coordination(wire):

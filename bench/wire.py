@@ -868,7 +868,7 @@ def readme_table(res):
     row("step ms: compute alone", lambda v: f"{v['step_s']['compute'] * 1e3:.1f}")
     row("step ms: one bucket after back-propagation",
         lambda v: f"{v['step_s']['after'] * 1e3:.1f}")
-    row("step ms: default (auto buckets)",
+    row("step ms: default (auto buckets; confirmation rounds)",
         lambda v: f"{v['step_s'].get('default', v['step_s']['after']) * 1e3:.1f}")
     row("step ms: fp16", lambda v: f"{v['step_s']['fp16'] * 1e3:.1f}")
     row("communication hidden (best buckets)", lambda v: f"{v['overlap_hidden']:.2f}")

@@ -21,7 +21,7 @@ h1:1,h2:1 --network-interface eth0`` from h1:
    rates x contenders), so outside load on this shared machine hits all alike
    (faster links, shorter steps: more steps per round, :func:`steps_at`).
    Every job runs with tfhybrid's defaults, among them ``comm_priority``
-   (TensorFlow's threads 10 nice levels below Horovod's and Gloo's;
+   (every thread but Horovod's and Gloo's 10 nice levels below them;
    ``TFHYBRID_COMM_PRIORITY=0`` in the driver's environment measures without it).
 
 Per model (a small CNN with a large dense head; a VGG-like conv stack at
@@ -252,6 +252,11 @@ def bucket_label(nbytes):
     return f"bucket {nbytes / 2**10:g}KiB"
 
 
+def sweep_names(buckets=BUCKETS):
+    """The fixed bucket sizes of the sweep: "after" (one bucket) and each size."""
+    return ("after", *(bucket_label(n) for n in buckets))
+
+
 def fusion_rival(t, buckets=BUCKETS):
     """The fastest fixed bucket size of the sweep ("after" or a ``bucket ..``
     contender) in ``t`` {contender: step s}: what the default is confirmed against.
@@ -261,7 +266,7 @@ def fusion_rival(t, buckets=BUCKETS):
         ...               "bucket 1MiB": 0.4, "default": 0.1})
         'bucket 128KiB'
     """
-    return min(("after", *(bucket_label(n) for n in buckets)), key=lambda k: t[k])
+    return min(sweep_names(buckets), key=lambda k: t[k])
 
 
 def summarise_rate(t, b, param_bytes, p, buckets=BUCKETS, confirm=None):
@@ -504,23 +509,30 @@ def _oracle_part(args, say, barrier, set_all_rates):
     return out
 
 
+def _mean_over_ranks(values, name):
+    """{key: the mean over the ranks of this rank's value} (collective: every rank
+    calls it with the same keys, in the same order)."""
+    import tensorflow as tf  # noqa: WPS433
+    from tfhybrid.comm import backend  # noqa: WPS433
+    size = backend.size()
+    total = backend.allreduce(tf.constant(list(values.values()), tf.float64),
+                              tuple(range(size)), name).numpy()
+    return {k: v / size for k, v in zip(values, total.tolist())}
+
+
 def _confirm_default(built, defaults, times, args, set_all_rates, say, barrier):
     """{(model, rate): {"default": s, rival: s}}: the default step and the sweep's
     fastest fixed bucket size (:func:`fusion_rival`, chosen on the ranks' mean
     steps, so that every rank runs the same pair) timed in ``args.rounds``
     fresh rounds, in turn, which of the two first alternating."""
-    import tensorflow as tf  # noqa: WPS433
-    from tfhybrid.comm import backend  # noqa: WPS433
-    keys = sorted(k for k in times if k[2] != "compute" and not k[2].startswith(("comm", "fp16")))
-    local = [typical(times[k], steps_at(k[1], args.steps)) for k in keys]
-    mean = backend.allreduce(tf.constant(local, tf.float64), tuple(range(backend.size())),
-                             "wire.confirm").numpy() / backend.size()
-    agreed = dict(zip(keys, mean.tolist()))
+    keys = [(m, r, k) for m in built for r in args.rates for k in sweep_names()]
+    agreed = _mean_over_ranks(
+        {key: typical(times[key], steps_at(key[1], args.steps)) for key in keys}, "wire.confirm")
     pairs, fns = {}, {}
     for m in built:
         for rate in args.rates:
             if rate in defaults[m]:
-                t = {k: agreed[(m, rate, k)] for k in built[m][0] if (m, rate, k) in agreed}
+                t = {k: agreed[(m, rate, k)] for k in sweep_names()}
                 pairs[(m, rate)] = ("default", fusion_rival(t))
                 fns[(m, rate)] = {"default": defaults[m][rate][0],
                                   pairs[(m, rate)][1]: built[m][0][pairs[(m, rate)][1]]}
@@ -548,7 +560,6 @@ def worker(args):
     os.environ["DP_BENCH_SKIP_MWMS"] = "1"      # bench.dp: no MWMS server at import
     sys.path.insert(0, str(ROOT))
     import bench.dp as dp  # noqa: WPS433  (its barrier)
-    import tensorflow as tf  # noqa: WPS433
     import tfhybrid  # noqa: WPS433
     from tfhybrid.comm import backend  # noqa: WPS433
     tfhybrid.init()
@@ -568,10 +579,8 @@ def worker(args):
         machines = dict(zip(args.rates, args.rate_machines or ()))
         built = {m: _contenders(MODELS[m], local, BUCKETS, machines) for m in args.models}
 
-        def at_rate(m, rate):    # the contenders timed at one rate in the sweep
-            return built[m][0]
-        say(f"traced {sum(len(at_rate(m, args.rates[0])) for m in built)} contenders per rate")
-        times = {(m, r, k): [] for m in built for r in args.rates for k in at_rate(m, r)}
+        say(f"traced {sum(len(built[m][0]) for m in built)} contenders per rate")
+        times = {(m, r, k): [] for m in built for r in args.rates for k in built[m][0]}
         sent = {key: [] for key in times}
         busy = {key: [] for key in times}
         for rnd in range(args.rounds):
@@ -579,7 +588,7 @@ def worker(args):
                 set_all_rates(rate)
                 for m in built:
                     n_steps = steps_at(rate, args.steps)
-                    for k, fn in at_rate(m, rate).items():
+                    for k, fn in built[m][0].items():
                         t, nb = _timed_steps(fn, n_steps, dp.barrier, busy[(m, rate, k)])
                         times[(m, rate, k)] += t
                         sent[(m, rate, k)].append(nb / n_steps)
@@ -591,14 +600,11 @@ def worker(args):
         for m, (_, param_bytes, _) in built.items():
             res["models"][m] = {"param_bytes": param_bytes, "rates": {}}
             for rate in args.rates:
-                steps = at_rate(m, rate)
+                steps = built[m][0]
                 t = {k: typical(times[(m, rate, k)], steps_at(rate, args.steps)) for k in steps}
-                b = {k: statistics.median(sent[(m, rate, k)]) for k in steps}
                 # bytes: the mean over the ranks of what each one's interface sent
-                b = dict(zip(b, backend.allreduce(
-                    tf.constant([b[k] for k in b], tf.float64), tuple(range(size)),
-                    "wire.bytes").numpy().tolist()))
-                b = {k: v / size for k, v in b.items()}
+                b = _mean_over_ranks({k: statistics.median(sent[(m, rate, k)]) for k in steps},
+                                     "wire.bytes")
                 res["models"][m]["rates"][rate] = summarise_rate(
                     t, b, param_bytes, size, confirm=confirm.get((m, rate)))
                 res["models"][m]["rates"][rate]["cpu_share"] = {

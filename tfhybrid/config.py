@@ -64,9 +64,10 @@ class Config:
             (totals, counts, confusion counts) are summed over the ranks
             before ``result()``. False: each rank's own values, as plain Keras
             does.
-        comm_priority: How many nice levels TensorFlow's compute threads (and
-            the main thread) run below Horovod's and Gloo's communication
-            threads (TFHYBRID_COMM_PRIORITY; 0 to 19, 0 turns it off). On CPU
+        comm_priority: How many nice levels every other thread of the process
+            (the main thread, TensorFlow's pools) runs below Horovod's and
+            Gloo's communication threads (TFHYBRID_COMM_PRIORITY; 0 to 19, 0
+            turns it off). On CPU
             ranks back-propagation keeps the cores busy while the threads
             that move the gradients sleep on a socket; when a bucket is ready
             or data arrives they then run first, so the link does not idle

@@ -16,11 +16,11 @@ thread of the process but Horovod's and Gloo's, which ``hvd.init`` has just
 started (tfhybrid starts Horovod only where it is not running, so every other
 thread then computes or feeds compute: the main thread, TensorFlow's pools);
 the threads they start later inherit it. Horovod's and Gloo's threads keep the
-process's priority. Raising a nice value
-needs no privilege; lowering it again does, so it happens once per thread and
-threads Horovod starts again after a restart (an elastic reset, a new process
-set) run at the compute threads' priority unless the process may lower a nice
-value (root, ``CAP_SYS_NICE`` or ``RLIMIT_NICE``).
+process's priority. Raising a nice value needs no privilege; lowering it again
+does, so it happens once per thread and threads Horovod starts again after a
+restart (an elastic reset, a new process set) run at the compute threads'
+priority unless the process may lower a nice value (root, ``CAP_SYS_NICE`` or
+``RLIMIT_NICE``).
 
 Linux only (per-thread nice values through ``/proc/self/task``); elsewhere a
 no-op. ``TFHYBRID_COMM_PRIORITY`` (set by :class:`tfhybrid.Config`'s
@@ -55,17 +55,14 @@ def levels_from_env(env=None) -> int:
         value = -1
     if not 0 <= value <= 19:
         raise ValueError(f"{ENV}={raw!r}: expected an integer from 0 (off) to 19, the nice "
-                         "levels TensorFlow's compute threads run below the communication "
-                         f"threads (default {DEFAULT_LEVELS}).")
+                         "levels the compute threads (every thread but Horovod's and Gloo's) "
+                         f"run below the communication threads (default {DEFAULT_LEVELS}).")
     return value
 
 
 def compute_threads(keep=(), tasks=_TASKS) -> list:
     """Thread ids of this process but ``keep`` (the communication threads)."""
-    try:
-        return sorted(int(t) for t in os.listdir(tasks) if int(t) not in set(keep))
-    except OSError:
-        return []
+    return sorted(thread_ids(tasks) - set(keep))
 
 
 def lower_compute_priority(levels=None, keep=(), tasks=_TASKS) -> list:

@@ -254,12 +254,14 @@ def test_auto_bucket_size_follows_the_calibrated_link(tmp_path, monkeypatch):
     # p = 2: each rank sends half the bytes twice, so a payload byte costs beta
     assert small == fusion_bytes(1_675_176, 3e-3, 8.4e-8) == 244_597
     monkeypatch.setenv("TFHYBRID_MACHINE", str(fast))
-    assert opt._bucket_size(items) == fusion_bytes(1_675_176, 3e-4, 1e-9) > 2 * small
+    assert opt._bucket_size(items) == fusion_bytes(1_675_176, 3e-4, 1e-9) > small
     assert DistributedOptimizer(keras.optimizers.SGD(0.1), bucket_bytes=4096)._bucket_size(
         items) == 4096
-    # a fast link where the square root asks for one bucket: the first closes at half
-    # the bytes instead, so the last layers' gradients travel during back-propagation
-    assert fusion_bytes(2_128_808, 9.7e-3, 2.5e-9) == 1_064_404
+    # a fast link where the square root asks for one bucket: a bucket closes at a
+    # quarter of the bytes instead, so the last layers' gradients travel during
+    # back-propagation and at most a quarter is left after it
+    assert fusion_bytes(2_128_808, 9.7e-3, 2.5e-9) == 532_202
+    assert fusion_bytes(1_675_176, 3.7e-3, 7.8e-9) == 418_794    # 1 Gbit/s, 4 buckets
     assert fusion_bytes(100_000, 1e-2, 1e-12) == 64 * 2**10     # never below 64 KiB
     monkeypatch.setenv("TFHYBRID_MACHINE", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="TFHYBRID_MACHINE=.*unset TFHYBRID_MACHINE"):

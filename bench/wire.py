@@ -12,9 +12,10 @@ h1:1,h2:1 --network-interface eth0`` from h1:
 1. ``tfhybrid calibrate --model <oracle model>`` at the first rate (the link's
    latency and bandwidth into a machine file), then ``tfhybrid plan`` on it;
    ``tfhybrid calibrate`` (collectives only) at every other rate;
-2. the measuring jobs (``--worker``), one per model below and one for the
-   oracle's strategies, as a user runs one model per job (a process that
-   has traced many functions dispatches every op more slowly): each rank pins
+2. the measuring jobs (``--worker``), one per model below and one per
+   strategy of the oracle, as a user runs one model and one strategy per job
+   (a process that has traced many functions dispatches every op more
+   slowly): each rank pins
    itself to one core (rank r on core r) and shapes its own host's egress (``tc qdisc replace dev
    eth0 root tbf rate R``: each direction of the link is shaped once); the
    contenders below take turns in every round and at every rate (rounds x
@@ -42,8 +43,9 @@ Overlap: hidden = (compute + comm - step) / min(compute, comm) (1: the
 shorter of the two is wholly hidden, 0: none). Fusion: the sweep above picks
 the fastest fixed size; then the ``default`` (``bucket_bytes="auto"`` on each
 rate's calibrated link, traced only now: a function traced before the sweep
-would slow its steps) and that size run in turn in fresh rounds, whose ratio is
-the headline (:func:`summarise_rate` says why not the sweep's own). Bytes: the
+would slow its steps) and that size run in turn in fresh rounds; the ratio of
+their median steps there is the headline (:func:`summarise_rate` says why not
+the sweep's own, nor each round's best). Bytes: the
 interface's ``tx_bytes`` (TCP/IP headers included) per step, against the ring
 minimum 2(p-1)/p |W|. Compression: fp16's bytes and step against fp32. Oracle:
 every strategy of bench/oracle_accuracy.py built by ``tfhybrid.transform`` and timed the same
@@ -233,16 +235,19 @@ def steps_at(rate, steps):
 
 def merge_parts(measured, part):
     """One measuring job's result (``--worker``'s JSON) added to those of the jobs
-    before it: its ``models`` next to theirs, every other key as it says.
+    before it: its ``models`` and ``oracle`` strategies next to theirs, every other
+    key as it says.
 
     Example:
-        >>> merge_parts({"rates": ["100mbit"], "models": {"vgg": 1}},
+        >>> merge_parts({"rates": ["100mbit"], "models": {"vgg": 1}, "oracle": {"s": 1}},
         ...             {"rates": ["100mbit"], "models": {"cnn_head": 3}, "oracle": {"d": 2}})
-        {'rates': ['100mbit'], 'models': {'vgg': 1, 'cnn_head': 3}, 'oracle': {'d': 2}}
+        {'rates': ['100mbit'], 'models': {'vgg': 1, 'cnn_head': 3}, 'oracle': {'s': 1, 'd': 2}}
     """
     out = dict(measured)
-    out.update({k: v for k, v in part.items() if k != "models"})
+    out.update({k: v for k, v in part.items() if k not in ("models", "oracle")})
     out["models"] = {**(measured.get("models") or {}), **(part.get("models") or {})}
+    if "oracle" in measured or "oracle" in part:
+        out["oracle"] = {**(measured.get("oracle") or {}), **(part.get("oracle") or {})}
     return out
 
 
@@ -269,17 +274,24 @@ def fusion_rival(t, buckets=BUCKETS):
     return min(sweep_names(buckets), key=lambda k: t[k])
 
 
-def summarise_rate(t, b, param_bytes, p, buckets=BUCKETS, confirm=None):
+def summarise_rate(t, b, param_bytes, p, buckets=BUCKETS, confirm=None, confirm_median=None):
     """Per (model, rate): ``t`` {contender: step s}, ``b`` {contender: tx bytes/step};
     ``confirm``: {"default": s, <rival>: s} of the confirmation rounds (the default
-    against the sweep's fastest fixed size, :func:`fusion_rival`, timed again).
+    against the sweep's fastest fixed size, :func:`fusion_rival`, timed again), as
+    :func:`typical` reads them; ``confirm_median``: the same pair's median step over
+    every step of those rounds.
 
     The bucketed contender with the best step is the overlap case. The fusion ratio
     is the confirmation's default / rival when there is one: the fastest of five
     contenders whose steps spread by 5-10% from round to round is, on the very
     rounds that chose it, faster than its own typical step (the winner's curse),
     so the sweep's own ratio (``fusion_sweep_default_vs_best``; None when the
-    default was timed in the confirmation rounds only) is biased upwards."""
+    default was timed in the confirmation rounds only) is biased upwards. With
+    ``confirm_median`` the ratio is of the median steps: on a fast link a step's
+    time spreads widely (at unlimited rate, cnn_head: 5.7-8.9 ms for one
+    contender's best of 30 steps in five rounds, and 11-12 ms its median), and
+    the best of a round is then an extreme of that spread, where the median is
+    the step training takes."""
     swept = "default" in t
     if confirm and not swept:       # the default's step: the confirmation's
         t = dict(t, default=confirm["default"])
@@ -308,7 +320,10 @@ def summarise_rate(t, b, param_bytes, p, buckets=BUCKETS, confirm=None):
     if confirm:
         rival = next(k for k in confirm if k != "default")
         out["fusion_confirm"] = dict(confirm)
-        out["fusion_default_vs_best"] = confirm["default"] / confirm[rival]
+        pair = confirm_median or confirm
+        out["fusion_default_vs_best"] = pair["default"] / pair[rival]
+        if confirm_median:
+            out["fusion_confirm_median"] = dict(confirm_median)
     if "fp16" in t:
         out["fp16_speedup"] = t["after"] / t["fp16"]
         out["fp16_cut_of_comm"] = (t["after"] - t["fp16"]) / comm if comm > 0 else float("nan")
@@ -521,10 +536,11 @@ def _mean_over_ranks(values, name):
 
 
 def _confirm_default(built, defaults, times, args, set_all_rates, say, barrier):
-    """{(model, rate): {"default": s, rival: s}}: the default step and the sweep's
-    fastest fixed bucket size (:func:`fusion_rival`, chosen on the ranks' mean
-    steps, so that every rank runs the same pair) timed in ``args.rounds``
-    fresh rounds, in turn, which of the two first alternating."""
+    """({(model, rate): {"default": s, rival: s}}, the same with median steps): the
+    default step and the sweep's fastest fixed bucket size (:func:`fusion_rival`,
+    chosen on the ranks' mean steps, so that every rank runs the same pair) timed
+    in ``args.rounds`` fresh rounds, in turn, which of the two first alternating;
+    :func:`typical` of their steps, and the median of all of them."""
     keys = [(m, r, k) for m in built for r in args.rates for k in sweep_names()]
     agreed = _mean_over_ranks(
         {key: typical(times[key], steps_at(key[1], args.steps)) for key in keys}, "wire.confirm")
@@ -537,7 +553,7 @@ def _confirm_default(built, defaults, times, args, set_all_rates, say, barrier):
                 fns[(m, rate)] = {"default": defaults[m][rate][0],
                                   pairs[(m, rate)][1]: built[m][0][pairs[(m, rate)][1]]}
     if not pairs:
-        return {}
+        return {}, {}
     got = {(m, r, k): [] for (m, r), pair in pairs.items() for k in pair}
     for rnd in range(args.rounds):
         for rate in args.rates:
@@ -551,8 +567,10 @@ def _confirm_default(built, defaults, times, args, set_all_rates, say, barrier):
                                         barrier)
                     got[(m, rate, k)] += t
         say(f"confirmation round {rnd + 1}/{args.rounds} done")
-    return {(m, r): {k: typical(got[(m, r, k)], steps_at(r, args.steps)) for k in pair}
-            for (m, r), pair in pairs.items()}
+    return ({(m, r): {k: typical(got[(m, r, k)], steps_at(r, args.steps)) for k in pair}
+             for (m, r), pair in pairs.items()},
+            {(m, r): {k: statistics.median(got[(m, r, k)]) for k in pair}
+             for (m, r), pair in pairs.items()})
 
 
 def worker(args):
@@ -595,8 +613,8 @@ def worker(args):
             say(f"round {rnd + 1}/{args.rounds} done")
         # the defaults, traced now: each function traced before the sweep would slow it
         defaults = {m: built[m][2]() for m in built}
-        confirm = _confirm_default(built, defaults, times, args, set_all_rates, say,
-                                   dp.barrier)
+        confirm, confirm_median = _confirm_default(built, defaults, times, args,
+                                                   set_all_rates, say, dp.barrier)
         for m, (_, param_bytes, _) in built.items():
             res["models"][m] = {"param_bytes": param_bytes, "rates": {}}
             for rate in args.rates:
@@ -606,7 +624,8 @@ def worker(args):
                 b = _mean_over_ranks({k: statistics.median(sent[(m, rate, k)]) for k in steps},
                                      "wire.bytes")
                 res["models"][m]["rates"][rate] = summarise_rate(
-                    t, b, param_bytes, size, confirm=confirm.get((m, rate)))
+                    t, b, param_bytes, size, confirm=confirm.get((m, rate)),
+                    confirm_median=confirm_median.get((m, rate)))
                 res["models"][m]["rates"][rate]["cpu_share"] = {
                     k: statistics.median(busy[(m, rate, k)]) for k in steps}
                 if rate in defaults[m]:
@@ -793,7 +812,7 @@ def _table(res, args):
                                 ("hidden (one bucket, after)", None, "{:.2f}"),
                                 ("default / best bucket size (sweep rounds)",
                                  "fusion_sweep_default_vs_best", "{:.3f}"),
-                                ("default / best bucket size (confirmed)",
+                                ("default / best bucket size (confirmed, median steps)",
                                  "fusion_default_vs_best", "{:.3f}"),
                                 ("bytes / ring minimum", "bytes_vs_ring", "{:.3f}"),
                                 ("fp16 speed-up (step fp32 / fp16)", "fp16_speedup", "{:.3f}"),
@@ -964,17 +983,18 @@ def driver(args):
                   "--rates", *args.rates, "--machine", args.machine,
                   "--oracle-model", args.oracle_model, "--collective-stat", args.collective_stat]
         common += ["--p-segments", plan_segments(plan)] if plan and plan_segments(plan) else []
-        # one job per model and one for the oracle's strategies, as a user runs one model
-        # per job: a process that has traced many functions dispatches every op more
-        # slowly (after both models' 24 contenders: a 256x256 matmul +20%, a small
-        # function's call +36%, 8-17 ms more on gmp, s and ls; with 4 more contenders
-        # traced next to vgg's, its bucketed steps took 2-5 ms more, and the share of
-        # communication hidden at 1 Gbit/s fell from 0.59 to 0.40)
+        # one job per model and one per strategy of the oracle, as a user runs one
+        # model and one strategy per job: a process that has traced many functions
+        # dispatches every op more slowly (after both models' 24 contenders: a 256x256
+        # matmul +20%, a small function's call +36%, 8-17 ms more on gmp, s and ls; with
+        # 4 more contenders traced next to vgg's, its bucketed steps took 2-5 ms more,
+        # and the share of communication hidden at 1 Gbit/s fell from 0.59 to 0.40;
+        # gmp took 42-44 ms in a job with the eight other strategies, 40.5 with d alone)
         parts = [(f"model {m}", ["--models", m, "--strategies", "none",
                                  *(["--rate-machines", *machines] if machines else [])])
                  for m in args.models]
-        if args.strategies:
-            parts.append(("oracle", ["--models", "none", "--strategies", *args.strategies]))
+        parts += [(f"strategy {s}", ["--models", "none", "--strategies", s])
+                  for s in args.strategies]
         measured = {}
         for part, extra in parts:
             part_out = RESULTS / f"wire_measured_{part.replace(' ', '_')}.json"

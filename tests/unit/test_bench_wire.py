@@ -66,16 +66,23 @@ def test_steps_grow_with_the_rate(wire):
 
 
 def test_the_measuring_jobs_merge(wire):
-    """One job per model and one for the oracle write one result: each part's own keys,
-    every job's models, whichever ran first."""
+    """One job per model and one per strategy write one result: each part's own keys,
+    every job's models and strategies, whichever ran first."""
     vgg = {"rates": ["100mbit"], "models": {"vgg": {"rates": {}}}}
     head = {"rates": ["100mbit"], "models": {"cnn_head": {"rates": {"x": 1}}}}
-    oracle = {"rates": ["100mbit"], "models": {}, "oracle": {"d": {"seconds": 0.2}}}
-    merged = wire.merge_parts(wire.merge_parts(wire.merge_parts({}, vgg), head), oracle)
-    assert merged == wire.merge_parts(wire.merge_parts(wire.merge_parts({}, oracle), head), vgg)
+    d = {"rates": ["100mbit"], "models": {}, "oracle": {"d": {"seconds": 0.2}}}
+    gmp = {"rates": ["100mbit"], "models": {}, "oracle": {"gmp": {"seconds": 0.04}}}
+    parts = [vgg, head, d, gmp]
+    merged, backwards = {}, {}
+    for part in parts:
+        merged = wire.merge_parts(merged, part)
+    for part in reversed(parts):
+        backwards = wire.merge_parts(backwards, part)
+    assert merged == backwards
     assert merged["models"] == {**vgg["models"], **head["models"]}
-    assert merged["oracle"] == oracle["oracle"]
+    assert merged["oracle"] == {**d["oracle"], **gmp["oracle"]}
     assert wire.merge_parts({}, {}) == {"models": {}}
+    assert "oracle" not in wire.merge_parts(vgg, head)
 
 
 def test_formulas(wire):
@@ -139,6 +146,13 @@ def test_summarise_rate(wire):
     assert r["step_s"]["default"] == 0.41 and "default" not in t
     assert r["fusion_sweep_default_vs_best"] is None
     assert r["fusion_default_vs_best"] == pytest.approx(0.41 / 0.40)
+    # with the confirmation's median steps, the ratio is theirs; the table keeps the best
+    r = wire.summarise_rate(t, b, param_bytes=2000, p=2,
+                            confirm={"default": 0.41, "bucket 1MiB": 0.36},
+                            confirm_median={"default": 0.50, "bucket 1MiB": 0.51})
+    assert r["step_s"]["default"] == 0.41
+    assert r["fusion_default_vs_best"] == pytest.approx(0.50 / 0.51)
+    assert r["fusion_confirm_median"] == {"default": 0.50, "bucket 1MiB": 0.51}
 
 
 def test_payload_bytes_leaves_out_the_coordination(wire):

@@ -426,3 +426,47 @@ def test_interleaved_timings_keep_the_best_the_median_or_the_trimmed_mean(monkey
         cal.times_interleaved([fn], 3, stat="worst")
     with pytest.raises(ValueError, match="no times"):
         cal.trimmed_mean([])
+
+
+def test_calibrated_timings_price_collectives_on_their_measured_curve(tmp_path):
+    """A machine file with calibrate's timings (``fits``) prices a collective of a
+    timed kind and group size on that kind's curve: between two timed sizes on the
+    line through them, below the smallest at its time, beyond the largest with the
+    fitted bandwidth; other kinds and group sizes keep the fitted numbers."""
+    fits = [["allgather", 2, 4096, 1.2e-3], ["allgather", 2, 65536, 6.0e-3],
+            ["allgather", 2, 1 << 20, 90e-3], ["alltoall", 2, 8192, 2e-3],
+            ["alltoall", 2, 65536, 1.5e-3],     # faster than a smaller one: running max
+            ["alltoall", 2, 1 << 20, 40e-3], ["p2p", 2, 4096, 1e-3], ["p2p", 2, 1 << 20, 80e-3]]
+    m = _kinds_machine(fits=fits)
+    line = _kinds_machine()
+    assert m.t_allgather(2, 100) == pytest.approx(1.2e-3)              # the floor
+    assert m.t_allgather(2, 4096) == pytest.approx(1.2e-3)
+    half = (4096 + 65536) / 2
+    assert m.t_allgather(2, half) == pytest.approx((1.2e-3 + 6.0e-3) / 2)
+    assert m.t_allgather(2, 2 << 20) == pytest.approx(90e-3 + (1 << 20) * 3e-9)
+    # an alltoall's bytes term is (p-1) m / p: the curve is in the bytes each rank sends
+    assert m.t_alltoall(2, 65536) == pytest.approx(2e-3)
+    assert m.t_reducescatter(2, 65536) == m.t_alltoall(2, 65536)
+    assert m.t_neighbours(2, 32768) == pytest.approx(2e-3)
+    assert m.t_p2p(4096) == pytest.approx(1e-3)
+    # not timed: the allreduce, and groups of another size, keep the fitted numbers
+    assert m.t_allreduce(2, 1e6) == line.t_allreduce(2, 1e6)
+    assert m.t_allgather(4, 1e6) == line.t_allgather(4, 1e6)
+    # the file round-trips, and rows that are not timings are refused
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(m.to_dict()))
+    assert Machine.load(path).t_allgather(2, half) == m.t_allgather(2, half)
+    for bad in (["allgather", 2, 4096], ["bcast", 2, 4096, 1e-3], ["allgather", 1, 4096, 1e-3],
+                ["allgather", 2, -1, 1e-3], ["allgather", 2, 4096, float("nan")]):
+        with pytest.raises(ValueError, match="`fits`"):
+            _kinds_machine(fits=[bad])
+
+
+def test_wire_coefficient_is_calibrations_bytes_term():
+    from tfhybrid.oracle.calibration.fit import design_row
+    from tfhybrid.oracle.machine import wire_coefficient
+    for kind in ("allreduce", "allgather", "alltoall", "p2p"):
+        for p in (2, 4, 8):
+            assert design_row(kind, p, 1000.0)[1] == wire_coefficient(kind, p, 1000.0)
+    with pytest.raises(ValueError, match="kind='bcast'"):
+        wire_coefficient("bcast", 2, 1.0)

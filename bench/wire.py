@@ -872,7 +872,8 @@ def _table(res, args):
 
 def readme_table(res):
     """The short table of the README's Benchmarks section (from the VGG-like model,
-    or the first model measured): steps per rate, the overlap, the oracle."""
+    or the first model measured): steps per rate, the fusion ratio, the overlap,
+    the oracle."""
     models = res.get("models") or {}
     if not models:
         return ""
@@ -895,6 +896,8 @@ def readme_table(res):
         lambda v: f"{v['step_s']['after'] * 1e3:.1f}")
     row("step ms: default (auto buckets; confirmation rounds)",
         lambda v: f"{v['step_s'].get('default', v['step_s']['after']) * 1e3:.1f}")
+    row("default / fastest fixed bucket size (median steps)",
+        lambda v: f"{v['fusion_default_vs_best']:.3f}")
     row("step ms: fp16", lambda v: f"{v['step_s']['fp16'] * 1e3:.1f}")
     row("communication hidden (best buckets)", lambda v: f"{v['overlap_hidden']:.2f}")
     row("bytes sent / ring minimum", lambda v: f"{v['bytes_vs_ring']:.3f}")

@@ -991,8 +991,7 @@ def driver(args):
         # dispatches every op more slowly (after both models' 24 contenders: a 256x256
         # matmul +20%, a small function's call +36%, 8-17 ms more on gmp, s and ls; with
         # 4 more contenders traced next to vgg's, its bucketed steps took 2-5 ms more,
-        # and the share of communication hidden at 1 Gbit/s fell from 0.59 to 0.40;
-        # gmp took 42-44 ms in a job with the eight other strategies, 40.5 with d alone)
+        # and the share of communication hidden at 1 Gbit/s fell from 0.59 to 0.40)
         parts = [(f"model {m}", ["--models", m, "--strategies", "none",
                                  *(["--rate-machines", *machines] if machines else [])])
                  for m in args.models]

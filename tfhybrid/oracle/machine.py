@@ -37,18 +37,6 @@ direction moves 1.4 to 1.6 times the bytes per second of a symmetric
 alltoall's (about the ring allreduce's); without a ``p2p`` entry the
 alltoall's serves.
 
-Measured curves. Over Horovod and Gloo the time of one collective is not
-one line in its size: a small allgather between two test hosts took 1.2 ms
-at 4 KB where the line through every size put 0.46 ms (the largest sizes,
-which run slower per byte, tilt it), and the strategies that issue many
-small collectives (gmp, df) were predicted too fast. A machine file written
-by ``tfhybrid calibrate`` keeps its timings (``fits``: kind, group size,
-bytes, seconds); a collective of a calibrated kind over a group of a
-calibrated size is then priced on that kind's measured curve: linear between
-the two timed sizes around it, the smallest one's time below them, the
-fitted bandwidth beyond them (times made non-decreasing in size first). The
-fitted numbers serve every other collective.
-
 Approximations (what this model ignores): the collective algorithm switch
 (tree for small messages), link topology other than through tiers, external
 congestion (only self-contention via ``phi``), and overlap of communication
@@ -77,46 +65,6 @@ _COST_KEYS = ("latency", "alpha", "beta")
 _NUMBER_FIELDS = ("alpha", "beta", "latency", "flop_rate", "memory_bytes", "phi", "gamma",
                   "bytes_per_item", "step_overhead_s", "compute_slots", "wu_flops_per_param",
                   "compute_fixed_s", "overlap")
-
-
-def wire_coefficient(kind: str, p: int, nbytes: float) -> float:
-    """The bytes term's coefficient (of beta) of one collective of ``kind`` over
-    ``p`` ranks on ``nbytes`` (each cost function's own size argument): the
-    bytes one rank moves. allreduce 2(p-1)m/p, allgather (p-1)m, alltoall
-    (p-1)m/p, p2p m.
-
-    Example:
-        >>> [wire_coefficient(k, 4, 8.0) for k in ("allreduce", "allgather", "alltoall", "p2p")]
-        [12.0, 24.0, 6.0, 8.0]
-    """
-    if kind == "allreduce":
-        return 2 * (p - 1) * nbytes / p
-    if kind == "allgather":
-        return (p - 1) * nbytes
-    if kind == "alltoall":
-        return (p - 1) * nbytes / p
-    if kind == "p2p":
-        return nbytes
-    raise ValueError(f"Received kind={kind!r}; expected one of allreduce, allgather, "
-                     "alltoall, p2p.")
-
-
-def _check_fits(fits):
-    """Calibration's timings as a tuple of (kind, group size, bytes, seconds)."""
-    out = []
-    for row in fits or ():
-        ok = isinstance(row, (list, tuple)) and len(row) == 4 and row[0] in COLLECTIVE_KINDS
-        if ok:
-            kind, g, nbytes, sec = row
-            ok = (isinstance(g, int) and not isinstance(g, bool) and g >= 2
-                  and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                          and math.isfinite(v) and v > 0 for v in (nbytes, sec)))
-        if not ok:
-            raise ValueError(f"Received an invalid machine value in `fits`: {row!r}; expected "
-                             "[kind, group size >= 2, bytes > 0, seconds > 0] with kind one "
-                             f"of {COLLECTIVE_KINDS} (the rows `tfhybrid calibrate` writes).")
-        out.append((kind, g, float(nbytes), float(sec)))
-    return tuple(out)
 
 
 def _check_number(name, value, allow_zero=True, allow_none=False):
@@ -220,10 +168,6 @@ class Machine:
             ``tfhybrid calibrate --model`` (a step with the reduction vs its
             compute and its reduction timed apart); 0 (the papers' Table 3:
             nothing hidden) when not measured.
-        fits: The collective timings calibration fitted the numbers to, rows of
-            (kind, group size, bytes, seconds); collectives of a timed kind and
-            group size are priced on them (the module docstring's measured
-            curves). Empty: the fitted numbers price every collective.
         source: Free text saying where the numbers come from.
 
     Example:
@@ -250,13 +194,11 @@ class Machine:
     compute_fixed_s: float = 0.0
     overlap: float = 0.0
     collectives: Mapping[str, Mapping[str, float]] | None = None
-    fits: tuple = ()
     source: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "collectives",
                            _check_collectives(self.collectives, "collectives"))
-        object.__setattr__(self, "fits", _check_fits(self.fits))
         for name in _NUMBER_FIELDS:
             optional = name in ("flop_rate", "memory_bytes", "compute_slots")
             _check_number(name, getattr(self, name), allow_zero=name not in (
@@ -293,7 +235,7 @@ class Machine:
             raise TypeError(f"`machine` must be a dict, a JSON path or a Machine; "
                             f"received {type(spec).__name__}.")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(spec) - known - {"_comment", "comment"})
+        unknown = sorted(set(spec) - known - {"_comment", "comment", "fits"})
         if unknown:
             raise ValueError(f"Unknown machine keys {unknown}; known keys: {sorted(known)}.")
         missing = [k for k in ("alpha", "beta") if k not in spec]
@@ -305,8 +247,6 @@ class Machine:
             if isinstance(kwargs.get(k), int) and not isinstance(kwargs.get(k), bool):
                 kwargs[k] = float(kwargs[k])
         kwargs["tiers"] = tuple(kwargs.get("tiers") or ())
-        kwargs["fits"] = tuple(tuple(r) if isinstance(r, list) else r
-                               for r in kwargs.get("fits") or ())
         return cls(**kwargs)
 
     @classmethod
@@ -319,7 +259,6 @@ class Machine:
         """JSON-serialisable dict that :meth:`from_dict` reads back."""
         out = dataclasses.asdict(self)
         out["tiers"] = [dataclasses.asdict(t) for t in self.tiers]
-        out["fits"] = [list(r) for r in self.fits]
         if self.layer_times is not None:
             out["layer_times"] = {k: list(v) for k, v in self.layer_times.items()}
         if self.compute_contention is not None:
@@ -381,58 +320,17 @@ class Machine:
             return p
         return span
 
-    def _tier(self, span, kind=None, p=None, x=None):
+    def _tier(self, span, kind=None):
         """(latency, alpha, beta) of collective ``kind`` (None: the generic
         numbers) for a group of span ``span``: the first tier holding it, its
-        ``collectives[kind]`` when calibrated, else the tier's own numbers.
-
-        With ``p`` (the group's size) and ``x`` (its bytes coefficient,
-        :func:`wire_coefficient`), a kind timed over groups of ``p`` ranks in
-        that tier is priced on its measured curve (:meth:`_measured`): the
-        returned latency and beta are the curve's segment at ``x``, alpha 0."""
+        ``collectives[kind]`` when calibrated, else the tier's own numbers."""
         owner = next((t for t in self.tiers if span <= t.max_ranks), self)
         table = owner.collectives or {}
         own = table.get(kind, table.get("alltoall") if kind == "p2p" else None) if kind \
             else None
         if own is not None:
-            lat, a, b = own["latency"], own["alpha"], own["beta"]
-        else:
-            lat, a, b = owner.latency, owner.alpha, owner.beta
-        if x is not None and owner is not self and owner.max_ranks == p:
-            segment = self._measured(kind, p, x, b)
-            if segment is not None:
-                return segment
-        return lat, a, b
-
-    def _measured(self, kind, p, x, beta):
-        """(intercept, 0, slope) of ``kind``'s measured curve over ``p`` ranks at the
-        bytes coefficient ``x`` (None without two timed sizes): linear between the
-        timed sizes around ``x``, the smallest size's time below them, ``beta``
-        beyond the largest; times running-maxed over the sizes (non-decreasing).
-
-        Example:
-            >>> m = Machine(alpha=0, beta=0, flop_rate=1.0, tiers=[{"max_ranks": 2,
-            ...     "alpha": 0, "beta": 1e-9}], fits=[("allgather", 2, 1e3, 1e-3),
-            ...     ("allgather", 2, 1e5, 3e-3), ("allgather", 2, 1e6, 1e-2)])
-            >>> [round(m.t_allgather(2, n) * 1e3, 3) for n in (10, 1e3, 5.05e4, 1e6, 2e6)]
-            [1.0, 1.0, 2.0, 10.0, 11.0]
-        """
-        rows = sorted((wire_coefficient(kind, g, m), sec) for k, g, m, sec in self.fits
-                      if k == kind and g == p)
-        if len({c for c, _ in rows}) < 2:
-            return None
-        pts, top = [], 0.0
-        for c, sec in rows:
-            top = max(top, sec)
-            pts.append((c, top))
-        if x <= pts[0][0]:
-            return pts[0][1], 0.0, 0.0
-        for (c0, t0), (c1, t1) in zip(pts, pts[1:]):
-            if x <= c1 and c1 > c0:
-                slope = (t1 - t0) / (c1 - c0)
-                return t0 - c0 * slope, 0.0, slope
-        c, t = pts[-1]
-        return t - c * beta, 0.0, beta
+            return own["latency"], own["alpha"], own["beta"]
+        return owner.latency, owner.alpha, owner.beta
 
     def collective_cost(self, kind: str, span: int) -> tuple:
         """(latency, alpha, beta) a collective of ``kind`` pays in a group of
@@ -452,7 +350,7 @@ class Machine:
         """Point-to-point message of ``nbytes``: lambda + alpha + m beta, with the
         ``p2p`` kind's numbers (else the alltoall's: tfhybrid sends one as an alltoall
         on the pair's process set)."""
-        lat, a, b = self._tier(span, "p2p", 2, nbytes)
+        lat, a, b = self._tier(span, "p2p")
         return lat + a + nbytes * b
 
     def t_allreduce(self, p: int, nbytes: float, span: int | None = None, phi: float = 1.0):
@@ -462,24 +360,21 @@ class Machine:
         """
         if p <= 1 or nbytes <= 0:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span), "allreduce", p,
-                               wire_coefficient("allreduce", p, nbytes))
+        lat, a, b = self._tier(self._span(p, span), "allreduce")
         return lat + 2 * (p - 1) * (a + nbytes / p * b * phi)
 
     def t_allgather(self, p: int, nbytes_per_rank: float, span: int | None = None):
         """Ring allgather, ``nbytes_per_rank`` from each rank: (p-1)(alpha + m beta)."""
         if p <= 1:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span), "allgather", p,
-                               wire_coefficient("allgather", p, nbytes_per_rank))
+        lat, a, b = self._tier(self._span(p, span), "allgather")
         return lat + (p - 1) * (a + nbytes_per_rank * b)
 
     def t_reducescatter(self, p: int, nbytes: float, span: int | None = None):
         """Ring reduce-scatter of ``nbytes`` (result m/p per rank): (p-1)(alpha + m/p beta)."""
         if p <= 1:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span), "alltoall", p,
-                               wire_coefficient("alltoall", p, nbytes))
+        lat, a, b = self._tier(self._span(p, span), "alltoall")
         return lat + (p - 1) * (a + nbytes / p * b)
 
     def t_broadcast(self, p: int, nbytes: float, span: int | None = None):
@@ -494,7 +389,7 @@ class Machine:
         ``comm.broadcast`` backward, one alltoall): (p-1)(alpha + m beta)."""
         if p <= 1 or nbytes <= 0:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span), "alltoall", p, (p - 1) * nbytes)
+        lat, a, b = self._tier(self._span(p, span), "alltoall")
         return lat + (p - 1) * (a + nbytes * b)
 
     def t_neighbours(self, p: int, nbytes_sent: float, span: int | None = None,
@@ -511,7 +406,7 @@ class Machine:
         """
         if p <= 1:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span), kind, p, nbytes_sent)
+        lat, a, b = self._tier(self._span(p, span), kind)
         return lat + (p - 1) * a + nbytes_sent * b
 
     def t_alltoall(self, p: int, nbytes: float, span: int | None = None):

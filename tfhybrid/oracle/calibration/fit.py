@@ -62,7 +62,7 @@ import time
 
 import numpy as np
 
-from tfhybrid.oracle.machine import Tier, wire_coefficient
+from tfhybrid.oracle.machine import Tier
 
 COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall", "p2p")
 
@@ -74,10 +74,15 @@ def design_row(kind: str, p: int, nbytes: float) -> tuple:
     (p-1), (p-1)m; alltoall of m bytes per rank: (p-1), (p-1)m/p; p2p, m bytes
     one way: 1, m.
     """
-    if kind not in COLLECTIVE_KINDS:
-        raise ValueError(f"Received kind={kind!r}; expected one of {COLLECTIVE_KINDS}.")
-    hops = {"allreduce": 2 * (p - 1), "p2p": 1}.get(kind, p - 1)
-    return hops, wire_coefficient(kind, p, nbytes)
+    if kind == "allreduce":
+        return 2 * (p - 1), 2 * (p - 1) * nbytes / p
+    if kind == "allgather":
+        return p - 1, (p - 1) * nbytes
+    if kind == "alltoall":
+        return p - 1, (p - 1) * nbytes / p
+    if kind == "p2p":
+        return 1, nbytes
+    raise ValueError(f"Received kind={kind!r}; expected one of {COLLECTIVE_KINDS}.")
 
 
 def fit_alpha_beta(samples) -> tuple:

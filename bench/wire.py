@@ -15,12 +15,14 @@ h1:1,h2:1 --network-interface eth0`` from h1:
 2. the measuring jobs (``--worker``), one per model below and one per
    strategy of the oracle, as a user runs one model and one strategy per job
    (a process that has traced many functions dispatches every op more
-   slowly): each rank pins
-   itself to one core (rank r on core r) and shapes its own host's egress (``tc qdisc replace dev
-   eth0 root tbf rate R``: each direction of the link is shaped once); the
-   contenders below take turns in every round and at every rate (rounds x
-   rates x contenders), so outside load on this shared machine hits all alike
-   (faster links, shorter steps: more steps per round, :func:`steps_at`).
+   slowly): each rank pins itself to one core (rank r on core r) and shapes
+   its own host's egress (``tc qdisc replace dev eth0 root tbf rate R``: each
+   direction of the link is shaped once); a model's contenders take turns in
+   every round and at every rate (rounds x rates x contenders), so outside
+   load on this shared machine hits all alike (faster links, shorter steps:
+   more steps per round, :func:`steps_at`). The oracle's strategies, each in
+   its own job, run one after the other: outside load that comes and goes
+   can reach one of them and not the next.
    Every job runs with tfhybrid's defaults, among them ``comm_priority``
    (every thread but Horovod's and Gloo's 10 nice levels below them;
    ``TFHYBRID_COMM_PRIORITY=0`` in the driver's environment measures without it).

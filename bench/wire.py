@@ -3,7 +3,7 @@
 Run as root on one machine (the ranks need the Horovod with tfhybrid's Gloo
 interface patch, see tests/multihost/conftest.py)::
 
-    /tmp/venv-mh/bin/python bench/wire.py [--quick] [--rates 100mbit 1gbit unlimited]
+    .venv/bin/python bench/wire.py [--quick] [--rates 100mbit 1gbit unlimited]
 
 The driver makes two test hosts (tests/multihost/hosts.py: network
 namespaces on a bridge, sshd in each), and launches ``horovodrun --gloo -H
@@ -16,8 +16,10 @@ h1:1,h2:1 --network-interface eth0`` from h1:
    strategy of the oracle, as a user runs one model and one strategy per job
    (a process that has traced many functions dispatches every op more
    slowly): each rank pins itself to one core (rank r on core r) and shapes
-   its own host's egress (``tc qdisc replace dev eth0 root tbf rate R``: each
-   direction of the link is shaped once); a model's contenders take turns in
+   its own host's egress to the rate (``tc``, :func:`tc_commands`: each
+   direction of the link is shaped once; small packets, ACKs and Horovod's
+   negotiation, leave before queued data, as with Linux's default fq_codel;
+   ``--queue fifo``: one queue); a model's contenders take turns in
    every round and at every rate (rounds x rates x contenders), so outside
    load on this shared machine hits all alike (faster links, shorter steps:
    more steps per round, :func:`steps_at`). The oracle's strategies, each in
@@ -113,22 +115,77 @@ def rate_bits(rate):
                      "or 'unlimited'")
 
 
-def tc_argv(rate, dev=IFACE, tc="tc"):
-    """argv shaping ``dev``'s egress to ``rate`` with tbf (or removing the shaping).
+QUEUES = ("small-first", "fifo")
+# packets up to this size (IP total length) leave before queued data with
+# --queue small-first: TCP's pure ACKs (52 bytes) and Horovod's negotiation
+SMALL_PACKET = 256
+
+
+def tc_commands(rate, queue="small-first", dev=IFACE, tc="tc"):
+    """argv lists shaping ``dev``'s egress to ``rate`` (or removing the shaping).
 
     The burst is 1 ms at the rate, and at least two jumbo frames (:data:`MTU`):
     the link then serialises every message at the rate, as a wire of that
     speed does. A 10 ms burst (1 Mbit at 100 Mbit/s) let messages up to
     ~100 KB through at memory speed, so small collectives looked free; with
     1 ms, large messages still move at the rate (within 2%), and at 1 Gbit/s
-    tbf itself costs ~10%, which calibration measures as that link's
-    bandwidth."""
+    the shaper itself costs ~10%, which calibration measures as that link's
+    bandwidth. Data waits in a queue of 50 ms at the rate.
+
+    ``queue``:
+
+    - ``"small-first"`` (default): an htb class of rate ``rate`` with two
+      children, packets of at most :data:`SMALL_PACKET` bytes (a ``u32`` match
+      on the IP length) served before the data. What a host's egress does with
+      Linux's default qdisc, fq_codel, which sends a sparse flow's packets
+      before a bulk flow's backlog (this kernel has neither fq_codel nor sfq):
+      the ACKs of an incoming transfer and the small messages Horovod
+      negotiates each collective with do not wait behind the host's outgoing
+      data. With one FIFO (``"fifo"``) a 64-byte ping-pong between the test
+      hosts took up to 15 ms while 4 MB went each way at 100 Mbit/s (0.17 ms
+      with ``"small-first"``), and every collective that overlaps another
+      transfer pays that wait.
+    - ``"fifo"``: one tbf queue for everything.
+    """
+    if queue not in QUEUES:
+        raise ValueError(f"queue {queue!r}: expected one of {QUEUES}")
     bits = rate_bits(rate)
+    clear = [tc, "qdisc", "del", "dev", dev, "root"]
     if bits is None:
-        return [tc, "qdisc", "del", "dev", dev, "root"]
-    burst = max(2 * (MTU + 18) * 8, bits // 1000)
-    return [tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", str(rate),
-            "burst", f"{burst // 1000}kbit", "latency", "50ms"]
+        return [clear]
+    frame = MTU + 18
+    burst = max(2 * frame * 8, bits // 1000)          # bits
+    if queue == "fifo":
+        return [[tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", str(rate),
+                 "burst", f"{burst // 1000}kbit", "latency", "50ms"]]
+    nbytes = f"{burst // 8}b"
+    small = max(bits // 10, 1000)
+    cls = [tc, "class", "add", "dev", dev]
+    return [clear,
+            [tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
+            [*cls, "parent", "1:", "classid", "1:1", "htb", "rate", f"{bits}bit",
+             "burst", nbytes, "cburst", nbytes],
+            [*cls, "parent", "1:1", "classid", "1:10", "htb", "rate", f"{small}bit",
+             "ceil", f"{bits}bit", "burst", nbytes, "cburst", nbytes, "prio", "0",
+             "quantum", str(frame)],
+            [*cls, "parent", "1:1", "classid", "1:20", "htb", "rate", f"{bits - small}bit",
+             "ceil", f"{bits}bit", "burst", nbytes, "cburst", nbytes, "prio", "1",
+             "quantum", str(frame)],
+            [tc, "qdisc", "add", "dev", dev, "parent", "1:20", "bfifo", "limit",
+             str(max(4 * frame, bits // 8 // 20))],           # 50 ms of data
+            [tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+             "u32", "match", "u16", "0x0000", f"{0x10000 - SMALL_PACKET:#06x}", "at", "2",
+             "flowid", "1:10"]]
+
+
+def _run_tc(commands, prefix=(), where=""):
+    """Run :func:`tc_commands`' argv lists (removing a qdisc that is not there is no
+    error); raise with tc's message otherwise."""
+    for argv in commands:
+        out = subprocess.run([*prefix, *argv], capture_output=True, text=True)
+        if out.returncode != 0 and argv[1:3] != ["qdisc", "del"]:
+            raise RuntimeError(f"tc on {where or os.uname().nodename}: "
+                               f"{' '.join(argv)}: {out.stderr.strip()}")
 
 
 def parse_proc_net_dev(text, dev=IFACE):
@@ -349,11 +406,9 @@ def _tc_binary():
     return shutil.which("tc") or "/usr/sbin/tc"
 
 
-def set_rate(rate):
+def set_rate(rate, queue):
     """Shape this host's egress (run by each rank on its own host)."""
-    out = subprocess.run(tc_argv(rate, tc=_tc_binary()), capture_output=True, text=True)
-    if out.returncode != 0 and rate_bits(rate) is not None:
-        raise RuntimeError(f"tc on {os.uname().nodename}: {out.stderr.strip()}")
+    _run_tc(tc_commands(rate, queue, tc=_tc_binary()))
 
 
 def make_cnn_head():
@@ -589,7 +644,7 @@ def worker(args):
 
     def set_all_rates(rate):
         dp.barrier()
-        set_rate(rate)
+        set_rate(rate, args.queue)
         dp.barrier()
 
     res = {"world_size": size, "rates": args.rates, "rounds": args.rounds,
@@ -675,14 +730,11 @@ def _jumbo_frames(hosts):
                    capture_output=True)
 
 
-def _shape_hosts(hosts, rate):
+def _shape_hosts(hosts, rate, queue):
     """Shape every test host's egress (``ip netns exec <host's namespace> tc ...``)."""
     prefix = _jobs()[0].PREFIX
     for name in hosts.names:
-        out = subprocess.run(["ip", "netns", "exec", f"{prefix}-{name}",
-                              *tc_argv(rate)], capture_output=True, text=True)
-        if out.returncode != 0 and rate_bits(rate) is not None:
-            raise RuntimeError(f"tc on {name}: {out.stderr.strip()}")
+        _run_tc(tc_commands(rate, queue), ("ip", "netns", "exec", f"{prefix}-{name}"), name)
 
 
 def _calibrate_sizes(args):
@@ -701,7 +753,7 @@ def _calibrate(hosts, jobs, args, log, rate, out, extra=(), save=None):
     """``tfhybrid calibrate -o out`` across the hosts at ``rate``, each rank pinned to
     one core as in the measuring job (wire.py --pin-exec); ``save``: a file for the
     job's output, written whether it succeeds or not."""
-    _shape_hosts(hosts, rate)
+    _shape_hosts(hosts, rate, args.queue)
     cal = [__file__, "--pin-exec", jobs.python(), "-m", "tfhybrid", "calibrate", "-o",
            str(out), "--collective-stat", args.collective_stat, *extra, *_calibrate_sizes(args)]
     t0 = time.time()
@@ -944,7 +996,7 @@ def _last_meta():
     except (OSError, ValueError):
         last = {}
     return {k: last.get(k) for k in ("date", "machine", "cores", "rates", "load_average_start",
-                                     "cycle_ms", "collective_stat")}
+                                     "cycle_ms", "collective_stat", "queue")}
 
 
 def driver(args):
@@ -970,7 +1022,8 @@ def driver(args):
         print(f"[{time.time() - t_start:6.0f} s] {s}", flush=True)
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": os.uname().nodename,
            "cores": os.cpu_count(), "load_average_start": os.getloadavg(),
-           "rates": args.rates, "cycle_ms": args.cycle_ms, "collective_stat": args.collective_stat}
+           "rates": args.rates, "cycle_ms": args.cycle_ms, "collective_stat": args.collective_stat,
+           "queue": args.queue}
     with hosts_mod.TestHosts(2) as hosts:
         _jumbo_frames(hosts)
         log(f"hosts {hosts.names} up (MTU {MTU})")
@@ -981,12 +1034,13 @@ def driver(args):
         machines = []
         if args.models and plan is not None:
             machines = _calibrate_links(hosts, jobs, args, log)
-        _shape_hosts(hosts, "unlimited")
+        _shape_hosts(hosts, "unlimited", args.queue)
         out = RESULTS / "wire_measured.json"
         out.unlink(missing_ok=True)
         common = ["--rounds", args.rounds, "--steps", args.steps, "--batch", args.batch,
                   "--rates", *args.rates, "--machine", args.machine,
-                  "--oracle-model", args.oracle_model, "--collective-stat", args.collective_stat]
+                  "--oracle-model", args.oracle_model, "--collective-stat", args.collective_stat,
+                  "--queue", args.queue]
         common += ["--p-segments", plan_segments(plan)] if plan and plan_segments(plan) else []
         # one job per model and one per strategy of the oracle, as a user runs one
         # model and one strategy per job: a process that has traced many functions
@@ -1066,6 +1120,10 @@ def parse_args(argv=None):
                     "--collective-stat): across the link a collective's time spreads (a 128 KB "
                     "allgather at 100 Mbit/s: 11.6 to 27.6 ms), and a step pays the typical "
                     "time (default median)")
+    ap.add_argument("--queue", choices=QUEUES, default="small-first",
+                    help="each host's egress queue: small packets (ACKs, Horovod's "
+                    "negotiation) before queued data, as fq_codel serves sparse flows "
+                    "(default), or one FIFO (see tc_commands)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per horovodrun job")
     ap.add_argument("--machine", default=str(RESULTS / "wire_machine.json"))
     ap.add_argument("--oracle-model", default=str(RESULTS / "wire_cnn_head.keras"))

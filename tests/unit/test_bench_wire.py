@@ -42,20 +42,48 @@ def test_tx_bytes_reads_sysfs_then_proc(wire, tmp_path):
     assert wire.tx_bytes("eth0", tmp_path / "sys", proc) == 5555555
 
 
-def test_rates_and_tc_argv(wire):
+def test_rates_and_tc_commands(wire):
     assert wire.rate_bits("100mbit") == 10**8
     assert wire.rate_bits("1gbit") == 10**9
     assert wire.rate_bits("unlimited") is None
     for bad in ("fast", "100", "-1mbit", "mbit"):
         with pytest.raises(ValueError, match="tc rate"):
             wire.rate_bits(bad)
-    argv = wire.tc_argv("100mbit")
-    assert argv[:7] == ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf"]
-    assert argv[argv.index("rate") + 1] == "100mbit"
-    assert argv[argv.index("burst") + 1] == "144kbit"     # two jumbo frames (> 1 ms)
-    assert wire.tc_argv("1gbit")[wire.tc_argv("1gbit").index("burst") + 1] == "1000kbit"
-    assert wire.tc_argv("1mbit")[wire.tc_argv("1mbit").index("burst") + 1] == "144kbit"
-    assert wire.tc_argv("unlimited") == ["tc", "qdisc", "del", "dev", "eth0", "root"]
+    fifo, = wire.tc_commands("100mbit", "fifo")
+    assert fifo[:7] == ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf"]
+    assert fifo[fifo.index("rate") + 1] == "100mbit"
+    assert fifo[fifo.index("burst") + 1] == "144kbit"     # two jumbo frames (> 1 ms)
+    burst = {r: wire.tc_commands(r, "fifo")[0] for r in ("1gbit", "1mbit")}
+    assert burst["1gbit"][burst["1gbit"].index("burst") + 1] == "1000kbit"
+    assert burst["1mbit"][burst["1mbit"].index("burst") + 1] == "144kbit"
+    for queue in wire.QUEUES:
+        assert wire.tc_commands("unlimited", queue) == [["tc", "qdisc", "del", "dev", "eth0",
+                                                        "root"]]
+    with pytest.raises(ValueError, match="queue 'fq'"):
+        wire.tc_commands("100mbit", "fq")
+
+
+def test_small_packets_go_first(wire):
+    """small-first: an htb class at the rate, packets below 256 bytes (IP length, its
+    high byte 0) in the class served first, data in 50 ms of bytes."""
+    cmds = wire.tc_commands("100mbit")
+    assert cmds[0] == ["tc", "qdisc", "del", "dev", "eth0", "root"]
+    root = next(c for c in cmds if "classid" in c and c[c.index("classid") + 1] == "1:1")
+    assert root[root.index("rate") + 1] == "100000000bit"
+    assert root[root.index("burst") + 1] == "18036b"      # two jumbo frames, in bytes
+    classes = {c[c.index("classid") + 1]: c for c in cmds if "classid" in c}
+    assert classes["1:10"][classes["1:10"].index("prio") + 1] == "0"
+    assert classes["1:20"][classes["1:20"].index("prio") + 1] == "1"
+    for name in ("1:10", "1:20"):
+        assert classes[name][classes[name].index("ceil") + 1] == "100000000bit"
+    rates = [int(classes[n][classes[n].index("rate") + 1][:-3]) for n in ("1:10", "1:20")]
+    assert sum(rates) == 10**8
+    fifo = next(c for c in cmds if "bfifo" in c)
+    assert fifo[fifo.index("limit") + 1] == str(10**8 // 8 // 20)
+    filt = next(c for c in cmds if "filter" in c)
+    assert filt[filt.index("u32"):] == ["u32", "match", "u16", "0x0000", "0xff00", "at", "2",
+                                        "flowid", "1:10"]
+    assert "default" in cmds[1] and cmds[1][cmds[1].index("default") + 1] == "20"
 
 
 def test_steps_grow_with_the_rate(wire):

@@ -53,7 +53,8 @@ the sweep's own, nor each round's best). Bytes: the
 interface's ``tx_bytes`` (TCP/IP headers included) per step, against the ring
 minimum 2(p-1)/p |W|. Compression: fp16's bytes and step against fp32. Oracle:
 every strategy of bench/oracle_accuracy.py built by ``tfhybrid.transform`` and timed the same
-way at the calibrated rate, against the prediction on the calibrated machine
+way at the calibrated rate (:data:`ORACLE_ROUNDS` x ``--rounds`` rounds, after as many
+rounds of warm-up), against the prediction on the calibrated machine
 file; bytes per step against :func:`tfhybrid.describe`'s ``sent_bytes`` (what its analysis
 says one rank sends: ring allreduce, allgather blocks, halo rows to real neighbours), as
 sent and less Horovod's coordination (the bytes per second a rank sends while idle, times
@@ -91,6 +92,7 @@ BUCKETS = (128 * 2**10, 256 * 2**10, 2**20)   # the sweep, besides "after" (one 
 RATES = ("100mbit", "250mbit", "1gbit", "unlimited")   # 250mbit: comm ~ compute here
 STRATEGIES_FULL = ("d", "f", "c", "s", "df", "ds", "gmp", "p", "ls")
 STRATEGIES_QUICK = ("d", "f", "df", "gmp", "s")
+ORACLE_ROUNDS = 3   # an oracle strategy's rounds (and warm-up rounds) per --rounds
 
 
 # -- pure helpers (tests/unit/test_bench_wire.py) ------------------------------------------
@@ -553,7 +555,15 @@ def _oracle_part(args, say, barrier, set_all_rates):
     steps = oa._build_steps(list(args.strategies), n, args.batch, args.machine)
     steps.pop("serial", None)
     say(f"oracle: built {list(steps)} at {args.rates[0]}")
-    times, _ = oa._interleaved(steps, args.rounds, args.steps, say)
+    # rounds first, not timed: a strategy's first seconds of steps ran slower (round by
+    # round at 100 Mbit/s, ds's best step 37.6, 34.4, then 28-31 ms; gmp's 42-45 ms for
+    # a few seconds, then 33-36), and a run trains in the later state; then
+    # ORACLE_ROUNDS x as many rounds as a model's contenders get (a strategy's step is
+    # short and the job's start-up long: the median of 15 rounds' bests is steadier)
+    rounds = ORACLE_ROUNDS * args.rounds
+    oa._interleaved(steps, rounds, args.steps, lambda s: None)
+    say(f"oracle: {rounds} rounds of warm-up")
+    times, _ = oa._interleaved(steps, rounds, args.steps, say)
     control = _control_rate(barrier)
     say(f"oracle: Horovod's coordination while idle sends {control:,.0f} B/s per rank")
     out = {}
@@ -1088,7 +1098,8 @@ def report(args, measured, plan, res):
         f"{res.get('date')}, {res.get('machine')} ({res.get('cores')} cores, load "
         f"{os.getloadavg()[0]:.1f}), rates {' '.join(args.rates)}, rounds {args.rounds} x "
         f"{args.steps} steps (x {steps_at(args.rates[-1], 1)} at {args.rates[-1]}, "
-        f"bench/wire.py steps_at)\n{text}\n\n`{line}`\n")
+        f"bench/wire.py steps_at; oracle strategies {ORACLE_ROUNDS * args.rounds} rounds after "
+        f"as many of warm-up)\n{text}\n\n`{line}`\n")
     table = readme_table(res)
     if table:
         (RESULTS / "wire_readme.md").write_text(table + "\n")

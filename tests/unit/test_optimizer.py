@@ -64,6 +64,26 @@ def test_buckets_reverse_order_and_limit():
     assert len(plan_buckets(items, 10**9)) == 2          # one per process set
 
 
+def test_a_small_last_bucket_joins_the_one_before():
+    """at_least with min_last: the remainder bucket (the first layers' gradients) under
+    min_last bytes joins the bucket before it of its own group; other groups, a large
+    remainder and the upper-bound mode keep theirs. The cnn_head of bench/wire.py: a
+    2,059 KiB head and 20 KiB of convolutions become one bucket."""
+    w, v = (0, 1), (0, 2)
+    head = [(w, 20 * 2**10), (w, 2059 * 2**10)]
+    assert [b.nbytes for b in plan_buckets(head, 520_000, at_least=True)] == [
+        2059 * 2**10, 20 * 2**10]
+    merged = plan_buckets(head, 520_000, at_least=True, min_last=64 * 2**10)
+    assert [(b.indices, b.nbytes) for b in merged] == [([1, 0], 2079 * 2**10)]
+    items = [(w, 8), (v, 8), (w, 100), (v, 100), (w, 100)]
+    got = plan_buckets(items, 150, at_least=True, min_last=50)
+    assert [(b.ranks, b.indices, b.nbytes) for b in got] == [
+        (w, [4, 2, 0], 208), (v, [3, 1], 108)]     # v's remainder has no bucket before it
+    assert [b.nbytes for b in plan_buckets(items, 150, at_least=True, min_last=8)] == [
+        200, 108, 8]
+    assert [b.nbytes for b in plan_buckets(items, 150, min_last=50)] == [100, 108, 108]
+
+
 def test_reduction_rule_on_synthetic_grid():
     grid = ProcessGrid(size=8, rank=5, model_parallel=2)
     v = keras.Variable(np.zeros(3, np.float32))

@@ -163,7 +163,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             allreduce latency and bandwidth of the reducing group; without one,
             25 MiB (``DEFAULT_BUCKET_BYTES``). With "auto" the size is a lower
             bound: a bucket closes once it holds that many bytes, so the
-            small gradients between two large ones never travel alone.
+            small gradients between two large ones never travel alone, and
+            a last bucket under 64 KiB joins the one before it.
             :meth:`communication_plan` shows the buckets chosen.
         compression: How gradients travel: "none", "fp16" (float32
             gradients travel as float16; halves the bytes, costs about 3
@@ -524,9 +525,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         sparse = {i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)}
         items = [((), 0) if g is None or i in sparse else (s.ranks, self._wire_bytes(g, v))
                  for i, (g, s, v) in enumerate(zip(grads, specs, variables))]
-        # "auto": the size is a lower bound (no bucket of biases alone pays a latency)
-        buckets = plan_buckets(items, self._bucket_size(items),
-                               at_least=self.bucket_bytes == "auto")
+        # "auto": the size is a lower bound (no bucket of biases alone pays a latency),
+        # and a last bucket under the 64 KiB floor joins the one before it
+        auto = self.bucket_bytes == "auto"
+        buckets = plan_buckets(items, self._bucket_size(items), at_least=auto,
+                               min_last=MIN_AUTO_BUCKET_BYTES if auto else 0)
         communicated = {i for bucket in buckets for i in bucket.indices}
         # only dense gradients reduced by no bucket are scaled here (no dead ops in the
         # step: scaling IndexedSlices would densify them; _reduce_slices scales them)

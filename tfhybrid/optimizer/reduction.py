@@ -122,7 +122,7 @@ class Bucket:
 
 
 def plan_buckets(items: Sequence[Tuple[Tuple[int, ...], int]], bucket_bytes: int,
-                 at_least: bool = False) -> List[Bucket]:
+                 at_least: bool = False, min_last: int = 0) -> List[Bucket]:
     """Pack gradients into buckets.
 
     Args:
@@ -134,6 +134,11 @@ def plan_buckets(items: Sequence[Tuple[Tuple[int, ...], int]], bucket_bytes: int
             once it holds ``bucket_bytes`` (the last one of a group may hold
             less). No bucket then holds only the small gradients (biases)
             between two large ones, each paying a collective's fixed cost.
+        min_last: With ``at_least``: a group's last bucket (the first layers'
+            gradients, which back-propagation finishes last) that holds less
+            than this joins the bucket before it. It is issued when the backward
+            pass ends, behind that bucket's transfer: on its own it would add a
+            collective's latency to the step for a few bytes.
 
     Returns:
         Buckets in issue order: the last layers' gradients first.
@@ -146,6 +151,8 @@ def plan_buckets(items: Sequence[Tuple[Tuple[int, ...], int]], bucket_bytes: int
         [[3], [2], [1], [0]]
         >>> [b.indices for b in plan_buckets(items, 16, at_least=True)]
         [[3], [2, 1], [0]]
+        >>> [b.indices for b in plan_buckets(items, 64, at_least=True, min_last=64)]
+        [[3], [2, 1, 0]]
     """
     open_buckets, done = {}, []
     for index in reversed(range(len(items))):
@@ -162,5 +169,11 @@ def plan_buckets(items: Sequence[Tuple[Tuple[int, ...], int]], bucket_bytes: int
         bucket.nbytes += nbytes
         if at_least and bucket.nbytes >= bucket_bytes:
             done.append(open_buckets.pop(ranks))
-    done.extend(open_buckets.values())
+    for ranks, rest in open_buckets.items():
+        before = next((b for b in reversed(done) if b.ranks == ranks), None)
+        if at_least and before is not None and rest.nbytes < min_last:
+            before.indices.extend(rest.indices)
+            before.nbytes += rest.nbytes
+        else:
+            done.append(rest)
     return sorted(done, key=lambda b: -max(b.indices))

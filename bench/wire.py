@@ -144,9 +144,9 @@ def tc_commands(rate, queue="small-first", dev=IFACE, tc="tc"):
       the ACKs of an incoming transfer and the small messages Horovod
       negotiates each collective with do not wait behind the host's outgoing
       data. With one FIFO (``"fifo"``) a 64-byte ping-pong between the test
-      hosts took up to 15 ms while 4 MB went each way at 100 Mbit/s (0.17 ms
-      with ``"small-first"``), and every collective that overlaps another
-      transfer pays that wait.
+      hosts took up to 15 ms while 4 MB went each way at 100 Mbit/s (at most
+      0.6 ms with ``"small-first"``), and every collective that overlaps
+      another transfer pays that wait.
     - ``"fifo"``: one tbf queue for everything.
     """
     if queue not in QUEUES:

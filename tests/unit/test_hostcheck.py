@@ -82,3 +82,24 @@ def test_installed_horovod_patches_are_a_tuple():
     patches = hostcheck.horovod_patches()
     assert isinstance(patches, tuple)
     assert all(isinstance(p, str) for p in patches)
+
+
+@pytest.mark.parametrize("env, patches, warned", [
+    (TWO_HOSTS, (), True),                                          # stock Horovod
+    (TWO_HOSTS, (hostcheck.PATCH,), True),                          # an older patched build
+    (TWO_HOSTS, (hostcheck.PATCH, hostcheck.RECEIVE_FIRST), False),
+    (ONE_HOST, (), False),                                          # one host: no link
+    ({**TWO_HOSTS, "HOROVOD_LOCAL_RANK": "1"}, (), False),          # once per host
+])
+def test_a_multi_host_job_without_the_receive_first_patch_is_warned(env, patches, warned):
+    message = hostcheck.slow_link_warning(env, patches)
+    assert (message is not None) == warned
+    if warned:
+        assert hostcheck.RECEIVE_FIRST in message and "h2" in message and "make env" in message
+
+
+def test_the_installed_horovod_carries_the_receive_first_patch():
+    patches = hostcheck.horovod_patches()
+    if hostcheck.PATCH not in patches:
+        pytest.skip("Horovod built without tfhybrid's patches")
+    assert hostcheck.RECEIVE_FIRST in patches

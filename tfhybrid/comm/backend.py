@@ -73,6 +73,7 @@ import functools
 import os
 import re
 import threading
+import warnings
 import weakref
 
 import tensorflow as tf
@@ -137,6 +138,9 @@ def init(groups=None):
             if hvd is not None and not hvd.is_initialized():
                 from tfhybrid.comm import hostcheck
                 hostcheck.check()   # a multi-host job stock Horovod cannot start
+                slow = hostcheck.slow_link_warning()
+                if slow:
+                    warnings.warn(slow, RuntimeWarning, stacklevel=2)
             over_world = hvd is not None and _groups_over_world_env()
             static = None
             if hvd is not None:

@@ -14,7 +14,10 @@ The Horovod that ``scripts/setup_env.sh`` builds carries the project's patch
 uses the launcher's interface) and the module ``horovod.tfhybrid_patches``
 listing the patches applied. :func:`check` stops a rank when all of these
 hold: the job spans several hosts, this host's name resolves to a loopback
-address, and the Horovod build lacks the patch. Only this module and
+address, and the Horovod build lacks the patch. :func:`slow_link_warning` warns
+(once per host) when a multi-host job's Horovod lacks the patch that lets
+Gloo's allgathers and alltoalls use both directions of a link at once
+(``0101-gloo-receive-before-send``). Only this module and
 :mod:`tfhybrid.comm.backend` look at Horovod.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import socket
 
 PATCH = "0100-gloo-process-set-interface"
+RECEIVE_FIRST = "0101-gloo-receive-before-send"   # both directions of a link at once
 
 
 def horovod_patches() -> tuple:
@@ -95,6 +99,29 @@ def problem(env=None, hostname=None, patches=None, resolve=socket.getaddrinfo):
         "patches/horovod/), or make the hostname resolve to the address of "
         f"{iface} on every host (in /etc/hosts replace '127.0.1.1 {name}' with "
         f"'<address of {iface}> {name}').")
+
+
+def slow_link_warning(env=None, patches=None):
+    """A warning for local rank 0 of a multi-host Gloo job whose Horovod lacks
+    :data:`RECEIVE_FIRST` (a stock build, or one made elsewhere), else None.
+
+    Stock Gloo sends an allgather's or alltoall's data before it tells the peer it
+    is ready to receive, on the same ordered stream, so the two directions of a
+    link take turns: on a slow link such collectives take up to twice as long.
+    The job still runs and computes the same numbers.
+    """
+    env = os.environ if env is None else env
+    if not multi_host(env) or env.get("HOROVOD_LOCAL_RANK", "0") != "0":
+        return None
+    patches = horovod_patches() if patches is None else patches
+    if RECEIVE_FIRST in patches:
+        return None
+    host = env.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    return (f"tfhybrid: host {host}: this Horovod build lacks tfhybrid's patch {RECEIVE_FIRST}; "
+            "across hosts its Gloo allgathers and alltoalls (the f, c, s and gmp layers', "
+            "the pipeline's transfers) send one direction of the link after the other and "
+            "can take up to twice as long. Install the Horovod that scripts/setup_env.sh "
+            "builds (`make env`, patches/horovod/).")
 
 
 def check(env=None):

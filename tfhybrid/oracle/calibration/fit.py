@@ -402,10 +402,10 @@ def chain_length(kind, group, local_size, chain=4):
 
     Inside a node a chain of dependent collectives shows what a step pays per
     collective (graph dispatch and Horovod's negotiation, one after the other).
-    Across a link, back-to-back transfers pay what a step, whose collectives have
-    compute between them, does not: the acknowledgements of one transfer queue
-    behind the next one's data (between two test hosts at 100 Mbit/s, 128 KB-1 MB
-    allgathers took 1.3-1.5 times as long in a chain of 4 as alone after a sync).
+    Across a link each is timed alone after a sync, as a step issues its
+    collectives with compute between them (with stock Gloo a chain of allgathers
+    also paid its two directions taking turns, 1.3-1.5 times one alone between two
+    test hosts at 100 Mbit/s; patches/horovod/0101-gloo-receive-before-send.patch).
 
     Example:
         >>> [chain_length(k, 2, 2) for k in ("allgather", "p2p")]

@@ -1128,8 +1128,8 @@ def parse_args(argv=None):
                     "(default 1)")
     ap.add_argument("--collective-stat", choices=("best", "median", "mean"), default="median",
                     help="calibrate's statistic per collective (tfhybrid calibrate "
-                    "--collective-stat): across the link a collective's time spreads (a 128 KB "
-                    "allgather at 100 Mbit/s: 11.6 to 27.6 ms), and a step pays the typical "
+                    "--collective-stat): across the link a collective's time spreads (a 128 KiB "
+                    "allgather at 100 Mbit/s: 9.9 to 17.7 ms), and a step pays the typical "
                     "time (default median)")
     ap.add_argument("--queue", choices=QUEUES, default="small-first",
                     help="each host's egress queue: small packets (ACKs, Horovod's "

@@ -19,23 +19,21 @@ It is 0 in the papers and for ParaDL's tiers; calibration fits it beside
 alpha and beta, and on an oversubscribed CPU node it dominates (lambda
 well above alpha).
 
-Collective kinds. One link does not move every collective's bytes at the
-same rate: over Gloo's TCP transport between two hosts, allgather and
-alltoall take clearly more seconds per byte sent than the ring allreduce
-(their implementations negotiate sizes first, copy, and do not keep both
-directions of the link busy the way a ring does; docs/benchmarks.md has the
-measurement). A tier (or the machine)
-may therefore carry ``collectives``: ``{kind: {"latency", "alpha",
-"beta"}}`` for ``allreduce``, ``allgather``, ``alltoall`` or ``broadcast``,
-fitted by calibration from that kind's own timings; a cost function uses
-its kind's entry and falls back to the tier's own numbers. The alltoall
+Collective kinds. One link does not cost every collective alike: Horovod
+and Gloo run each kind with its own algorithm, so their fixed costs and
+their bytes per second differ (between two test hosts at 100 Mbit/s a 4 KB
+allreduce took 5.6 ms where a 4 KB allgather took 1.5 ms; a stock Gloo
+allgather or alltoall also sends one direction of the link after the other,
+which ``patches/horovod/0101-gloo-receive-before-send.patch`` fixes). A tier
+(or the machine) may therefore carry ``collectives``: ``{kind: {"latency",
+"alpha", "beta"}}`` for ``allreduce``, ``allgather``, ``alltoall`` or
+``p2p``, fitted by calibration from that kind's own timings; a cost function
+uses its kind's entry and falls back to the tier's own numbers. The alltoall
 entry also prices tfhybrid's reduce-scatter, rooted reduce and halo
 exchange, which are alltoalls. ``p2p`` prices a transfer one way (the
 pipeline's and the layer separation's): tfhybrid sends it as an alltoall
-too, but only one direction of the link carries data, and over TCP that
-direction moves 1.4 to 1.6 times the bytes per second of a symmetric
-alltoall's (about the ring allreduce's); without a ``p2p`` entry the
-alltoall's serves.
+too, but only one direction of the link carries data; without a ``p2p``
+entry the alltoall's serves.
 
 Approximations (what this model ignores): the collective algorithm switch
 (tree for small messages), link topology other than through tiers, external

@@ -335,7 +335,7 @@ class Machine:
         span ``span`` (see the module docstring's collective kinds).
 
         Example:
-            >>> m = Machine(alpha=0, beta=1e-9, flop_rate=1.0,
+            >>> m = Machine(alpha=0.0, beta=1e-9, flop_rate=1.0,
             ...             collectives={"allgather": {"latency": 1e-3, "alpha": 0, "beta": 2e-9}})
             >>> m.collective_cost("allgather", 8), m.collective_cost("allreduce", 8)
             ((0.001, 0.0, 2e-09), (0.0, 0.0, 1e-09))

@@ -87,7 +87,13 @@ _SALT = itertools.count(1)
 def send_rows(x, pair, to, name):
     """Send every row of ``x`` to global rank ``to`` of ``pair`` (a sorted pair of
     global ranks, this rank the other one). Returns the zero rows received (to
-    be anchored into the step's result so the transfer is kept)."""
+    be anchored into the step's result so the transfer is kept).
+
+    Send each tensor once per traced function: Grappler merges identical ops,
+    and two sends of the same tensor (same splits, only the names differ)
+    become one collective, so the partner waits forever in its second receive
+    (eight sends of one tensor against a chain of eight receives hung between
+    two test hosts). The pipeline sends each micro-batch's own output."""
     pair = tuple(pair)
     index = pair.index(to)
     splits = tf.one_hot(index, 2, on_value=tf.shape(x, out_type=tf.int32)[0], off_value=0,

@@ -118,10 +118,11 @@ def slow_link_warning(env=None, patches=None):
         return None
     host = env.get("HOROVOD_HOSTNAME") or socket.gethostname()
     return (f"tfhybrid: host {host}: this Horovod build lacks tfhybrid's patch {RECEIVE_FIRST}; "
-            "across hosts its Gloo allgathers and alltoalls (the f, c, s and gmp layers', "
-            "the pipeline's transfers) send one direction of the link after the other and "
-            "can take up to twice as long. Install the Horovod that scripts/setup_env.sh "
-            "builds (`make env`, patches/horovod/).")
+            "across hosts its Gloo allgathers and alltoalls (the c, s, ds and gmp layers', "
+            "the halo exchanges, the pipeline's and the layer separation's transfers) send "
+            "one direction of the link after the other and can take up to twice as long. "
+            "Install the Horovod that scripts/setup_env.sh builds (`make env`, "
+            "patches/horovod/).")
 
 
 def check(env=None):

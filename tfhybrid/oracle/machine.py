@@ -26,8 +26,8 @@ allreduce took 5.6 ms where a 4 KB allgather took 1.5 ms; a stock Gloo
 allgather or alltoall also sends one direction of the link after the other,
 which ``patches/horovod/0101-gloo-receive-before-send.patch`` fixes). A tier
 (or the machine) may therefore carry ``collectives``: ``{kind: {"latency",
-"alpha", "beta"}}`` for ``allreduce``, ``allgather``, ``alltoall`` or
-``p2p``, fitted by calibration from that kind's own timings; a cost function
+"alpha", "beta"}}`` for ``allreduce``, ``allgather``, ``alltoall``,
+``broadcast`` or ``p2p``, fitted by calibration from that kind's own timings; a cost function
 uses its kind's entry and falls back to the tier's own numbers. The alltoall
 entry also prices tfhybrid's reduce-scatter, rooted reduce and halo
 exchange, which are alltoalls. ``p2p`` prices a transfer one way (the

@@ -269,7 +269,8 @@ def test_calibration_times_one_size_after_the_other_on_every_rank(monkeypatch):
     assert syncs0 and syncs0 == syncs5
     assert not any(g == 4 for _, g, _, _ in chains5) and any(g == 4 for _, g, _, _ in chains0)
     timed = [c for c in chains0 if c[1] == 2]
-    per_size = len(fit.COLLECTIVE_KINDS) * 3     # warm-up + 2 repetitions of each kind
+    # warm-up + the repetitions of each kind (2, more for small messages)
+    per_size = len(fit.COLLECTIVE_KINDS) * (1 + fit.repetitions(4096, 2))
     firsts = timed[:per_size]
     assert {n for _, _, n, _ in firsts} == {1024} and \
         {k for k, _, _, _ in firsts} == set(fit.COLLECTIVE_KINDS)
@@ -332,6 +333,55 @@ def test_a_calibrated_p2p_kind_prices_the_transfers_one_way():
     assert cal.fit_kind_costs(rows)["p2p"]["beta"] == pytest.approx(3.5e-9)
 
 
+def test_streamed_p2p_pays_the_fixed_cost_the_links_burst_hides(tmp_path):
+    """Calibration times transfers alone; on a link with a burst the small ones are
+    free and the line's intercept is 0. A pipeline's transfers follow one another:
+    they pay the smallest message's time less its bytes, the line's beta per byte."""
+    beta, burst = 8e-8, 30_000
+    rows = [("p2p", 2, nb, 1e-3 + beta * max(nb - burst, 0))
+            for nb in (4096, 11024, 29672, 79888, 215040, 578856, 1558176, 4194304)]
+    cost = cal.fit_kind_costs(rows)["p2p"]
+    assert cost["latency"] < 2e-4                       # the line hides the fixed cost
+    assert cost["stream_latency"] == pytest.approx(1e-3 - 4096 * cost["beta"])
+    m = _kinds_machine()
+    tier = m.to_dict()["tiers"][0]
+    tier["collectives"]["p2p"] = cost
+    m = Machine.from_dict(dict(m.to_dict(), tiers=[tier]))
+    assert m.t_p2p(32768, streamed=True) - m.t_p2p(32768) == pytest.approx(
+        cost["stream_latency"] - cost["latency"])
+    assert m.t_neighbours(2, 32768, kind="p2p") == m.t_p2p(32768)     # ls: one at a time
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(m.to_dict()))
+    assert Machine.load(path) == m
+    # without a burst the smallest message pays its bytes: the line's own latency
+    rows = [("p2p", 2, nb, 1e-3 + beta * nb) for nb in (4096, 79888, 4194304)]
+    cost = cal.fit_kind_costs(rows)["p2p"]
+    assert cost["stream_latency"] == pytest.approx(cost["latency"]) == pytest.approx(1e-3)
+
+
+def test_a_pipeline_of_micro_batches_pays_the_stream_latency():
+    """p's transfers follow one another when there are several micro-batches: each
+    pays ``stream_latency``; one micro-batch's transfers are priced as sent alone."""
+    from tfhybrid.oracle import LayerRow, ModelProfile, predict
+    fc1 = LayerRow("fc1", "dense", 12, 8, 4, 16, 32, 2, 4, 2, 4, ccr=1.0)
+    fc2 = LayerRow("fc2", "dense", 10, 8, 2, 16, 32, 4, 2, 4, 2, ccr=1.0)
+    prof = ModelProfile("two_fc", (fc1, fc2), 2)
+    cost = {"latency": 1.0, "alpha": 0.0, "beta": 0.5}
+    base = dict(alpha=1.0, beta=0.5, flop_rate=8.0, bytes_per_item=1, wu_flops_per_param=0.0)
+    plain = Machine(**base, collectives={"p2p": cost})
+    stream = Machine(**base, collectives={"p2p": dict(cost, stream_latency=3.0)})
+    one = [predict(prof, "p", 2, 4, m, segments=1).total_s for m in (plain, stream)]
+    assert one[0] == one[1]
+    two = [predict(prof, "p", 2, 4, m, segments=2).total_s for m in (plain, stream)]
+    # 4 transfers (2 micro-batches, there and back), each 2 s dearer; some overlap compute
+    assert two[0] + 2.0 <= two[1] <= two[0] + 4 * 2.0
+
+
+def test_calibration_times_small_messages_more_often():
+    from tfhybrid.oracle.calibration import fit
+    assert [fit.repetitions(n, 5) for n in (1024, 4096, 65536, 4 << 20)] == [40, 40, 5, 5]
+
+
 def test_machine_level_collectives_serve_groups_beyond_the_tiers(tmp_path):
     m = _kinds_machine(collectives={"allreduce": {"latency": 0.5, "alpha": 0.0, "beta": 0.0}})
     assert m.t_allreduce(8, 1e6) == 0.5
@@ -343,7 +393,8 @@ def test_machine_level_collectives_serve_groups_beyond_the_tiers(tmp_path):
 
 @pytest.mark.parametrize("table, match", [
     ({"gather": {"latency": 0, "alpha": 0, "beta": 0}}, r"kind 'gather'"),
-    ({"allgather": {"latency": 0, "beta": 0}}, r"expected exactly the keys"),
+    ({"allgather": {"latency": 0, "beta": 0}}, r"expected the keys"),
+    ({"p2p": {"latency": 0, "alpha": 0, "beta": 0, "stream": 0}}, r"expected the keys"),
     ({"allgather": {"latency": -1, "alpha": 0, "beta": 0}}, r"allgather'\]\.latency"),
     ([1, 2], r"must map collective kinds"),
 ])

@@ -551,8 +551,9 @@ def _pipe_one(ctx, p, stages, S):
     bw = [B / S * sum(ctx.bw[i] for i in st) + f * share for st, f in zip(stages, fixed)]
     wu = [sum(ctx.wu[i] for i in st) for st in stages]
     outs = [ctx.rows[st[-1]].y for st in stages[:-1]]
-    # each transfer is one alltoall on the stage pair's process set
-    xfer = [m.t_p2p(B / S * y * d, span=2) for y in outs]
+    # each transfer is one alltoall on the stage pair's process set; with several
+    # micro-batches they follow one another on the link (Machine.t_p2p's streamed)
+    xfer = [m.t_p2p(B / S * y * d, span=2, streamed=S > 1) for y in outs]
     bcast = m.t_broadcast(p, B * ctx.rows[-1].y * d)    # one collective: one latency
     slow, nodes = schedule.stage_slowdown(m), schedule.node_of(len(stages), m)
     comp = schedule.fill_drain(fw, bw, S, [0.0] * len(outs), slow, wu, nodes)

@@ -159,6 +159,9 @@ def fit_kind_costs(samples) -> dict:
     intercept is the latency. A kind timed at fewer than two sizes is
     left out (the tier's common fit serves it).
 
+    ``p2p`` also gets ``stream_latency`` (:func:`stream_latency`): what a
+    transfer that follows another on the link pays beside its bytes.
+
     Returns:
         ``{kind: {"latency": s, "alpha": 0.0, "beta": s/B}}``.
 
@@ -180,7 +183,31 @@ def fit_kind_costs(samples) -> dict:
         t = np.array([s for *_, s in rows], dtype=float)
         lat, beta = _weighted_nnls(A, t)
         out[kind] = {"latency": float(lat), "alpha": 0.0, "beta": float(beta)}
+        if kind == "p2p":
+            out[kind]["stream_latency"] = stream_latency(rows, lat, beta)
     return out
+
+
+def stream_latency(rows, latency, beta):
+    """The fixed cost of a transfer that follows another on the link: the
+    smallest message's time less its bytes at ``beta``, at least ``latency``.
+
+    The line through every size is fitted to transfers timed alone on an idle
+    link. A link that lets a burst through at once carries the small ones at
+    no cost there (between two test hosts shaped to 100 Mbit/s, 4 to 30 KB
+    p2p transfers all took 1.2 ms, 80 KB 5.1), so the line's intercept drops
+    to about 0 while each transfer of a pipeline, sent right after the one
+    before, pays its fixed cost and all its bytes. Without a burst the
+    smallest message's time is the intercept plus its bytes, and this is the
+    line's own latency.
+
+    Example:
+        >>> rows = [("p2p", 2, 4096, 1.2e-3), ("p2p", 2, 4e6, 0.33)]
+        >>> round(stream_latency(rows, 0.0, 8e-8), 6)
+        0.000872
+    """
+    _, p, m, t = min(rows, key=lambda r: r[2])
+    return float(max(latency, t - design_row("p2p", p, m)[1] * beta))
 
 
 def _nnls(A, t):
@@ -457,14 +484,37 @@ def time_collectives(sizes, group_sizes, reps=5, log=print, chain=4, stat="best"
             sync(backend)
             # as many collectives timed as chains of ``chain`` would: a lone collective's
             # time spreads more than a chain's mean over its links
-            times = times_interleaved(calls, reps * max(1, chain // min(lengths)),
-                                      before=lambda: sync(backend), stat=stat)
+            # (and more of the small ones: :func:`repetitions`)
+            times = times_interleaved(
+                calls, repetitions(nbytes, reps * max(1, chain // min(lengths))),
+                before=lambda: sync(backend), stat=stat)
             samples += [(kind, g, 4 * n, sec / length)
                         for kind, sec, length in zip(kinds, times, lengths)]
         sync(backend)
         if backend.rank() == 0:
             log(f"  group {g}: {', '.join(kinds)} timed at {len(sizes)} sizes")
     return samples
+
+
+SMALL_MESSAGE_BYTES = 64 << 10
+
+
+def repetitions(nbytes, reps):
+    """Timings of one size: ``reps``, times up to 8 for messages under
+    :data:`SMALL_MESSAGE_BYTES` (4 KiB: 8x, 16 KiB: 4x, 32 KiB: 2x).
+
+    A small collective takes about a millisecond, so ``reps`` of them span a few
+    tens of milliseconds, and a disturbance of the shared machine that long moves
+    their median (between two test hosts at 100 Mbit/s, a 4 KB alltoall's median
+    of 20 read 4.8 ms in one calibration, 1.3 ms in the next). The fixed
+    costs the oracle fits come from these sizes, and halos and a pipeline's
+    transfers are made of them; more timings cost little.
+
+    Example:
+        >>> [repetitions(n, 5) for n in (4096, 16384, 32768, 1 << 20)]
+        [40, 20, 10, 5]
+    """
+    return reps * max(1, min(8, SMALL_MESSAGE_BYTES // max(int(nbytes), 1)))
 
 
 def _chain_call(kind, ranks, backend, chain, n):

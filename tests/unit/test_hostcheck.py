@@ -87,7 +87,8 @@ def test_installed_horovod_patches_are_a_tuple():
 @pytest.mark.parametrize("env, patches, warned", [
     (TWO_HOSTS, (), True),                                          # stock Horovod
     (TWO_HOSTS, (hostcheck.PATCH,), True),                          # an older patched build
-    (TWO_HOSTS, (hostcheck.PATCH, hostcheck.RECEIVE_FIRST), False),
+    (TWO_HOSTS, (hostcheck.PATCH, hostcheck.RECEIVE_FIRST), True),  # without the yield
+    (TWO_HOSTS, (hostcheck.PATCH, hostcheck.RECEIVE_FIRST, hostcheck.YIELD_BUSY_PAIR), False),
     (ONE_HOST, (), False),                                          # one host: no link
     ({**TWO_HOSTS, "HOROVOD_LOCAL_RANK": "1"}, (), False),          # once per host
 ])
@@ -95,11 +96,13 @@ def test_a_multi_host_job_without_the_receive_first_patch_is_warned(env, patches
     message = hostcheck.slow_link_warning(env, patches)
     assert (message is not None) == warned
     if warned:
-        assert hostcheck.RECEIVE_FIRST in message and "h2" in message and "make env" in message
+        missing = [p for p in (hostcheck.RECEIVE_FIRST, hostcheck.YIELD_BUSY_PAIR)
+                   if p not in patches]
+        assert all(p in message for p in missing) and "h2" in message and "make env" in message
 
 
 def test_the_installed_horovod_carries_the_receive_first_patch():
     patches = hostcheck.horovod_patches()
     if hostcheck.PATCH not in patches:
         pytest.skip("Horovod built without tfhybrid's patches")
-    assert hostcheck.RECEIVE_FIRST in patches
+    assert hostcheck.RECEIVE_FIRST in patches and hostcheck.YIELD_BUSY_PAIR in patches

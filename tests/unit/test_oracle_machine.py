@@ -333,30 +333,53 @@ def test_a_calibrated_p2p_kind_prices_the_transfers_one_way():
     assert cal.fit_kind_costs(rows)["p2p"]["beta"] == pytest.approx(3.5e-9)
 
 
-def test_streamed_p2p_pays_the_fixed_cost_the_links_burst_hides(tmp_path):
-    """Calibration times transfers alone; on a link with a burst the small ones are
-    free and the line's intercept is 0. A pipeline's transfers follow one another:
-    they pay the smallest message's time less its bytes, the line's beta per byte."""
+def test_a_links_burst_is_fitted_and_streamed_p2p_pays_it_all(tmp_path):
+    """A link that lets a burst through carries the first bytes of a lone
+    collective free: calibration fits the burst beside latency and beta, small
+    collectives pay the fixed cost only, and a pipeline's transfers, which
+    follow one another, pay every byte and the smallest message's time less
+    its bytes as fixed cost."""
     beta, burst = 8e-8, 30_000
-    rows = [("p2p", 2, nb, 1e-3 + beta * max(nb - burst, 0))
-            for nb in (4096, 11024, 29672, 79888, 215040, 578856, 1558176, 4194304)]
+    sizes = (4096, 11024, 29672, 79888, 215040, 578856, 1558176, 4194304)
+    rows = [("p2p", 2, nb, 1e-3 + beta * max(nb - burst, 0)) for nb in sizes]
     cost = cal.fit_kind_costs(rows)["p2p"]
-    assert cost["latency"] < 2e-4                       # the line hides the fixed cost
+    assert cost["burst_bytes"] == 29672                  # the largest size timed below it
+    assert cost["latency"] == pytest.approx(1e-3, rel=0.05)
+    assert cost["beta"] == pytest.approx(beta, rel=0.01)
     assert cost["stream_latency"] == pytest.approx(1e-3 - 4096 * cost["beta"])
     m = _kinds_machine()
     tier = m.to_dict()["tiers"][0]
     tier["collectives"]["p2p"] = cost
     m = Machine.from_dict(dict(m.to_dict(), tiers=[tier]))
-    assert m.t_p2p(32768, streamed=True) - m.t_p2p(32768) == pytest.approx(
-        cost["stream_latency"] - cost["latency"])
-    assert m.t_neighbours(2, 32768, kind="p2p") == m.t_p2p(32768)     # ls: one at a time
+    assert m.t_p2p(16384) == pytest.approx(cost["latency"])          # within the burst
+    assert m.t_p2p(1e6) == pytest.approx(cost["latency"] + (1e6 - 29672) * cost["beta"])
+    assert m.t_p2p(16384, streamed=True) == pytest.approx(
+        cost["stream_latency"] + 16384 * cost["beta"])
+    assert m.t_neighbours(2, 16384, kind="p2p") == m.t_p2p(16384)     # ls: one at a time
     path = tmp_path / "m.json"
     path.write_text(json.dumps(m.to_dict()))
     assert Machine.load(path) == m
-    # without a burst the smallest message pays its bytes: the line's own latency
-    rows = [("p2p", 2, nb, 1e-3 + beta * nb) for nb in (4096, 79888, 4194304)]
+    # without a burst the fit is the line, and the smallest message pays its bytes
+    rows = [("p2p", 2, nb, 1e-3 + beta * nb) for nb in sizes]
     cost = cal.fit_kind_costs(rows)["p2p"]
-    assert cost["stream_latency"] == pytest.approx(cost["latency"]) == pytest.approx(1e-3)
+    assert cost["burst_bytes"] == 0.0
+    assert cost["stream_latency"] == pytest.approx(cost["latency"], rel=1e-6)
+    assert cost["latency"] == pytest.approx(1e-3)
+
+
+def test_every_kind_pays_beta_beyond_its_burst_only():
+    m = Machine(alpha=0.0, beta=1e-9, flop_rate=1.0, collectives={
+        k: {"latency": 1e-3, "alpha": 0.0, "beta": 1e-8, "burst_bytes": 1e4}
+        for k in ("allreduce", "allgather", "alltoall", "broadcast")})
+    assert m.t_allreduce(2, 1e4) == pytest.approx(1e-3)             # sends 1e4 in all
+    assert m.t_allreduce(2, 3e4) == pytest.approx(1e-3 + 2e4 * 1e-8)
+    assert m.t_allgather(2, 3e4) == pytest.approx(1e-3 + 2e4 * 1e-8)
+    assert m.t_alltoall(2, 6e4) == pytest.approx(1e-3 + 2e4 * 1e-8)
+    assert m.t_neighbours(2, 3e4) == pytest.approx(1e-3 + 2e4 * 1e-8)
+    assert m.t_broadcast(2, 3e4) == pytest.approx(1e-3 + 2e4 * 1e-8)
+    with pytest.raises(ValueError, match="burst_bytes"):
+        Machine(alpha=0.0, beta=1e-9, flop_rate=1.0,
+                collectives={"p2p": {"latency": 0, "alpha": 0, "beta": 0, "burst": 1}})
 
 
 def test_a_pipeline_of_micro_batches_pays_the_stream_latency():
@@ -436,7 +459,8 @@ def test_weighted_fit_keeps_small_messages_priced():
     """Large messages must not set the latency alone (weights 1/sqrt(seconds))."""
     rows = [("allreduce", 2, m, 3e-3 + m * 8e-8) for m in (4096, 16384, 65536)]
     rows += [("allreduce", 2, 4 << 20, 1.2 * (3e-3 + (4 << 20) * 8e-8))]   # one slow large one
-    lat, _, beta = cal.fit_kind_costs(rows)["allreduce"].values()
+    cost = cal.fit_kind_costs(rows)["allreduce"]
+    lat = cost["latency"]
     assert lat == pytest.approx(3e-3, rel=0.15)
 
 

@@ -35,18 +35,22 @@ pipeline's and the layer separation's): tfhybrid sends it as an alltoall
 too, but only one direction of the link carries data; without a ``p2p``
 entry the alltoall's serves.
 
-Streamed transfers. A kind's line is fitted to collectives timed one at a
-time on an idle link, as a step issues them with compute between. A link
-that lets a short burst through at once (a switch's buffer, the token
-bucket of a shaped test link) carries small messages at no cost there, and
-the line's intercept then hides the fixed cost. A pipeline's micro-batches
-follow one another on the link, each paying that fixed cost and every byte
-(at 100 Mbit/s between two test hosts, 32 micro-batches of 32 KB took 227 ms
-a step, where the line's zero intercept predicted 170 and each transfer paid
-0.9 ms more). An entry may therefore carry ``stream_latency``: the fixed
-cost of a transfer that follows another, which ``t_p2p(..., streamed=True)``
-uses instead of ``latency``; calibration sets it for ``p2p`` to the smallest
-message's time less its bytes at the kind's beta (at least ``latency``).
+Bursts and streamed transfers. A kind's costs are fitted to collectives
+timed one at a time on an idle link, as a step issues them with compute
+between. A link that lets a short burst through at once (a switch's buffer,
+the token bucket of a shaped test link) carries the first bytes of such a
+collective at no cost: between two test hosts shaped to 100 Mbit/s every
+kind took 1.2-1.3 ms from 4 to 30 KB, then 80 ns a byte. An entry may
+therefore carry ``burst_bytes``: the bytes one rank sends that cost no
+beta; a collective pays ``beta`` only for the bytes beyond it (calibration
+fits it with latency and beta, 0 where the link has no burst). A pipeline's
+micro-batches follow one another on the link, the burst is spent, and each
+pays the fixed cost and every byte (32 micro-batches of 32 KB took 227 ms a
+step where free fixed costs predicted 170). An entry may also carry
+``stream_latency``: the fixed cost of a transfer that follows another, which
+``t_p2p(..., streamed=True)`` uses instead of ``latency``, without the
+burst; calibration sets it for ``p2p`` to the smallest message's time less
+its bytes at the kind's beta (at least 0).
 
 Approximations (what this model ignores): the collective algorithm switch
 (tree for small messages), link topology other than through tiers, external
@@ -72,7 +76,7 @@ from typing import Any, Mapping
 
 COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall", "broadcast", "p2p")
 _COST_KEYS = ("latency", "alpha", "beta")
-_OPTIONAL_COST_KEYS = ("stream_latency",)
+_OPTIONAL_COST_KEYS = ("stream_latency", "burst_bytes")
 
 _NUMBER_FIELDS = ("alpha", "beta", "latency", "flop_rate", "memory_bytes", "phi", "gamma",
                   "bytes_per_item", "step_overhead_s", "compute_slots", "wu_flops_per_param",
@@ -332,19 +336,34 @@ class Machine:
             return p
         return span
 
+    def _entry(self, span, kind):
+        """The tier holding a group of span ``span`` and its ``collectives[kind]``
+        (None: not calibrated; p2p falls back to the alltoall's)."""
+        owner = next((t for t in self.tiers if span <= t.max_ranks), self)
+        table = owner.collectives or {}
+        own = table.get(kind, table.get("alltoall") if kind == "p2p" else None) if kind \
+            else None
+        return owner, own
+
     def _tier(self, span, kind=None, streamed=False):
         """(latency, alpha, beta) of collective ``kind`` (None: the generic
         numbers) for a group of span ``span``: the first tier holding it, its
         ``collectives[kind]`` when calibrated, else the tier's own numbers;
         ``streamed``: the entry's ``stream_latency`` when it has one."""
-        owner = next((t for t in self.tiers if span <= t.max_ranks), self)
-        table = owner.collectives or {}
-        own = table.get(kind, table.get("alltoall") if kind == "p2p" else None) if kind \
-            else None
+        owner, own = self._entry(span, kind)
         if own is not None:
             lat = own.get("stream_latency", own["latency"]) if streamed else own["latency"]
             return lat, own["alpha"], own["beta"]
         return owner.latency, owner.alpha, owner.beta
+
+    def _cost(self, span, kind, messages, nbytes, streamed=False):
+        """lambda + ``messages`` alpha + beta x the ``nbytes`` one rank sends beyond
+        the kind's ``burst_bytes`` (none when ``streamed``: the transfer follows
+        another, the burst is spent)."""
+        lat, a, b = self._tier(span, kind, streamed)
+        own = self._entry(span, kind)[1]
+        burst = 0.0 if streamed or own is None else own.get("burst_bytes", 0.0)
+        return lat + messages * a + max(nbytes - burst, 0.0) * b
 
     def collective_cost(self, kind: str, span: int) -> tuple:
         """(latency, alpha, beta) a collective of ``kind`` pays in a group of
@@ -373,8 +392,7 @@ class Machine:
             >>> m.t_p2p(1e5), m.t_p2p(1e5, streamed=True)
             (0.001, 0.002)
         """
-        lat, a, b = self._tier(span, "p2p", streamed)
-        return lat + a + nbytes * b
+        return self._cost(span, "p2p", 1, nbytes, streamed)
 
     def t_allreduce(self, p: int, nbytes: float, span: int | None = None, phi: float = 1.0):
         """Ring allreduce of ``nbytes`` over ``p`` ranks: 2(p-1)(alpha + m/p beta phi).
@@ -383,37 +401,34 @@ class Machine:
         """
         if p <= 1 or nbytes <= 0:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span), "allreduce")
-        return lat + 2 * (p - 1) * (a + nbytes / p * b * phi)
+        return self._cost(self._span(p, span), "allreduce", 2 * (p - 1),
+                          2 * (p - 1) * nbytes / p * phi)
 
     def t_allgather(self, p: int, nbytes_per_rank: float, span: int | None = None):
         """Ring allgather, ``nbytes_per_rank`` from each rank: (p-1)(alpha + m beta)."""
         if p <= 1:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span), "allgather")
-        return lat + (p - 1) * (a + nbytes_per_rank * b)
+        return self._cost(self._span(p, span), "allgather", p - 1, (p - 1) * nbytes_per_rank)
 
     def t_reducescatter(self, p: int, nbytes: float, span: int | None = None):
         """Ring reduce-scatter of ``nbytes`` (result m/p per rank): (p-1)(alpha + m/p beta)."""
         if p <= 1:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span), "alltoall")
-        return lat + (p - 1) * (a + nbytes / p * b)
+        return self._cost(self._span(p, span), "alltoall", p - 1, (p - 1) * nbytes / p)
 
     def t_broadcast(self, p: int, nbytes: float, span: int | None = None):
         """Binomial-tree broadcast of ``nbytes`` from one rank: ceil(log2 p)(alpha + m beta)."""
         if p <= 1 or nbytes <= 0:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span), "broadcast")
-        return lat + math.ceil(math.log2(p)) * (a + nbytes * b)
+        steps = math.ceil(math.log2(p))
+        return self._cost(self._span(p, span), "broadcast", steps, steps * nbytes)
 
     def t_reduce(self, p: int, nbytes: float, span: int | None = None):
         """Direct rooted reduce of ``nbytes``: the root receives p-1 copies (tfhybrid's
         ``comm.broadcast`` backward, one alltoall): (p-1)(alpha + m beta)."""
         if p <= 1 or nbytes <= 0:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span), "alltoall")
-        return lat + (p - 1) * (a + nbytes * b)
+        return self._cost(self._span(p, span), "alltoall", p - 1, (p - 1) * nbytes)
 
     def t_neighbours(self, p: int, nbytes_sent: float, span: int | None = None,
                      kind: str = "alltoall"):
@@ -429,8 +444,7 @@ class Machine:
         """
         if p <= 1:
             return 0.0
-        lat, a, b = self._tier(self._span(p, span), kind)
-        return lat + (p - 1) * a + nbytes_sent * b
+        return self._cost(self._span(p, span), kind, p - 1, nbytes_sent)
 
     def t_alltoall(self, p: int, nbytes: float, span: int | None = None):
         """Pairwise all-to-all of ``nbytes`` per rank: (p-1)(alpha + m/p beta)."""
@@ -484,7 +498,7 @@ def _check_collectives(table, where) -> dict | None:
                 or set(cost) - set(_COST_KEYS) - set(_OPTIONAL_COST_KEYS):
             raise ValueError(f"`{where}[{kind!r}]`={cost!r}; expected the keys "
                              f"{_COST_KEYS} (seconds, seconds, seconds per byte) and "
-                             f"optionally {_OPTIONAL_COST_KEYS} (seconds).")
+                             f"optionally {_OPTIONAL_COST_KEYS} (seconds, bytes).")
         keys = [k for k in (*_COST_KEYS, *_OPTIONAL_COST_KEYS) if k in cost]
         for key in keys:
             _check_number(f"{where}[{kind!r}].{key}", cost[key])

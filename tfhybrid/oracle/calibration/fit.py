@@ -541,11 +541,12 @@ def repetitions(nbytes, reps):
     :data:`SMALL_MESSAGE_BYTES` (4 KiB: 8x, 16 KiB: 4x, 32 KiB: 2x).
 
     A small collective takes about a millisecond, so ``reps`` of them span a few
-    tens of milliseconds, and a disturbance of the shared machine that long moves
-    their median (between two test hosts at 100 Mbit/s, a 4 KB alltoall's median
-    of 20 read 4.8 ms in one calibration, 1.3 ms in the next). The fixed
-    costs the oracle fits come from these sizes, and halos and a pipeline's
-    transfers are made of them; more timings cost little.
+    tens of milliseconds, and a disturbance that long moves their median (with a
+    Gloo whose small collectives waited 2-8 ms one time in three,
+    ``patches/horovod/0102-gloo-yield-to-busy-pair.patch``, a 4 KB alltoall's
+    median of 20 read 4.8 ms in one calibration and 1.3 ms in another). The
+    fixed costs and bursts the oracle fits come from these sizes, and halos and
+    a pipeline's transfers are made of them; more timings cost little.
 
     Example:
         >>> [repetitions(n, 5) for n in (4096, 16384, 32768, 1 << 20)]

@@ -131,8 +131,10 @@ class Machine:
             collective's ring cost; used for groups beyond every tier.
         collectives: Optional ``{kind: {"latency": s, "alpha": s, "beta":
             s/B}}`` per collective kind (``allreduce``, ``allgather``,
-            ``alltoall``, ``broadcast``) for groups beyond every tier; a kind
-            not listed uses latency/alpha/beta. Tiers may carry their own.
+            ``alltoall``, ``broadcast``, ``p2p``) for groups beyond every tier,
+            optionally with ``burst_bytes`` and ``stream_latency`` (module
+            docstring); a kind not listed uses latency/alpha/beta. Tiers may
+            carry their own.
         tiers: Optional alpha/beta by group span, sorted by ``max_ranks``.
         flop_rate: Sustained FLOP/s of one rank (needed unless ``layer_times``
             covers every layer).

@@ -501,3 +501,16 @@ def test_interleaved_timings_keep_the_best_the_median_or_the_trimmed_mean(monkey
         cal.times_interleaved([fn], 3, stat="worst")
     with pytest.raises(ValueError, match="no times"):
         cal.trimmed_mean([])
+
+
+def test_fit_burst_keeps_a_plain_line_where_no_burst_fits_better():
+    """Noise of a few percent on a line must not invent a burst (a burst is only
+    taken where it fits 1% better), and one size cannot be fitted."""
+    sizes = [4e3, 1e4, 3e4, 8e4, 2e5, 6e5, 1.6e6, 4e6]
+    noise = [1.02, 0.98, 1.01, 0.99, 1.02, 0.99, 1.01, 1.0]
+    t = [(1e-3 + 8e-8 * n) * f for n, f in zip(sizes, noise)]
+    lat, beta, burst = cal.fit_burst(sizes, t)
+    assert burst == 0.0
+    assert lat == pytest.approx(1e-3, rel=0.1) and beta == pytest.approx(8e-8, rel=0.02)
+    with pytest.raises(ValueError, match="at least two sizes"):
+        cal.fit_burst([4e3, 4e3], [1e-3, 1e-3])

@@ -96,8 +96,7 @@ def test_a_multi_host_job_without_the_receive_first_patch_is_warned(env, patches
     message = hostcheck.slow_link_warning(env, patches)
     assert (message is not None) == warned
     if warned:
-        missing = [p for p in (hostcheck.RECEIVE_FIRST, hostcheck.YIELD_BUSY_PAIR)
-                   if p not in patches]
+        missing = [p for p in hostcheck.LINK_PATCHES if p not in patches]
         assert all(p in message for p in missing) and "h2" in message and "make env" in message
 
 

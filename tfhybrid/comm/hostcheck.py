@@ -30,6 +30,7 @@ import socket
 PATCH = "0100-gloo-process-set-interface"
 RECEIVE_FIRST = "0101-gloo-receive-before-send"   # both directions of a link at once
 YIELD_BUSY_PAIR = "0102-gloo-yield-to-busy-pair"   # no spinning on a rank's one core
+LINK_PATCHES = (RECEIVE_FIRST, YIELD_BUSY_PAIR)   # what slow_link_warning asks for
 
 
 def horovod_patches() -> tuple:
@@ -119,7 +120,7 @@ def slow_link_warning(env=None, patches=None):
     if not multi_host(env) or env.get("HOROVOD_LOCAL_RANK", "0") != "0":
         return None
     patches = horovod_patches() if patches is None else patches
-    missing = [p for p in (RECEIVE_FIRST, YIELD_BUSY_PAIR) if p not in patches]
+    missing = [p for p in LINK_PATCHES if p not in patches]
     if not missing:
         return None
     costs = {RECEIVE_FIRST: "its Gloo allgathers and alltoalls (the c, s, ds and gmp layers', "

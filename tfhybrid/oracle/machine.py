@@ -347,23 +347,28 @@ class Machine:
             else None
         return owner, own
 
+    @staticmethod
+    def _numbers(owner, own, streamed):
+        """(latency, alpha, beta) of a tier's entry ``own`` (None: the tier's own
+        numbers); ``streamed``: the entry's ``stream_latency`` when it has one."""
+        if own is None:
+            return owner.latency, owner.alpha, owner.beta
+        lat = own.get("stream_latency", own["latency"]) if streamed else own["latency"]
+        return lat, own["alpha"], own["beta"]
+
     def _tier(self, span, kind=None, streamed=False):
         """(latency, alpha, beta) of collective ``kind`` (None: the generic
         numbers) for a group of span ``span``: the first tier holding it, its
         ``collectives[kind]`` when calibrated, else the tier's own numbers;
         ``streamed``: the entry's ``stream_latency`` when it has one."""
-        owner, own = self._entry(span, kind)
-        if own is not None:
-            lat = own.get("stream_latency", own["latency"]) if streamed else own["latency"]
-            return lat, own["alpha"], own["beta"]
-        return owner.latency, owner.alpha, owner.beta
+        return self._numbers(*self._entry(span, kind), streamed)
 
     def _cost(self, span, kind, messages, nbytes, streamed=False):
         """lambda + ``messages`` alpha + beta x the ``nbytes`` one rank sends beyond
         the kind's ``burst_bytes`` (none when ``streamed``: the transfer follows
         another, the burst is spent)."""
-        lat, a, b = self._tier(span, kind, streamed)
-        own = self._entry(span, kind)[1]
+        owner, own = self._entry(span, kind)
+        lat, a, b = self._numbers(owner, own, streamed)
         burst = 0.0 if streamed or own is None else own.get("burst_bytes", 0.0)
         return lat + messages * a + max(nbytes - burst, 0.0) * b
 
